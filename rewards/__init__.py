@@ -1,0 +1,12 @@
+"""Built-in verifiable rewards with TRL's signature.
+
+Each is ``fn(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]``;
+dataset columns and the reward's YAML kwargs arrive as keyword arguments, and
+``None`` means "no opinion". Importing this package is cheap: worker processes
+start on first use. See docs/rewards.md.
+"""
+
+from .format import overlong_penalty, think_format
+from .math_answer import math_accuracy
+
+__all__ = ["math_accuracy", "think_format", "overlong_penalty"]
