@@ -122,8 +122,10 @@ def test_memory_bomb_fails_fast():
 
 
 def test_slow_memory_growth_hits_the_limit():
-    result = run_hostile("chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))\n")
+    limits = Limits(wall_seconds=10.0, memory_bytes=256 * 2**20)  # filling 1 GiB takes seconds here
+    result = run_hostile("chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))\n", limits=limits)
     assert b"MemoryError" in result.stderr
+    assert not result.timed_out
 
 
 def test_disk_filling_write_is_stopped(tmp_path):
