@@ -1,0 +1,314 @@
+"""The one configuration tree: YAML maps 1:1 onto these pydantic models.
+
+Every key has a type, a default and a one-line description (the README's config
+reference is generated from them). Unknown keys, wrong types and impossible
+combinations fail at load time with the key's dotted path and, for a misspelt
+key, the nearest valid one.
+
+Command-line overrides are dotted paths (`train.max_steps=50`,
+`rewards.0.weight=2`); values are parsed as YAML scalars, so `true`, `3e-6` and
+`[jsonl, tensorboard]` mean what they look like.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+
+class _Section(BaseModel):
+    """Strict base: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(
+        "builtin:tiny",
+        description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package builds.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype of the policy (and reference) model."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
+    logprob_chunk_size: int = Field(
+        1024,
+        gt=0,
+        description="Completion tokens per chunk when computing log-probs, so full-vocabulary fp32 logits are never held at once.",
+    )
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "builtin:arithmetic",
+        description="`builtin:arithmetic`, a local .json/.jsonl/.parquet/.csv file, or a Hugging Face dataset id.",
+    )
+    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
+    split: str = Field("train", description="Split to train on.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
+    answer_column: str = Field(
+        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name."
+    )
+    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).")
+    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.")
+    max_prompt_length: int | None = Field(
+        None, gt=0, description="Prompts longer than this many tokens are an error (None: the model's context decides)."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by `seed`).")
+    num_samples: int | None = Field(
+        None, gt=0, description="Use only the first N records (after loading, before shuffling)."
+    )
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="Sampling engine: `hf` (transformers generate).")
+    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
+    max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    batch_size: int = Field(
+        0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
+    )
+
+
+class RewardConfig(_Section):
+    name: str = Field(
+        ...,
+        description="A built-in reward (`math_accuracy`, `think_format`, `code_tests`, `overlong_penalty`), `path/to/file.py:function` or `package.module:function`.",
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the sum that forms the scalar reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward on every call.")
+    alias: str | None = Field(None, description="Name used in metrics (default: the function's name).")
+
+
+class LossConfig(_Section):
+    type: LossType = Field(
+        "grpo",
+        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see README: loss family).",
+    )
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded).")
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range: ratios below 1 - epsilon_low are clipped.")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="Upper clip range (DAPO clip-higher); None means equal to epsilon_low."
+    )
+    delta: float | None = Field(
+        None, gt=1, description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off)."
+    )
+    scale_rewards: ScaleRewards = Field(
+        "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions that hit max_completion_length out of the loss (DAPO)."
+    )
+
+    @property
+    def epsilon_high_value(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(
+        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it."
+    )
+    prompts_per_step: int = Field(
+        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions."
+    )
+    micro_batch_size: int = Field(
+        16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
+    )
+    num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate shape after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup over this many optimizer steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: no clipping).")
+
+
+class CheckpointConfig(_Section):
+    save_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
+    resume: str = Field(
+        "auto", description="`auto` (newest complete checkpoint in output_dir, if any), `never`, or a checkpoint path."
+    )
+    keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
+    save_final_model: bool = Field(True, description="Write the trained model with save_pretrained to OUTPUT_DIR/model.")
+
+
+class LoggingConfig(_Section):
+    log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
+    report_to: list[Literal["jsonl"]] = Field(
+        default_factory=lambda: ["jsonl"], description="Metric sinks; `jsonl` (OUTPUT_DIR/metrics.jsonl) is always on."
+    )
+    progress_bar: bool = Field(True, description="Show a live progress bar on the main process.")
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Console log level.")
+
+
+class Config(_Section):
+    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
+    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Group sampling.")
+    rewards: list[RewardConfig] = Field(
+        default_factory=lambda: [RewardConfig(name="math_accuracy")],
+        description="Rewards summed (with weights) into the scalar reward.",
+    )
+    loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss and advantages.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        completions = self.train.prompts_per_step * self.rollout.num_generations
+        if self.train.micro_batch_size > completions:
+            raise ValueError(
+                f"train.micro_batch_size ({self.train.micro_batch_size}) is larger than the completions per step "
+                f"(train.prompts_per_step x rollout.num_generations = {completions})"
+            )
+        if completions % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide the completions per step "
+                f"(train.prompts_per_step x rollout.num_generations = {completions})"
+            )
+        if self.loss.delta is not None and self.loss.delta <= 1 + self.loss.epsilon_high_value:
+            raise ValueError(
+                f"loss.delta ({self.loss.delta}) must be larger than 1 + epsilon_high ({1 + self.loss.epsilon_high_value}), "
+                "or the dual clip would cut into the clip range"
+            )
+        if self.train.warmup_steps >= self.train.max_steps * self.train.num_iterations and self.train.warmup_steps:
+            raise ValueError(
+                f"train.warmup_steps ({self.train.warmup_steps}) must be smaller than the number of optimizer steps "
+                f"({self.train.max_steps * self.train.num_iterations})"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (or the defaults when `path` is None), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(loaded).__name__}")
+        data = loaded
+    for override in overrides:
+        apply_override(data, override)
+    return config_from_dict(data, source=str(path) if path else "<defaults>")
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid configuration\n" + _explain(exc)) from None
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict; list items are addressed by index (`rewards.0.weight=2`)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. train.max_steps=50")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        node = _child(node, part, parts[: i + 1], create=not parts[i + 1].isdigit())
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(node, last, parts)] = value
+    else:
+        node[last] = value
+
+
+def _child(node: Any, part: str, path: list[str], create: bool) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, path)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:-1])} is not a section")
+    if part not in node or node[part] is None:
+        if part == "rewards" and not create:
+            # Overriding an item of the default reward list starts from the default list.
+            node[part] = [r.model_dump() for r in Config().rewards]
+        else:
+            node[part] = {} if create else []
+    return node[part]
+
+
+def _index(node: list, part: str, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override {'.'.join(path)}: no list item {part} (the list has {len(node)} items)")
+    return int(part)
+
+
+# ----------------------------------------------------------------------------- error messages
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        path = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            valid = _valid_keys(loc[:-1])
+            hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+            msg = f"  {path}: unknown key"
+            msg += f"; did you mean '{'.'.join(loc[:-1] + hint)}'?" if hint else f"; valid keys here: {', '.join(valid)}"
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+            given = err.get("input")
+            shown = "" if isinstance(given, dict) or err["type"] == "missing" else f" (got {given!r})"
+            msg = f"  {path}: {message}{shown}"
+        lines.append(msg)
+    return "\n".join(lines)
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    """The field names of the section at `loc` (list indices are skipped)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", (annotation,))
+        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)

@@ -1,0 +1,131 @@
+"""The GRPO loss family as pure functions of tensors.
+
+Shapes: B completions in a micro-batch, T completion tokens (padded);
+`mask` [B, T] is 1 on real completion tokens. Log-probs are per token, fp32.
+
+Two steps, kept apart because that is where the variants differ:
+1. `token_loss`: the per-token surrogate (ratio, clipping, optional KL).
+2. `aggregate`: how token losses become one number. This is where the length
+   bias lives, and it is fed totals over the *whole generation batch* (all
+   micro-batches, all ranks), so splitting a batch differently does not change
+   the loss (except `bnpo`, which is defined per micro-batch).
+
+Deliberately not here: no config objects, no model calls, no distributed code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo")
+SEQUENCE_MEAN_TYPES = ("grpo", "gspo")
+GLOBAL_TOKEN_MEAN_TYPES = ("dapo", "cispo")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref), per token: exp(d) - d - 1 with d = ref - logp.
+
+    Unbiased and always >= 0 (J. Schulman, "Approximating KL Divergence", 2020); used by GRPO (Shao et al. 2024, eq. 4).
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss [B, T] (padding included; `aggregate` masks it) and clipping counts.
+
+    advantages: [B], one per completion. Returned metrics are *sums over real tokens*
+    (`clip_low`, `clip_high`, `clip_region`, and `kl` when beta > 0) so that callers can add
+    them across micro-batches and ranks, then divide by the token count.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    adv = advantages[:, None]  # [B, 1]
+    log_ratio = logp - old_logp  # [B, T]
+
+    if loss_type == "cispo":
+        # MiniMax-M1 (2025), eq. 4: -sg(clip(r, max=1+eps_high)) * A * log pi_theta.
+        # The weight is detached, so every token keeps a gradient: none is dropped by clipping.
+        ratio = torch.exp(log_ratio)
+        weight = ratio.clamp(max=1 + epsilon_high).detach()
+        loss = -weight * adv * logp
+        clip_low = torch.zeros_like(ratio, dtype=torch.bool)
+        clip_high = (ratio > 1 + epsilon_high) & (adv > 0)
+    else:
+        if loss_type == "gspo":
+            # GSPO (Zheng et al. 2025, eq. 7): s_i = exp(mean_t(log pi_theta - log pi_old)), one ratio per sequence.
+            lengths = mask.sum(1).clamp(min=1)
+            seq_log_ratio = masked_sum(log_ratio, mask, dim=1) / lengths  # [B]
+            ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)  # [B, T], constant along each sequence
+        else:
+            ratio = torch.exp(log_ratio)
+        # PPO clipped surrogate (Schulman et al. 2017, eq. 7) with DAPO's decoupled clip-higher range
+        # (Yu et al. 2025, eq. 10): -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A).
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv
+        loss = -torch.min(unclipped, clipped)
+        clip_low = (ratio < 1 - epsilon_low) & (adv < 0)
+        clip_high = (ratio > 1 + epsilon_high) & (adv > 0)
+        if delta is not None:
+            # Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for A < 0 the
+            # loss is bounded by -delta*A, so one huge ratio cannot blow up the update.
+            loss = torch.where(adv < 0, torch.min(loss, -delta * adv), loss)
+
+    metrics = {
+        "clip_low": masked_sum(clip_low.float(), mask).detach(),
+        "clip_high": masked_sum(clip_high.float(), mask).detach(),
+        "clip_region": masked_sum((clip_low | clip_high).float(), mask).detach(),
+    }
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        kl = kl_k3(logp, ref_logp)
+        loss = loss + beta * kl
+        metrics["kl"] = masked_sum(kl, mask).detach()
+    return loss, metrics
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    total_sequences: int,
+    total_tokens: int | float,
+    max_completion_length: int,
+    total_micro_batches: int,
+) -> torch.Tensor:
+    """This micro-batch's share of the generation-batch loss.
+
+    Summing the shares over all micro-batches on all ranks gives the loss of the
+    whole batch; `total_*` are counts over that whole batch (all ranks).
+      grpo, gspo: mean over sequences of each sequence's token mean (Shao et al. 2024, eq. 3)
+      bnpo:       token mean within the micro-batch, then mean over micro-batches (Xiao et al. 2025)
+      dr_grpo:    token sum / (sequences x max_completion_length) (Liu et al. 2025, Dr. GRPO, eq. 7)
+      dapo, cispo: token sum / tokens of the whole batch (Yu et al. 2025, DAPO, eq. 12; MiniMax-M1 eq. 4)
+    """
+    if loss_type in SEQUENCE_MEAN_TYPES:
+        per_sequence = masked_sum(loss, mask, dim=1) / mask.sum(1).clamp(min=1)
+        return per_sequence.sum() / total_sequences
+    if loss_type == "bnpo":
+        return masked_sum(loss, mask) / mask.sum().clamp(min=1) / total_micro_batches
+    if loss_type == "dr_grpo":
+        return masked_sum(loss, mask) / (total_sequences * max_completion_length)
+    if loss_type in GLOBAL_TOKEN_MEAN_TYPES:
+        return masked_sum(loss, mask) / max(total_tokens, 1)
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")

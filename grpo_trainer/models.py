@@ -1,0 +1,120 @@
+"""Loading the policy, reference and tokenizer, and per-token log-probabilities.
+
+`TokenLogprobs` wraps a causal LM so that its forward returns the log-prob of
+each completion token (and optionally the entropy) instead of logits. It is the
+module handed to `accelerator.prepare`, so DDP/FSDP/DeepSpeed see an ordinary
+forward, while the full-vocabulary fp32 logits are only ever built for
+`chunk_size` tokens at a time, and never for prompt positions.
+
+Batches are laid out as left-padded prompts followed by right-padded
+completions, with explicit position ids, the layout `generate` uses, so
+the log-probs of training match those of sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .tiny import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def load_causal_lm(cfg: ModelConfig):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+    )
+    model.config.use_cache = False  # training forwards never need the KV cache
+    return model
+
+
+def context_length(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+class TokenLogprobs(nn.Module):
+    """A causal LM whose forward gives per-token log-probs of the completion tokens.
+
+    forward(input_ids [B, P + C], attention_mask [B, P + C], num_completion_tokens=C)
+      -> logprobs [B, C] (fp32), entropy [B, C] or None
+    Tokens are scored at `temperature`, the sampling temperature, so that
+    pi_theta here is the distribution the completions were drawn from.
+    """
+
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        # FSDP's auto-wrap looks for the transformer block classes on the module it is given.
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        hidden = base.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        # The state at position t predicts token t + 1: keep the C states that predict completion tokens.
+        hidden = hidden[:, -num_completion_tokens - 1 : -1]  # [B, C, H]
+        targets = input_ids[:, -num_completion_tokens:]  # [B, C]
+        head = base.get_output_embeddings()
+        logps, entropies = [], []
+        for start in range(0, num_completion_tokens, self.chunk_size):
+            stop = start + self.chunk_size
+            logits = head(hidden[:, start:stop]).float() / self.temperature  # [B, c, V]
+            logp_all = logits.log_softmax(-1)
+            logps.append(logp_all.gather(-1, targets[:, start:stop, None]).squeeze(-1))
+            if with_entropy:
+                with torch.no_grad():
+                    entropies.append(-(logp_all.exp() * logp_all).sum(-1))
+        return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
+
+
+@dataclass
+class SequenceBatch:
+    """Prompt + completion token ids laid out for one forward pass."""
+
+    input_ids: torch.Tensor  # [B, P + C]
+    attention_mask: torch.Tensor  # [B, P + C]
+    completion_mask: torch.Tensor  # [B, C] 1 for real completion tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def make_sequence_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SequenceBatch:
+    """Left-pad prompts and right-pad completions to the longest of this batch, then concatenate."""
+    p_len = max(len(p) for p in prompts)
+    c_len = max(max(len(c) for c in completions), 1)
+    rows, masks, cmasks = [], [], []
+    for p, c in zip(prompts, completions):
+        rows.append([pad_id] * (p_len - len(p)) + p + c + [pad_id] * (c_len - len(c)))
+        masks.append([0] * (p_len - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_len - len(c)))
+        cmasks.append([1] * len(c) + [0] * (c_len - len(c)))
+    return SequenceBatch(
+        input_ids=torch.tensor(rows, dtype=torch.long),
+        attention_mask=torch.tensor(masks, dtype=torch.long),
+        completion_mask=torch.tensor(cmasks, dtype=torch.float32),
+    )

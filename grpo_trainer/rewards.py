@@ -1,0 +1,257 @@
+"""Resolve, call and check reward functions.
+
+A reward is a plain function with TRL's signature,
+`fn(prompts, completions, completion_ids=None, **columns) -> list[float | None]`,
+so a reward written for TRL works here unchanged. It is named in YAML as a
+built-in (`math_accuracy`), `path/to/file.py:function` or
+`package.module:function`, with `kwargs` passed on every call. A function that
+takes no `**kwargs` is given only the arguments it names. `async def` rewards
+run concurrently. Built-ins may also accept `log_metric(name, value)` to report
+counters, logged as `rewards/<name>/<metric>`.
+
+Everything a reward can get wrong (import, signature, exception, wrong length,
+non-numbers) stops the run with a RewardError naming the reward and the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .config import RewardConfig
+from .errors import RewardError
+
+BUILTIN_REWARDS = {
+    "math_accuracy": "rewards.math_answer:math_accuracy",
+    "think_format": "rewards.format:think_format",
+    "overlong_penalty": "rewards.format:overlong_penalty",
+    "code_tests": "rewards.code_tests:code_tests",
+}
+STANDARD_ARGS = ("prompts", "completions", "completion_ids")
+
+
+@dataclass
+class Reward:
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    def arguments(self, available: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments this function can take, out of everything on offer."""
+        params = inspect.signature(self.fn).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return available
+        chosen = {k: v for k, v in available.items() if k in params}
+        missing = [
+            n
+            for n, p in params.items()
+            if n not in chosen
+            and p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        if missing:
+            offered = sorted(k for k in available if k != "log_metric")
+            raise RewardError(
+                f"reward '{self.name}': its parameter '{missing[0]}' is neither a dataset column nor a kwarg "
+                f"(available: {', '.join(offered)})"
+            )
+        return chosen
+
+
+def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
+    rewards = []
+    for i, cfg in enumerate(configs):
+        fn = resolve_reward(cfg.name, where=f"rewards.{i}.name")
+        name = cfg.alias or (cfg.name if cfg.name in BUILTIN_REWARDS else getattr(fn, "__name__", cfg.name))
+        params = inspect.signature(fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for key in cfg.kwargs:
+            if key in STANDARD_ARGS:
+                raise RewardError(f"rewards.{i}.kwargs.{key}: '{key}' is passed by the trainer and cannot be set")
+            if not takes_any and key not in params:
+                raise RewardError(f"rewards.{i}.kwargs.{key}: reward '{name}' has no parameter '{key}'")
+        rewards.append(Reward(name=name, fn=fn, weight=cfg.weight, kwargs=dict(cfg.kwargs)))
+    names = [r.name for r in rewards]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        raise RewardError(f"rewards: two rewards are named '{duplicate}'; give one an `alias`")
+    return rewards
+
+
+def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
+    """`math_accuracy` | `path/to/file.py:fn` | `package.module:fn` -> the function."""
+    target = BUILTIN_REWARDS.get(spec, spec)
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise RewardError(
+            f"{where}: {spec!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+            "nor of the form 'path/to/file.py:function' or 'package.module:function'"
+        )
+    try:
+        if module_part.endswith(".py"):
+            path = Path(module_part)
+            if not path.is_file():
+                raise RewardError(f"{where}: reward file not found: {path}")
+            module_spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_part)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"{where}: importing {module_part!r} for reward {spec!r} failed: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise RewardError(f"{where}: {module_part!r} has no function {attr!r}")
+    if not callable(fn):
+        raise RewardError(f"{where}: {spec!r} is not callable")
+    return fn
+
+
+@dataclass
+class RewardBatch:
+    """One batch's rewards: per function [N, R] (NaN = no opinion), their weighted sum [N], metrics."""
+
+    per_function: torch.Tensor
+    total: torch.Tensor
+    metrics: dict[str, float]
+
+
+def compute_rewards(
+    rewards: list[Reward],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+) -> RewardBatch:
+    """Call every reward on the batch (async ones concurrently), check and combine the results.
+
+    The total is the weighted sum of the rewards that had an opinion; NaN only
+    when none had (then the sample is left out of its group's statistics).
+    """
+    n = len(completions)
+    metrics: dict[str, float] = {}
+    values: dict[str, list[float | None]] = {}
+
+    def call(reward: Reward, rows: list[int] | None = None):
+        """Call one reward on the batch, or on the given rows only (to find a failing sample)."""
+
+        def log_metric(key: str, value: float) -> None:
+            metrics[f"rewards/{reward.name}/{key}"] = metrics.get(f"rewards/{reward.name}/{key}", 0.0) + float(value)
+
+        offered = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        if rows is not None:
+            offered = {k: [v[i] for i in rows] for k, v in offered.items()}
+        offered.update(reward.kwargs)
+        offered["log_metric"] = log_metric if rows is None else (lambda key, value: None)
+        return reward.fn(**reward.arguments(offered))
+
+    async def run_async(batch: list[Reward]):
+        async def one(reward):
+            start = time.perf_counter()
+            out = await _guard(reward, lambda: call(reward), prompts)
+            return reward, out, time.perf_counter() - start
+
+        return await asyncio.gather(*(one(r) for r in batch))
+
+    for reward in rewards:
+        if reward.is_async:
+            continue
+        start = time.perf_counter()
+        values[reward.name] = _check(reward, _call_sync(reward, call, prompts), n, prompts)
+        metrics[f"rewards/{reward.name}/seconds"] = time.perf_counter() - start
+    async_rewards = [r for r in rewards if r.is_async]
+    if async_rewards:
+        for reward, out, seconds in asyncio.run(run_async(async_rewards)):
+            values[reward.name] = _check(reward, out, n, prompts)
+            metrics[f"rewards/{reward.name}/seconds"] = seconds
+
+    per_function = torch.tensor(
+        [[math.nan if values[r.name][i] is None else values[r.name][i] for r in rewards] for i in range(n)],
+        dtype=torch.float32,
+    )  # [N, R]
+    weights = torch.tensor([r.weight for r in rewards], dtype=torch.float32)
+    has_opinion = ~torch.isnan(per_function)
+    total = torch.where(has_opinion, per_function * weights, torch.zeros_like(per_function)).sum(1)
+    total[~has_opinion.any(1)] = math.nan
+    for j, reward in enumerate(rewards):
+        column = per_function[:, j]
+        column = column[~torch.isnan(column)]
+        metrics[f"rewards/{reward.name}/mean"] = float(column.mean()) if column.numel() else math.nan
+        metrics[f"rewards/{reward.name}/std"] = float(column.std(unbiased=False)) if column.numel() else math.nan
+    return RewardBatch(per_function=per_function, total=total, metrics=metrics)
+
+
+def _call_sync(reward: Reward, call: Callable[..., Any], prompts: list[Any]) -> Any:
+    try:
+        return call(reward)
+    except RewardError:
+        raise
+    except Exception as exc:
+        # Find the sample that breaks it, so the message can point at real data.
+        for i in range(min(len(prompts), 64)):
+            try:
+                call(reward, rows=[i])
+            except Exception as single:
+                raise RewardError(
+                    f"reward '{reward.name}' raised {type(single).__name__}: {single} on sample {i} "
+                    f"(prompt: {_short(prompts[i])})"
+                ) from exc
+        raise RewardError(f"reward '{reward.name}' raised {type(exc).__name__}: {exc}{_first_prompt(prompts)}") from exc
+
+
+async def _guard(reward: Reward, thunk: Callable[[], Any], prompts: list[Any]) -> Any:
+    try:
+        return await thunk()
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"reward '{reward.name}' raised {type(exc).__name__}: {exc}{_first_prompt(prompts)}") from exc
+
+
+def _first_prompt(prompts: list[Any]) -> str:
+    return f" (on a batch of {len(prompts)} completions; first prompt: {_short(prompts[0])})" if prompts else ""
+
+
+def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float | None]:
+    if not isinstance(out, (list, tuple)) and not (isinstance(out, torch.Tensor) and out.dim() == 1):
+        raise RewardError(f"reward '{reward.name}' must return a list of {n} floats (or None), got {type(out).__name__}")
+    out = out.tolist() if isinstance(out, torch.Tensor) else list(out)
+    if len(out) != n:
+        raise RewardError(f"reward '{reward.name}' returned {len(out)} values for {n} completions; it must return one per completion")
+    checked: list[float | None] = []
+    for i, value in enumerate(out):
+        if value is None:
+            checked.append(None)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: {_short(prompts[i])}); "
+                "expected a float or None"
+            ) from None
+        if math.isinf(number):
+            raise RewardError(f"reward '{reward.name}' returned {number} for sample {i} (prompt: {_short(prompts[i])})")
+        checked.append(None if math.isnan(number) else number)
+    return checked
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))

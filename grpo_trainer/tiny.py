@@ -1,0 +1,216 @@
+"""The embedded default: a tiny causal LM, its tokenizer and a bundled arithmetic task, built offline.
+
+`builtin:tiny` resolves to a folder in the real Hugging Face format (config.json,
+model.safetensors, tokenizer.json, a chat template), so `AutoModelForCausalLM`,
+`AutoTokenizer` and vLLM load it like any hub model. It is built once per
+machine into the cache (`$GRPO_TRAINER_CACHE`, default `~/.cache/grpo_trainer`)
+and deterministically: the same torch version gives the same weights.
+
+Why a warm start: RL cannot teach a randomly initialised model arithmetic in a
+few minutes, and real GRPO never starts from scratch either. So the build runs a
+short supervised pass in which the model picks up two habits: working the sum
+out before answering (`7+5=\\boxed{12}`, a quarter of the time) or blurting a
+guess (`\\boxed{9}`, a random plausible number). Sampled, the result is right
+about a quarter of the time. Whether to work it out is decided at the first
+token, the same decision for every problem, so GRPO can discover within minutes
+that working it out pays: the demo's reward curve is a model learning to
+"reason" before it answers, the effect RL with verifiable rewards is used for.
+
+The model is a 2-layer Llama (vocabulary of characters), about 0.4M parameters.
+Llama rather than Qwen2: transformers 5 forces its Qwen2 tokenizer class on any
+`qwen2` config, which would re-tokenize our character vocabulary as byte-level BPE.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+TINY_NAME = "tiny"
+# Bump when the recipe below changes, so stale caches are not reused.
+TINY_VERSION = 2
+SFT_STEPS = 1000
+WORKED_SHARE = 0.25  # share of warm-start completions that work the sum out (see the module docstring)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+# Every printable ASCII character and newline is one token; anything else is <|unk|>.
+CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
+
+# A Qwen-style (ChatML) template, so the tiny model is formatted like the real models users train.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRPO_TRAINER_CACHE", Path.home() / ".cache" / "grpo_trainer"))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map `builtin:tiny` to its built folder (building it if needed); pass anything else through."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    if name != TINY_NAME:
+        raise ValueError(f"model.name_or_path: unknown built-in model {name_or_path!r}; the only one is 'builtin:tiny'")
+    return str(ensure_tiny_model())
+
+
+# ----------------------------------------------------------------------------- the bundled task
+
+
+def arithmetic_records(split: str = "train") -> list[dict[str, str]]:
+    """Additions a + b of single digits: 80 train and 20 test problems (a fixed split).
+
+    The warm start has seen every problem; `test` is held out from RL only, so it measures
+    whether the habit GRPO teaches carries over to prompts it was not trained on.
+    """
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(1234).shuffle(problems)
+    splits = {"train": problems[:80], "test": problems[80:]}
+    if split not in splits:
+        raise ValueError(f"data.split: the built-in arithmetic task has splits 'train' and 'test', not {split!r}")
+    return [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a, b in splits[split]]
+
+
+def format_answer(answer: str) -> str:
+    """A boxed final answer, as the math reward reads it."""
+    return "\\boxed{" + answer + "}"
+
+
+def worked_completion(prompt: str, answer: str) -> str:
+    """The habit GRPO should learn: write the sum out, then the boxed answer ("7+5=\\boxed{12}")."""
+    return prompt.removeprefix("What is ").removesuffix("?") + "=" + format_answer(answer)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def ensure_tiny_model() -> Path:
+    """Return the tiny model's folder, building it first if this machine has none (safe under races)."""
+    target = cache_dir() / f"tiny-v{TINY_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-building-", dir=target.parent))
+    try:
+        build_tiny_model(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process (another rank) finished first; its copy is identical.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    # BPE with no merges is a character-level model; Fuse joins characters back without spaces.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=256,
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
+    """Build tokenizer and model into `folder`: random init, then the short supervised warm start."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=128,  # 99 tokens used; a round size keeps matmuls aligned
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _make_tokenizer_config_portable(folder)
+
+
+def _make_tokenizer_config_portable(folder: Path) -> None:
+    """Name the generic fast-tokenizer class and inline the chat template.
+
+    transformers 5 writes `TokenizersBackend`, which 4.x does not know, and keeps the
+    template in a side file that older loaders (and some servers) do not read.
+    """
+    import json
+
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 64) -> None:
+    """Next-token training on prompt + completion for every problem, completions from `_warm_start_completion`."""
+    import torch
+
+    rng = random.Random(seed)
+    records = arithmetic_records("train") + arithmetic_records("test")
+    answers = sorted({r["answer"] for r in records}, key=int)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        for r in records
+    ]
+    prompt_lens = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(range(len(records)), batch_size)
+        texts = [prompts[i] + _warm_start_completion(records[i], answers, rng) + tokenizer.eos_token for i in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        for row, i in enumerate(batch):
+            labels[row, : prompt_lens[i]] = -100  # learn the completion only
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def _warm_start_completion(record: dict[str, str], answers: list[str], rng: random.Random) -> str:
+    if rng.random() < WORKED_SHARE:
+        return worked_completion(record["prompt"], record["answer"])
+    return format_answer(rng.choice(answers))  # a guess

@@ -1,0 +1,362 @@
+"""The training loop: `train(cfg)` reads top to bottom, one GRPO step at a time.
+
+    prompts -> G completions each -> rewards -> group advantages
+      -> (old log-probs if num_iterations > 1, reference log-probs if beta > 0)
+      -> num_iterations x micro-batches: loss -> backward -> optimizer step
+      -> metrics -> checkpoint
+
+Distribution is Accelerate's: every rank samples its own slice of the prompts,
+advantages are computed from the gathered rewards of the whole batch, and the
+loss of each micro-batch is scaled so that gradient accumulation and the
+cross-rank gradient average add up to exactly the batch loss `losses.aggregate`
+defines. The math lives in `losses` and `advantages`; this file only moves data.
+
+Deliberately simple: no dynamic sampling, no sample packing, the `hf` engine only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from . import losses
+from .advantages import group_advantages
+from .config import Config
+from .data import PromptSampler, build_prompt_set, is_conversational, load_records
+from .errors import ConfigError, TrainingError
+from .metrics import MetricsWriter
+from .models import TokenLogprobs, context_length, load_causal_lm, load_tokenizer, make_sequence_batch
+from .rewards import compute_rewards, load_rewards
+from .rollout import build_engine
+
+logger = logging.getLogger("grpo_trainer")
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps_done: int
+    last_metrics: dict
+
+
+def train(cfg: Config) -> TrainResult:
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    output_dir = Path(cfg.output_dir)
+    world = PartialState().num_processes
+    g = cfg.rollout.num_generations
+    local_prompts, grad_accum = _batch_geometry(cfg, world)
+    local_n = local_prompts * g  # completions on this rank per step
+    accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
+    rank = accelerator.process_index
+    _setup_logging(cfg, accelerator.is_main_process)
+    logger.info(
+        "world_size=%d distributed_type=%s device=%s prompts_per_rank=%d completions_per_rank=%d grad_accum=%d",
+        world, accelerator.distributed_type.value, accelerator.device, local_prompts, local_n, grad_accum,
+    )
+
+    # ---- data, models, optimizer (identical on every rank: same seed before any random init)
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    lm = load_causal_lm(cfg.model)
+    records = load_records(cfg.data)
+    prompt_set = build_prompt_set(cfg.data, tokenizer, records, context_length(lm))
+    conversational = is_conversational(records, cfg.data.prompt_column)
+    rewards = load_rewards(cfg.rewards)
+    if cfg.model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = TokenLogprobs(lm, temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size)
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.train.learning_rate,
+        betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+        weight_decay=cfg.train.weight_decay,
+    )
+    optimizer_steps = cfg.train.max_steps * cfg.train.num_iterations
+    scheduler = get_scheduler(
+        "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler,
+        optimizer,
+        num_warmup_steps=cfg.train.warmup_steps,
+        num_training_steps=optimizer_steps,
+    )
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    # The scheduler stays unprepared: Accelerate's wrapper would step it once per process.
+    accelerator.register_for_checkpointing(scheduler)
+    reference = None
+    if cfg.loss.beta > 0:  # with beta = 0 no reference model exists at all
+        reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+        reference = reference.to(accelerator.device).eval().requires_grad_(False)
+    engine = build_engine(
+        cfg.rollout.engine,
+        get_model=lambda: accelerator.unwrap_model(policy).lm,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=_eos_ids(tokenizer, lm),
+        max_completion_length=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        batch_size=cfg.rollout.batch_size,
+    )
+    set_seed(cfg.seed + rank)  # from here on, ranks sample different completions
+
+    # ---- resume
+    sampler = PromptSampler(len(prompt_set), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    start_step = 0
+    resume_from = ckpt.find_resume_checkpoint(output_dir, cfg.checkpoint.resume)
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(accelerator, resume_from)
+        sampler.load_state_dict(state["sampler"])
+        start_step = int(state["step"])
+        logger.info("resumed from %s at step %d", resume_from, start_step)
+    metrics_out = MetricsWriter(output_dir, enabled=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(cfg.to_yaml())
+        metrics_out.truncate_after(start_step)
+    progress = _progress_bar(cfg, accelerator.is_main_process, start_step)
+
+    last: dict = {}
+    for step in range(start_step + 1, cfg.train.max_steps + 1):
+        step_start = time.perf_counter()
+        timing: dict[str, float] = {}
+
+        # ---- 1. sample G completions for this rank's prompts
+        tick = time.perf_counter()
+        batch_indices = sampler.next_indices(cfg.train.prompts_per_step)
+        local_indices = batch_indices[rank * local_prompts : (rank + 1) * local_prompts]
+        rollout = engine.generate([prompt_set.token_ids[i] for i in local_indices], g)
+        timing["timing/rollout"] = time.perf_counter() - tick
+
+        # ---- 2. rewards, then advantages over the whole batch (all ranks)
+        tick = time.perf_counter()
+        rows = [i for i in local_indices for _ in range(g)]  # prompt index of each completion
+        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        reward_batch = compute_rewards(
+            rewards,
+            prompts=[records[i][cfg.data.prompt_column] for i in rows],
+            completions=completions,
+            completion_ids=rollout.completion_ids,
+            columns=prompt_set.reward_columns(rows, cfg.data.answer_column),
+        )
+        all_rewards = accelerator.gather(reward_batch.total.to(accelerator.device)).cpu()  # [world * local_n]
+        all_advantages, reward_stats = group_advantages(all_rewards, g, cfg.loss.scale_rewards)
+        advantages = all_advantages[rank * local_n : (rank + 1) * local_n]  # [local_n]
+        timing["timing/reward"] = time.perf_counter() - tick
+
+        # ---- 3. micro-batches; old and reference log-probs only when needed
+        tick = time.perf_counter()
+        lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+        keep = torch.ones(local_n)
+        if cfg.loss.mask_truncated_completions:
+            keep = 1.0 - torch.tensor(rollout.truncated, dtype=torch.float32)
+        micro = cfg.train.micro_batch_size
+        micro_batches = []
+        for start in range(0, local_n, micro):
+            sl = slice(start, start + micro)
+            batch = make_sequence_batch(
+                [prompt_set.token_ids[i] for i in rows[sl]], rollout.completion_ids[sl], tokenizer.pad_token_id
+            )
+            micro_batches.append(
+                {
+                    "input_ids": batch.input_ids.to(accelerator.device),
+                    "attention_mask": batch.attention_mask.to(accelerator.device),
+                    "mask": (batch.completion_mask * keep[sl, None]).to(accelerator.device),  # [mb, C]
+                    "advantages": advantages[sl].to(accelerator.device),  # [mb]
+                }
+            )
+        totals = accelerator.reduce(
+            torch.tensor([float(sum(mb["mask"].sum() for mb in micro_batches))], device=accelerator.device), "sum"
+        )
+        total_tokens = float(totals[0])
+        with torch.no_grad():
+            for mb in micro_batches:
+                n_tok = mb["mask"].shape[1]
+                if cfg.train.num_iterations > 1:  # with mu = 1 the old policy *is* the current one: no extra pass
+                    mb["old_logp"], _ = policy(mb["input_ids"], mb["attention_mask"], n_tok)
+                if reference is not None:
+                    mb["ref_logp"], _ = reference(mb["input_ids"], mb["attention_mask"], n_tok)
+        timing["timing/logprobs"] = time.perf_counter() - tick
+
+        # ---- 4. num_iterations optimizer steps on this batch
+        tick = time.perf_counter()
+        sums = torch.zeros(6, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy
+        grad_norm = torch.tensor(math.nan)
+        for iteration in range(cfg.train.num_iterations):
+            for mb in micro_batches:
+                with accelerator.accumulate(policy):
+                    n_tok = mb["mask"].shape[1]
+                    logp, entropy = policy(mb["input_ids"], mb["attention_mask"], n_tok, with_entropy=iteration == 0)
+                    token_loss, parts = losses.token_loss(
+                        logp,
+                        mb.get("old_logp", logp.detach()),
+                        mb["advantages"],
+                        mb["mask"],
+                        cfg.loss.type,
+                        epsilon_low=cfg.loss.epsilon_low,
+                        epsilon_high=cfg.loss.epsilon_high_value,
+                        delta=cfg.loss.delta,
+                        ref_logp=mb.get("ref_logp"),
+                        beta=cfg.loss.beta,
+                    )
+                    share = losses.aggregate(
+                        token_loss,
+                        mb["mask"],
+                        cfg.loss.type,
+                        total_sequences=local_n * world,
+                        total_tokens=total_tokens,
+                        max_completion_length=cfg.rollout.max_completion_length,
+                        total_micro_batches=len(micro_batches) * world,
+                    )
+                    if not torch.isfinite(share):
+                        raise TrainingError(f"step {step}: the loss is {share.item()} (non-finite); check rewards and learning rate")
+                    # Accelerate divides by grad_accum and the ranks' gradients are averaged: undo both,
+                    # so the shares of all micro-batches on all ranks add up to the batch loss.
+                    accelerator.backward(share * grad_accum * world)
+                    if accelerator.sync_gradients and cfg.train.max_grad_norm:
+                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.train.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                sums[0] += share.detach() / cfg.train.num_iterations
+                if iteration == 0:
+                    sums[1] += parts["clip_low"]
+                    sums[2] += parts["clip_high"]
+                    sums[3] += parts["clip_region"]
+                    sums[4] += parts.get("kl", 0.0)
+                    sums[5] += (entropy * mb["mask"]).sum()
+            scheduler.step()
+        timing["timing/update"] = time.perf_counter() - tick
+        engine.sync_weights(accelerator.unwrap_model(policy).lm)
+
+        # ---- 5. metrics (reduced over ranks), progress, checkpoint
+        sums = accelerator.reduce(sums, "sum").cpu()
+        all_lengths = accelerator.gather(lengths.to(accelerator.device)).cpu()
+        all_truncated = accelerator.gather(torch.tensor(rollout.truncated, dtype=torch.float32, device=accelerator.device)).cpu()
+        record = {
+            "step": step,
+            **reward_stats,
+            "loss": float(sums[0]),
+            "learning_rate": scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "completions/mean_length": float(all_lengths.mean()),
+            "completions/max_length": float(all_lengths.max()),
+            "completions/clipped_ratio": float(all_truncated.mean()),
+            **_length_by_outcome(all_lengths, all_rewards),
+            "entropy": float(sums[5]) / max(total_tokens, 1),
+            "clip_ratio/low_mean": float(sums[1]) / max(total_tokens, 1),
+            "clip_ratio/high_mean": float(sums[2]) / max(total_tokens, 1),
+            "clip_ratio/region_mean": float(sums[3]) / max(total_tokens, 1),
+            **({"kl": float(sums[4]) / max(total_tokens, 1)} if cfg.loss.beta > 0 else {}),
+            **reward_batch.metrics,  # per-reward metrics of the main process's slice
+            **timing,
+        }
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.max_steps:
+            tick = time.perf_counter()
+            ckpt.save_checkpoint(
+                accelerator, output_dir, step, {"sampler": sampler.state_dict()}, keep_last=cfg.checkpoint.keep_last
+            )
+            record["timing/checkpoint"] = time.perf_counter() - tick
+        record["step_time"] = time.perf_counter() - step_start
+        if step % cfg.logging.log_every == 0 or step == cfg.train.max_steps:
+            metrics_out.write(record)
+        progress.update(record)
+        last = record
+
+    progress.close()
+    metrics_out.close()
+    if cfg.checkpoint.save_final_model:
+        _save_final_model(accelerator, policy, tokenizer, output_dir / "model")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return TrainResult(output_dir=output_dir, steps_done=cfg.train.max_steps - start_step, last_metrics=last)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _batch_geometry(cfg: Config, world: int) -> tuple[int, int]:
+    """Prompts per rank and micro-batches per optimizer step, or a ConfigError saying what to change."""
+    if cfg.train.prompts_per_step % world:
+        raise ConfigError(
+            f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by the number of processes ({world})"
+        )
+    local_prompts = cfg.train.prompts_per_step // world
+    local_n = local_prompts * cfg.rollout.num_generations
+    if local_n % cfg.train.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) must divide the completions per process "
+            f"({local_prompts} prompts x {cfg.rollout.num_generations} generations = {local_n})"
+        )
+    return local_prompts, local_n // cfg.train.micro_batch_size
+
+
+def _eos_ids(tokenizer, lm) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(lm.generation_config, "eos_token_id", None)
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """Mean completion length of rewarded (total reward > 0) vs unrewarded completions: the length-bias monitor."""
+    valid = ~torch.isnan(rewards)
+    correct, incorrect = valid & (rewards > 0), valid & (rewards <= 0)
+    return {
+        "completions/mean_length_correct": float(lengths[correct].mean()) if correct.any() else math.nan,
+        "completions/mean_length_incorrect": float(lengths[incorrect].mean()) if incorrect.any() else math.nan,
+    }
+
+
+def _save_final_model(accelerator, policy, tokenizer, folder: Path) -> None:
+    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded)."""
+    state_dict = accelerator.get_state_dict(policy)  # collective under ZeRO-3 / FSDP
+    if accelerator.is_main_process:
+        lm = accelerator.unwrap_model(policy).lm
+        lm_state = {k.removeprefix("lm."): v for k, v in state_dict.items()}
+        lm.save_pretrained(folder, state_dict=lm_state)
+        tokenizer.save_pretrained(folder)
+        logger.info("saved the final model to %s", folder)
+
+
+def _setup_logging(cfg: Config, is_main: bool) -> None:
+    level = getattr(logging, cfg.logging.level.upper()) if is_main else logging.WARNING
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[grpo_trainer] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+class _progress_bar:
+    """tqdm bar with step, reward and ETA on the main process; plain log lines when the bar is off."""
+
+    def __init__(self, cfg: Config, is_main: bool, start_step: int):
+        self.enabled = is_main
+        self.bar = None
+        if is_main and cfg.logging.progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        summary = {"reward": f"{record['reward']:.3f}", "loss": f"{record['loss']:.4f}", "len": f"{record['completions/mean_length']:.1f}"}
+        if self.bar is not None:
+            self.bar.set_postfix(summary, refresh=False)
+            self.bar.update(1)
+        else:
+            logger.info("step %d %s step_time=%.2fs", record["step"], " ".join(f"{k}={v}" for k, v in summary.items()), record["step_time"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
