@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             from .trainer import train
 
             result = train(cfg)
-            print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
+            if result.is_main_process:
+                print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
             return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

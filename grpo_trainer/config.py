@@ -282,7 +282,7 @@ def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
-        path = ".".join(loc) or "(top level)"
+        path = ".".join(loc)
         if err["type"] == "extra_forbidden":
             valid = _valid_keys(loc[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
@@ -292,7 +292,7 @@ def _explain(exc: ValidationError) -> str:
             message = err["msg"].removeprefix("Value error, ")
             given = err.get("input")
             shown = "" if isinstance(given, dict) or err["type"] == "missing" else f" (got {given!r})"
-            msg = f"  {path}: {message}{shown}"
+            msg = f"  {path}: {message}{shown}" if path else f"  {message}"
         lines.append(msg)
     return "\n".join(lines)
 

@@ -103,12 +103,7 @@ def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
         )
     try:
         if module_part.endswith(".py"):
-            path = Path(module_part)
-            if not path.is_file():
-                raise RewardError(f"{where}: reward file not found: {path}")
-            module_spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            module = _load_file_module(Path(module_part), where)
         else:
             module = importlib.import_module(module_part)
     except RewardError:
@@ -121,6 +116,22 @@ def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
     if not callable(fn):
         raise RewardError(f"{where}: {spec!r} is not callable")
     return fn
+
+
+_FILE_MODULES: dict[Path, Any] = {}
+
+
+def _load_file_module(path: Path, where: str):
+    """Import a reward file once per process, so rewards from one file share its module state."""
+    if not path.is_file():
+        raise RewardError(f"{where}: reward file not found: {path}")
+    key = path.resolve()
+    if key not in _FILE_MODULES:
+        module_spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", key)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        _FILE_MODULES[key] = module
+    return _FILE_MODULES[key]
 
 
 @dataclass

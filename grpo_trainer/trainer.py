@@ -43,15 +43,18 @@ class TrainResult:
     output_dir: Path
     steps_done: int
     last_metrics: dict
+    is_main_process: bool
 
 
 def train(cfg: Config) -> TrainResult:
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import set_seed
+    from accelerate.utils import parse_flag_from_env, set_seed
     from transformers import get_scheduler
 
     output_dir = Path(cfg.output_dir)
-    world = PartialState().num_processes
+    # The world size is needed before the Accelerator exists (it fixes gradient accumulation). Pass the
+    # CPU flag as the Accelerator would: a PartialState made without it pins a multi-process CPU run to one rank.
+    world = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).num_processes
     g = cfg.rollout.num_generations
     local_prompts, grad_accum = _batch_geometry(cfg, world)
     local_n = local_prompts * g  # completions on this rank per step
@@ -276,7 +279,7 @@ def train(cfg: Config) -> TrainResult:
         _save_final_model(accelerator, policy, tokenizer, output_dir / "model")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return TrainResult(output_dir=output_dir, steps_done=cfg.train.max_steps - start_step, last_metrics=last)
+    return TrainResult(output_dir, cfg.train.max_steps - start_step, last, accelerator.is_main_process)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,33 @@
+"""Helpers for tests: a small, fast training config and a way to run the CLI as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_run_overrides(output_dir: Path, steps: int = 2) -> list[str]:
+    """A run of the embedded default shrunk to seconds: 4 prompts x 4 completions per step."""
+    return [
+        f"output_dir={output_dir}",
+        f"train.max_steps={steps}",
+        "train.prompts_per_step=4",
+        "rollout.num_generations=4",
+        "train.micro_batch_size=8",
+        "train.warmup_steps=0",
+        "train.learning_rate=1e-3",
+        "rollout.max_completion_length=16",
+        "logging.progress_bar=false",
+        "checkpoint.resume=never",
+    ]
+
+
+def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, launcher: list[str] | None = None):
+    """Run `python -m grpo_trainer ARGS` (or under `launcher`) from the repo root; returns CompletedProcess."""
+    command = (launcher or [sys.executable, "-m"]) + ["grpo_trainer", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)

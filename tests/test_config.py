@@ -1,0 +1,135 @@
+"""Config loading: YAML onto the schema, dotted overrides, and every error path naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_trainer.config import Config, load_config
+from grpo_trainer.errors import ConfigError
+
+from helpers import ROOT, run_cli
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_demo_config_loads_and_defaults_fill_in():
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml")
+    assert cfg.model.name_or_path == "builtin:tiny"
+    assert cfg.rewards[0].name == "math_accuracy"
+    assert cfg.loss.epsilon_high_value == cfg.loss.epsilon_low  # None means symmetric
+    assert cfg.checkpoint.resume == "never"
+
+
+def test_overrides_are_parsed_as_yaml_values(tmp_path):
+    cfg = load_config(
+        write(tmp_path, "train: {max_steps: 10}\n"),
+        ["train.max_steps=50", "loss.type=dr_grpo", "loss.beta=0.04", "logging.report_to=[jsonl]", "data.shuffle=false"],
+    )
+    assert cfg.train.max_steps == 50 and cfg.loss.type == "dr_grpo" and cfg.loss.beta == 0.04
+    assert cfg.data.shuffle is False and cfg.logging.report_to == ["jsonl"]
+
+
+def test_override_list_item_by_index(tmp_path):
+    path = write(tmp_path, "rewards:\n  - name: math_accuracy\n  - name: think_format\n")
+    cfg = load_config(path, ["rewards.1.weight=0.5", "rewards.0.kwargs.timeout=3"])
+    assert cfg.rewards[1].weight == 0.5 and cfg.rewards[0].kwargs == {"timeout": 3}
+
+
+def test_override_item_of_default_reward_list():
+    cfg = load_config(None, ["rewards.0.weight=2"])
+    assert cfg.rewards[0].name == "math_accuracy" and cfg.rewards[0].weight == 2
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trian.max_steps=3", "trian: unknown key; did you mean 'train'"),
+        ("train.max_step=3", "train.max_step: unknown key; did you mean 'train.max_steps'"),
+        ("loss.epsilon_hi=0.3", "did you mean 'loss.epsilon_high'"),
+        ("rewards.0.wieght=2", "did you mean 'rewards.0.weight'"),
+    ],
+)
+def test_unknown_keys_name_the_path_and_suggest(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"loss.zzz: unknown key; valid keys here: type, beta"):
+        load_config(None, ["loss.zzz=1"])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.max_steps=abc", "train.max_steps"),
+        ("train.max_steps=0", "train.max_steps: Input should be greater than 0"),
+        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo' or 'cispo'"),
+        ("rollout.num_generations=1", "rollout.num_generations"),
+        ("loss.scale_rewards=std", "loss.scale_rewards"),
+    ],
+)
+def test_wrong_types_and_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.micro_batch_size=5"], "train.micro_batch_size (5) must divide the completions per step"),
+        (["train.micro_batch_size=1024"], "larger than the completions per step"),
+        (["loss.delta=1.1"], "loss.delta (1.1) must be larger than 1 + epsilon_high"),
+        (["train.max_steps=3", "train.warmup_steps=3"], "train.warmup_steps (3) must be smaller"),
+        (["rewards=[]"], "rewards: at least one reward is needed"),
+    ],
+)
+def test_impossible_combinations_fail_at_load(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert expected in str(err.value)
+
+
+def test_missing_required_reward_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"rewards.0.name: Field required"):
+        load_config(write(tmp_path, "rewards:\n  - weight: 1\n"))
+
+
+def test_file_problems(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "train: [unclosed\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_malformed_overrides():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.max_steps"])
+    with pytest.raises(ConfigError, match="no list item 3"):
+        load_config(None, ["rewards.3.weight=1"])
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(None, ["loss.type=dapo", "loss.epsilon_high=0.28"])
+    import yaml
+
+    again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_validate_command_prints_resolved_config_or_fails_clearly():
+    ok = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=7"])
+    assert ok.returncode == 0, ok.stderr
+    assert "max_steps: 7" in ok.stdout and "epsilon_low: 0.2" in ok.stdout
+    bad = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_stesp=7"])
+    assert bad.returncode == 2
+    assert "did you mean 'train.max_steps'" in bad.stderr
+    assert "Traceback" not in bad.stderr
