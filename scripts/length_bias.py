@@ -44,7 +44,7 @@ answers, averaged over questions weighted as sampled, then over seeds.
 
 Deliberately simple: no model, no tokenizer, no KL, one update per batch.
 
-    python scripts/length_bias.py                   # full run, ~30 s on 2 CPU cores
+    python scripts/length_bias.py                   # full run, ~10 s on 2 CPU cores
     python scripts/length_bias.py --steps 100 --seeds 2 --plot '' --json out.json
 """
 
