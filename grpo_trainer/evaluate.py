@@ -1,0 +1,301 @@
+"""Held-out evaluation: mean@k and pass@k of every reward on an eval split.
+
+For each eval prompt, k completions are sampled (at `eval.temperature`, or the
+rollout temperature) and scored by the configured rewards. Per reward, and for
+the weighted total the trainer optimises:
+
+- `mean@k`: the mean reward over the k samples of a prompt, averaged over
+  prompts. Samples a reward has no opinion on (`None`) are left out of the
+  mean; prompts on which it had no opinion at all are left out of the average.
+- `pass@k`: the chance that at least one of k samples is *correct*, where
+  correct means **reward > 0** (a `None` counts as not correct), estimated
+  with the unbiased estimator of Chen et al. 2021 (HumanEval), averaged over
+  prompts. With exactly n = k samples per prompt it is 1 if any sample is
+  correct, else 0; `pass_at_k` also serves n > k.
+
+Keys: `eval/<reward>/mean@k`, `eval/<reward>/pass@k`, `eval/reward/mean@k`,
+`eval/reward/pass@k` (the weighted total), `eval/num_prompts`.
+
+Where the prompts come from: `data.eval_source` (None: `data.source`), split
+`data.eval_split` (None: `test`; a local file is one split, so the split is
+ignored there), the first `eval.num_samples` records. Other data settings
+(columns, chat template, system prompt) are those of training.
+
+Deliberately simple: evaluation runs on one process, with the `hf` engine
+(transformers generate). Called during training it must run on the main process
+of a run whose model is whole on that process (single process or DDP), not
+sharded (FSDP, ZeRO-3). It draws its randomness from a forked RNG seeded with
+`seed`, so results are reproducible and the training RNG stream is untouched
+(exact resume is not disturbed by periodic evaluation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config
+from .data import LOCAL_FORMATS, PromptSet, build_prompt_set, is_conversational, load_records
+from .errors import ConfigError, DataError
+from .models import context_length, load_causal_lm, load_tokenizer
+from .rewards import Reward, compute_rewards, load_rewards
+from .rollout.hf import HFEngine
+
+logger = logging.getLogger("grpo_trainer")
+
+DEFAULT_EVAL_SPLIT = "test"
+DEFAULT_K = 4
+DEFAULT_BATCH_PROMPTS = 32  # prompts per generate call when rollout.batch_size is 0
+CHECKPOINT_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # Accelerate's names for the first prepared model
+
+
+# ----------------------------------------------------------------------------- the estimators
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, eq. 1).
+
+    pass@k = 1 - C(n - c, k) / C(n, k): one minus the chance that k samples drawn
+    without replacement from the n are all incorrect. Exact integer arithmetic.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every draw of k contains a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(values: torch.Tensor, names: list[str], k: int) -> dict[str, float]:
+    """mean@k and pass@k per column from sampled rewards.
+
+    values: [P, n, R] rewards of n samples for each of P prompts, NaN = no opinion.
+    names:  R metric names (`reward` for the weighted total, else the reward's name).
+    Returns `eval/<name>/mean@k` and `eval/<name>/pass@k` for each name.
+    """
+    if values.dim() != 3 or values.shape[2] != len(names):
+        raise ValueError(f"values must be [prompts, samples, {len(names)}], got {tuple(values.shape)}")
+    n = values.shape[1]
+    values = values.double()  # float32 rewards would print 0.325 as 0.32499998807907104
+    out: dict[str, float] = {}
+    for j, name in enumerate(names):
+        v = values[:, :, j]  # [P, n]
+        opinion = ~torch.isnan(v)
+        scored = opinion.any(1)  # prompts with at least one opinion
+        per_prompt_mean = torch.where(opinion, v, torch.zeros_like(v)).sum(1) / opinion.sum(1).clamp(min=1)  # [P]
+        correct = (v > 0).sum(1)  # NaN > 0 is False: no opinion is not correct
+        passes = [pass_at_k(n, int(c), k) for c in correct[scored]]
+        out[f"eval/{name}/mean@{k}"] = float(per_prompt_mean[scored].mean()) if scored.any() else math.nan
+        out[f"eval/{name}/pass@{k}"] = sum(passes) / len(passes) if passes else math.nan
+    return out
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass
+class EvalSettings:
+    source: str
+    split: str
+    num_samples: int | None
+    k: int
+    temperature: float
+    every: int
+
+
+def eval_settings(cfg: Config, k: int | None = None, num_prompts: int | None = None) -> EvalSettings:
+    """Resolve the eval settings, reading `data.eval_*` and `eval.*` if the config has them.
+
+    `k` overrides eval.num_generations and `num_prompts` overrides eval.num_samples.
+    """
+    section = getattr(cfg, "eval", None)
+    source = getattr(cfg.data, "eval_source", None) or cfg.data.source
+    split = getattr(cfg.data, "eval_split", None) or DEFAULT_EVAL_SPLIT
+    k = k if k is not None else getattr(section, "num_generations", None) or DEFAULT_K
+    if k < 1:
+        raise ConfigError(f"eval: k (the samples per prompt) must be at least 1, got {k}")
+    num_samples = num_prompts if num_prompts is not None else getattr(section, "num_samples", None)
+    if num_samples is not None and num_samples < 1:
+        raise ConfigError(f"eval: the number of prompts must be at least 1, got {num_samples}")
+    temperature = getattr(section, "temperature", None) or cfg.rollout.temperature
+    return EvalSettings(
+        source=source,
+        split=split,
+        num_samples=num_samples,
+        k=k,
+        temperature=temperature,
+        every=getattr(section, "every", 0) or 0,
+    )
+
+
+@dataclass
+class EvalData:
+    """Eval prompts ready to sample from, and the rewards to score them with; build once, reuse every eval."""
+
+    records: list[dict[str, Any]]
+    prompt_set: PromptSet
+    rewards: list[Reward]
+    conversational: bool
+
+
+def prepare_eval_data(cfg: Config, tokenizer, max_context: int | None = None, num_prompts: int | None = None) -> EvalData:
+    """Load, format and tokenize the eval prompts (raises DataError on a bad source, split or record)."""
+    s = eval_settings(cfg, num_prompts=num_prompts)
+    data_cfg = cfg.data.model_copy(update={"source": s.source, "num_samples": s.num_samples})
+    one_split = Path(s.source).suffix.lower() in LOCAL_FORMATS  # a local file has no splits: the split is ignored
+    if s.source == cfg.data.source and (s.split == cfg.data.split or one_split):
+        logger.warning("eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split", s.source, s.split)
+    try:
+        records = load_records(data_cfg, split=s.split)
+    except DataError as exc:
+        raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
+    prompt_set = build_prompt_set(data_cfg, tokenizer, records, max_context)
+    return EvalData(records, prompt_set, load_rewards(cfg.rewards), is_conversational(records, cfg.data.prompt_column))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_model(
+    lm: torch.nn.Module,
+    tokenizer,
+    cfg: Config,
+    k: int | None = None,
+    *,
+    data: EvalData | None = None,
+    num_prompts: int | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Evaluate an already-loaded causal LM (plain, unwrapped) on the eval prompts; see the module docstring.
+
+    Pass `data=prepare_eval_data(...)` to reuse the tokenized prompts across periodic evaluations
+    (then `num_prompts`, which overrides eval.num_samples, is decided there).
+    The model's train/eval mode and KV-cache setting are restored afterwards.
+    """
+    s = eval_settings(cfg, k)
+    if data is None:
+        data = prepare_eval_data(cfg, tokenizer, context_length(lm), num_prompts)
+    engine = HFEngine(
+        get_model=lambda: lm,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=_eos_ids(tokenizer, lm),
+        max_completion_length=cfg.rollout.max_completion_length,
+        temperature=s.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+    )
+    device = next(lm.parameters()).device
+    prompts_total = len(data.prompt_set)
+    per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
+    chunks: list[torch.Tensor] = []  # [p, k, R + 1] per batch of prompts
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=prompts_total, desc=f"eval (k={s.k})", unit="prompt", disable=not progress, dynamic_ncols=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed)
+        for start in range(0, prompts_total, per_batch):
+            indices = list(range(start, min(start + per_batch, prompts_total)))
+            rollout = engine.generate([data.prompt_set.token_ids[i] for i in indices], s.k)
+            rows = [i for i in indices for _ in range(s.k)]  # grouped: prompt i x k
+            texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
+            scored = compute_rewards(
+                data.rewards,
+                prompts=[data.records[i][cfg.data.prompt_column] for i in rows],
+                completions=completions,
+                completion_ids=rollout.completion_ids,
+                columns=data.prompt_set.reward_columns(rows, cfg.data.answer_column),
+            )
+            both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
+            chunks.append(both.view(len(indices), s.k, -1))
+            bar.update(len(indices))
+    bar.close()
+    names = [r.name for r in data.rewards] + ["reward"]
+    results = summarize(torch.cat(chunks, 0), names, s.k)
+    results["eval/num_prompts"] = float(prompts_total)
+    return results
+
+
+def evaluate(
+    cfg: Config,
+    checkpoint: str | Path | None = None,
+    k: int | None = None,
+    *,
+    num_prompts: int | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Load the model (`checkpoint`, or `cfg.model` when None) and evaluate it on one process.
+
+    `checkpoint` is a `save_pretrained` folder (e.g. OUTPUT_DIR/model) or a training
+    checkpoint (OUTPUT_DIR/checkpoints/step-N). Uses a GPU if one is visible.
+    """
+    lm, tokenizer = load_for_eval(cfg, checkpoint)
+    lm.to("cuda" if torch.cuda.is_available() else "cpu")
+    return evaluate_model(lm, tokenizer, cfg, k, num_prompts=num_prompts, progress=progress)
+
+
+def format_results(results: dict[str, float]) -> str:
+    """One `key: value` line per metric, for the console."""
+    return "\n".join(f"{key}: {value:.4f}" if key != "eval/num_prompts" else f"{key}: {int(value)}" for key, value in results.items())
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_for_eval(cfg: Config, checkpoint: str | Path | None):
+    """(model, tokenizer) for a save_pretrained folder, an Accelerate checkpoint folder, or cfg.model."""
+    if checkpoint is None:
+        return load_causal_lm(cfg.model), load_tokenizer(cfg.model, cfg.data.chat_template)
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint: {path} is not a folder (expected OUTPUT_DIR/model or OUTPUT_DIR/checkpoints/step-N)")
+    if (path / "config.json").is_file():  # a save_pretrained folder
+        model_cfg = cfg.model.model_copy(update={"name_or_path": str(path)})
+        has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        tokenizer = load_tokenizer(model_cfg if has_tokenizer else cfg.model, cfg.data.chat_template)
+        return load_causal_lm(model_cfg), tokenizer
+    weights = next((path / name for name in CHECKPOINT_WEIGHTS if (path / name).is_file()), None)
+    if weights is None:
+        hint = f" (it holds {path / 'model'}: evaluate that)" if (path / "model" / "config.json").is_file() else ""
+        raise ConfigError(
+            f"checkpoint: {path} has neither config.json (a save_pretrained folder) nor "
+            f"{' / '.join(CHECKPOINT_WEIGHTS)} (a training checkpoint){hint}. Sharded FSDP/DeepSpeed "
+            "checkpoints must be merged first (`accelerate merge-weights`), or evaluate OUTPUT_DIR/model."
+        )
+    lm = load_causal_lm(cfg.model)
+    _load_checkpoint_weights(lm, weights, cfg.model.name_or_path)
+    return lm, load_tokenizer(cfg.model, cfg.data.chat_template)
+
+
+def _load_checkpoint_weights(lm: torch.nn.Module, weights: Path, base_name: str) -> None:
+    """Load the trainer's wrapped-policy state (keys `lm.<name>`) into the bare model, strictly."""
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights))
+    else:
+        state = torch.load(str(weights), map_location="cpu", weights_only=True)
+    if any(key.startswith("lm.") for key in state):
+        state = {key.removeprefix("lm."): value for key, value in state.items()}
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    # Tied weights (lm_head = embeddings) are saved once; a missing key that shares storage with a loaded one is fine.
+    own = lm.state_dict()
+    loaded_ptrs = {own[key].data_ptr() for key in state if key in own}
+    missing = [key for key in missing if own[key].data_ptr() not in loaded_ptrs]
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint: {weights} does not match model.name_or_path ({base_name!r}): "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+            f"{'...' if len(unexpected) > 3 else ''}; evaluate with the config the run was trained with"
+        )
+
+
+def _eos_ids(tokenizer, lm) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
