@@ -42,10 +42,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         flat = rewards[~torch.isnan(rewards)].double()
         denom = flat.std(unbiased=False) if flat.numel() > 1 else torch.zeros((), dtype=torch.float64)
     elif scale == "none":
-        denom = torch.ones((), dtype=torch.float64)
+        denom = None
     else:
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    advantages = centered / (denom + STD_EPS)
+    advantages = centered if denom is None else centered / (denom + STD_EPS)
     advantages[zero_std] = 0.0  # a group with one opinion, or all equal, teaches nothing
     stats = {
         "reward": float(torch.nanmean(rewards.double())) if valid.any() else float("nan"),

@@ -109,6 +109,12 @@ class LossConfig(_Section):
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
     )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill."
+    )
+    max_sampling_rounds: int = Field(
+        3, ge=0, description="Extra generation rounds dynamic sampling may take per step before it gives up and warns."
+    )
     mask_truncated_completions: bool = Field(
         False, description="Leave completions that hit max_completion_length out of the loss (DAPO)."
     )

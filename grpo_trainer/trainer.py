@@ -11,7 +11,7 @@ loss of each micro-batch is scaled so that gradient accumulation and the
 cross-rank gradient average add up to exactly the batch loss `losses.aggregate`
 defines. The math lives in `losses` and `advantages`; this file only moves data.
 
-Deliberately simple: no dynamic sampling, no sample packing, the `hf` engine only.
+Deliberately simple: no sample packing, the `hf` engine only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .errors import ConfigError, TrainingError
 from .metrics import MetricsWriter
 from .models import TokenLogprobs, context_length, load_causal_lm, load_tokenizer, make_sequence_batch
 from .rewards import compute_rewards, load_rewards
-from .rollout import build_engine
+from .rollout import Rollout, build_engine
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -131,29 +131,42 @@ def train(cfg: Config) -> TrainResult:
         step_start = time.perf_counter()
         timing: dict[str, float] = {}
 
-        # ---- 1. sample G completions for this rank's prompts
-        tick = time.perf_counter()
-        batch_indices = sampler.next_indices(cfg.train.prompts_per_step)
-        local_indices = batch_indices[rank * local_prompts : (rank + 1) * local_prompts]
-        rollout = engine.generate([prompt_set.token_ids[i] for i in local_indices], g)
-        timing["timing/rollout"] = time.perf_counter() - tick
+        # ---- 1-2. sample G completions per prompt, score them; advantages over the whole batch (all ranks)
+        def sample_and_score(local_indices: list[int]):
+            tick = time.perf_counter()
+            rollout = engine.generate([prompt_set.token_ids[i] for i in local_indices], g)
+            timing["timing/rollout"] = timing.get("timing/rollout", 0.0) + time.perf_counter() - tick
+            tick = time.perf_counter()
+            rows = [i for i in local_indices for _ in range(g)]  # prompt index of each completion
+            texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            reward_batch = compute_rewards(
+                rewards,
+                prompts=[records[i][cfg.data.prompt_column] for i in rows],
+                completions=[[{"role": "assistant", "content": t}] for t in texts] if conversational else texts,
+                completion_ids=rollout.completion_ids,
+                columns=prompt_set.reward_columns(rows, cfg.data.answer_column),
+            )
+            timing["timing/reward"] = timing.get("timing/reward", 0.0) + time.perf_counter() - tick
+            return rollout, reward_batch
 
-        # ---- 2. rewards, then advantages over the whole batch (all ranks)
-        tick = time.perf_counter()
-        rows = [i for i in local_indices for _ in range(g)]  # prompt index of each completion
-        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        reward_batch = compute_rewards(
-            rewards,
-            prompts=[records[i][cfg.data.prompt_column] for i in rows],
-            completions=completions,
-            completion_ids=rollout.completion_ids,
-            columns=prompt_set.reward_columns(rows, cfg.data.answer_column),
-        )
-        all_rewards = accelerator.gather(reward_batch.total.to(accelerator.device)).cpu()  # [world * local_n]
+        def next_local_indices() -> list[int]:
+            batch_indices = sampler.next_indices(cfg.train.prompts_per_step)
+            return batch_indices[rank * local_prompts : (rank + 1) * local_prompts]
+
+        sampling_stats: dict[str, float] = {}
+        if cfg.loss.dynamic_sampling:
+            local_indices, rollout, all_rewards, reward_metrics, sampling_stats = _dynamic_sampling(
+                accelerator, sample_and_score, next_local_indices, cfg, local_prompts
+            )
+        else:
+            local_indices = next_local_indices()
+            rollout, reward_batch = sample_and_score(local_indices)
+            reward_metrics = reward_batch.metrics
+            all_rewards = accelerator.gather(reward_batch.total.to(accelerator.device)).cpu()  # [world * local_n]
+        rows = [i for i in local_indices for _ in range(g)]
         all_advantages, reward_stats = group_advantages(all_rewards, g, cfg.loss.scale_rewards)
+        reward_stats.update(sampling_stats)  # under dynamic sampling: statistics of everything sampled
         advantages = all_advantages[rank * local_n : (rank + 1) * local_n]  # [local_n]
-        timing["timing/reward"] = time.perf_counter() - tick
 
         # ---- 3. micro-batches; old and reference log-probs only when needed
         tick = time.perf_counter()
@@ -228,12 +241,11 @@ def train(cfg: Config) -> TrainResult:
                         grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.train.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                sums[0] += share.detach() / cfg.train.num_iterations
+                # Averaged over iterations: clipping only happens once the batch is reused (iteration > 0).
+                sums[:5] += torch.stack(
+                    [share.detach(), parts["clip_low"], parts["clip_high"], parts["clip_region"], torch.as_tensor(parts.get("kl", 0.0))]
+                ) / cfg.train.num_iterations
                 if iteration == 0:
-                    sums[1] += parts["clip_low"]
-                    sums[2] += parts["clip_high"]
-                    sums[3] += parts["clip_region"]
-                    sums[4] += parts.get("kl", 0.0)
                     sums[5] += (entropy * mb["mask"]).sum()
             scheduler.step()
         timing["timing/update"] = time.perf_counter() - tick
@@ -258,7 +270,7 @@ def train(cfg: Config) -> TrainResult:
             "clip_ratio/high_mean": float(sums[2]) / max(total_tokens, 1),
             "clip_ratio/region_mean": float(sums[3]) / max(total_tokens, 1),
             **({"kl": float(sums[4]) / max(total_tokens, 1)} if cfg.loss.beta > 0 else {}),
-            **reward_batch.metrics,  # per-reward metrics of the main process's slice
+            **reward_metrics,  # per-reward metrics of the main process's slice
             **timing,
         }
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.max_steps:
@@ -283,6 +295,86 @@ def train(cfg: Config) -> TrainResult:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Group:
+    """One prompt's G completions and their total rewards (NaN = no opinion)."""
+
+    prompt_index: int
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    rewards: list[float]
+
+    @property
+    def informative(self) -> bool:
+        valid = [r for r in self.rewards if not math.isnan(r)]
+        return len(valid) >= 2 and max(valid) > min(valid)
+
+
+def _dynamic_sampling(accelerator, sample_and_score, next_local_indices, cfg: Config, local_prompts: int):
+    """DAPO dynamic sampling (Yu et al. 2025, sec. 3.2): keep only groups whose rewards differ, sample more prompts
+    until the batch holds prompts_per_step of them, at most `loss.max_sampling_rounds` extra rounds.
+
+    Every rank sees the kept groups of all ranks (gather_object of token ids), so the batch is
+    refilled evenly. Groups beyond the batch are dropped, never carried over: data from an
+    older policy would make the step silently off-policy. If the bound is hit, the batch is
+    topped up with degenerate groups (advantage 0, so they add no gradient) and a warning says so.
+    """
+    from accelerate.utils import gather_object
+
+    target = cfg.train.prompts_per_step
+    g = cfg.rollout.num_generations
+    kept: list[Group] = []
+    degenerate: list[Group] = []
+    generated = 0
+    first_rewards = None
+    reward_metrics: dict[str, float] = {}
+    for round_index in range(cfg.loss.max_sampling_rounds + 1):
+        local_indices = next_local_indices()
+        rollout, reward_batch = sample_and_score(local_indices)
+        if round_index == 0:
+            reward_metrics = reward_batch.metrics
+        totals = reward_batch.total.tolist()
+        local_groups = [
+            Group(p, rollout.completion_ids[j * g : (j + 1) * g], rollout.truncated[j * g : (j + 1) * g], totals[j * g : (j + 1) * g])
+            for j, p in enumerate(local_indices)
+        ]
+        all_groups: list[Group] = gather_object(local_groups)  # rank order, identical on every rank
+        if first_rewards is None:
+            first_rewards = torch.tensor([r for grp in all_groups for r in grp.rewards])
+        generated += len(all_groups)
+        for grp in all_groups:
+            (kept if grp.informative else degenerate).append(grp)
+        if len(kept) >= target:
+            break
+    rounds = round_index
+    short = max(0, target - len(kept))
+    if short:
+        logger.warning(
+            "dynamic sampling: only %d of %d groups had differing rewards after %d extra rounds "
+            "(loss.max_sampling_rounds); %d degenerate groups fill the batch and add no gradient",
+            len(kept), target, rounds, short,
+        )
+    batch = (kept + degenerate[:short])[:target]
+    rank = accelerator.process_index
+    mine = batch[rank * local_prompts : (rank + 1) * local_prompts]
+    rollout = Rollout(
+        completion_ids=[c for grp in mine for c in grp.completion_ids],
+        truncated=[t for grp in mine for t in grp.truncated],
+    )
+    all_rewards = torch.tensor([r for grp in batch for r in grp.rewards])
+    _, first_stats = group_advantages(first_rewards, g, "none")
+    stats = {
+        # Of the first round, i.e. of what the policy does, not of the filtered batch.
+        **{k: first_stats[k] for k in ("reward", "reward_std", "frac_reward_zero_std")},
+        "dynamic_sampling/extra_rounds": float(rounds),
+        "dynamic_sampling/generated_groups": float(generated),
+        "dynamic_sampling/kept_groups": float(min(len(kept), target)),
+        "dynamic_sampling/filled_degenerate_groups": float(short),
+    }
+    return [grp.prompt_index for grp in mine], rollout, all_rewards, reward_metrics, stats
+
 
 
 def _batch_geometry(cfg: Config, world: int) -> tuple[int, int]:
