@@ -247,7 +247,11 @@ def format_results(results: dict[str, float]) -> str:
 
 
 def load_for_eval(cfg: Config, checkpoint: str | Path | None):
-    """(model, tokenizer) for a save_pretrained folder, an Accelerate checkpoint folder, or cfg.model."""
+    """(model, tokenizer) for a save_pretrained folder (full model or PEFT adapter), a training checkpoint, or cfg.model.
+
+    A training checkpoint is loaded into the model `cfg.model` describes (LoRA included, when
+    configured), so evaluate it with the config it was trained with.
+    """
     if checkpoint is None:
         return load_causal_lm(cfg.model), load_tokenizer(cfg.model, cfg.data.chat_template)
     path = Path(checkpoint)
@@ -258,6 +262,14 @@ def load_for_eval(cfg: Config, checkpoint: str | Path | None):
         has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         tokenizer = load_tokenizer(model_cfg if has_tokenizer else cfg.model, cfg.data.chat_template)
         return load_causal_lm(model_cfg), tokenizer
+    if (path / "adapter_config.json").is_file():  # a PEFT adapter folder: the base model from cfg.model, then the adapter
+        from peft import PeftModel
+
+        base_cfg = cfg.model.model_copy(update={"lora": None}) if getattr(cfg.model, "lora", None) is not None else cfg.model
+        lm = PeftModel.from_pretrained(load_causal_lm(base_cfg), str(path))
+        has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        model_cfg = cfg.model.model_copy(update={"name_or_path": str(path)}) if has_tokenizer else cfg.model
+        return lm, load_tokenizer(model_cfg, cfg.data.chat_template)
     weights = next((path / name for name in CHECKPOINT_WEIGHTS if (path / name).is_file()), None)
     if weights is None:
         hint = f" (it holds {path / 'model'}: evaluate that)" if (path / "model" / "config.json").is_file() else ""

@@ -151,3 +151,17 @@ def test_bad_checkpoint_paths_are_clear_errors(trained_run, tmp_path):
     save_file({"lm.something.else": torch.zeros(2)}, str(wrong / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not match model.name_or_path"):
         load_for_eval(cfg, wrong)
+
+
+def test_a_peft_adapter_folder_is_loaded_onto_the_base_model(tmp_path, tiny_model_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    lm, tokenizer = load_for_eval(load_config("configs/demo_cpu.yaml"), tmp_path / "adapter")
+    assert isinstance(lm, peft.PeftModel)
+    key = next(k for k in adapted.state_dict() if "lora_B" in k)
+    assert torch.equal(lm.state_dict()[key], adapted.state_dict()[key])
+    assert tokenizer.chat_template  # from cfg.model: the adapter folder has no tokenizer
