@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 TRAINER_STATE = "trainer_state.json"
+METRICS_HISTORY = "metrics.jsonl"  # the run's metrics up to the checkpoint's step
 LATEST = "latest"
 
 
@@ -23,8 +24,18 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
-    """Every rank calls this (Accelerate's save is collective); the main process renames and prunes."""
+def save_checkpoint(
+    accelerator,
+    output_dir: str | Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    keep_last: int = 0,
+    files: dict[str, str] | None = None,
+) -> Path:
+    """Every rank calls this (Accelerate's save is collective); the main process renames and prunes.
+
+    `files` are extra text files written into the checkpoint (the metrics history so far).
+    """
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
     staging = root / f".tmp-step-{step:06d}"
@@ -33,8 +44,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, trainer_stat
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
+    _pause_for_fault_injection()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for name, text in (files or {}).items():
+            (staging / name).write_text(text)
+        # trainer_state.json is what marks a checkpoint complete: written last, inside the staging folder.
         _write_atomic(staging / TRAINER_STATE, json.dumps({**trainer_state, "step": step}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -44,6 +59,15 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, trainer_stat
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def remove_incomplete(output_dir: str | Path) -> list[Path]:
+    """Delete staging folders a crash left behind (never a complete checkpoint)."""
+    root = checkpoint_root(output_dir)
+    stale = sorted(root.glob(".tmp-step-*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -71,9 +95,83 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator, path: str | Path) -> dict[str, Any]:
-    accelerator.load_state(str(path))
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def load_checkpoint(accelerator, path: str | Path) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG states in place; return the trainer state."""
+    accelerator.load_state(str(path))
+    return read_trainer_state(path)
+
+
+# Settings that change what a run means: resuming with a different value is refused unless forced.
+MEANING_KEYS = (
+    "seed",
+    "model.name_or_path",
+    "model.dtype",
+    "model.lora",
+    "data.source",
+    "data.subset",
+    "data.split",
+    "data.prompt_column",
+    "data.answer_column",
+    "data.system_prompt",
+    "data.chat_template",
+    "data.use_chat_template",
+    "data.num_samples",
+    "rollout.num_generations",
+    "loss.type",
+    "train.prompts_per_step",
+)
+# Settings that only say how long to run and what to record: changing them is harmless.
+HARMLESS_PREFIXES = ("output_dir", "train.max_steps", "logging.", "checkpoint.", "eval.")
+
+
+def check_resume_compatible(
+    saved: dict[str, Any], current: dict[str, Any], saved_world: int | None, world: int, force: bool
+) -> list[tuple[str, bool]]:
+    """Compare the checkpoint's resolved config with this run's.
+
+    Returns (note, harmless) for each allowed change, to be logged (a change that is neither
+    harmless nor refused, e.g. the learning rate, deserves a warning); raises TrainingError listing
+    the changes that would break the run's meaning, unless `force`.
+    """
+    from .errors import TrainingError
+
+    old, new = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    refused = [k for k in changed if k in MEANING_KEYS or any(k.startswith(m + ".") for m in MEANING_KEYS)]
+    problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused]
+    if saved_world is not None and saved_world != world:
+        problems.append(f"number of processes: {saved_world} -> {world} (each rank's prompts and random streams would change)")
+    if problems and not force:
+        raise TrainingError(
+            "cannot resume: these settings differ from the checkpoint's and change what the run means:\n  "
+            + "\n  ".join(problems)
+            + "\nstart a new output_dir, or set checkpoint.force_resume=true to resume anyway"
+        )
+    notes = [(f"{k}: {old.get(k)!r} -> {new.get(k)!r}", k.startswith(HARMLESS_PREFIXES)) for k in changed if k not in refused]
+    return notes + [(f"(forced) {p}", False) for p in problems]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _pause_for_fault_injection() -> None:
+    """Test hook: GRPO_TRAINER_PAUSE_IN_SAVE=SECONDS stalls every save between writing the state and
+    publishing it, so a test can kill the process at the worst moment (tests/test_checkpoint.py)."""
+    seconds = float(os.environ.get("GRPO_TRAINER_PAUSE_IN_SAVE", "0") or 0)
+    if seconds > 0:
+        import time
+
+        time.sleep(seconds)
 
 
 def _write_atomic(path: Path, text: str) -> None:

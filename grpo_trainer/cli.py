@@ -23,12 +23,21 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 loss.type=dr_grpo")
+    p = sub.add_parser("export", help="write a checkpoint's model as a save_pretrained folder")
+    p.add_argument("checkpoint", help="a checkpoint folder, e.g. OUTPUT_DIR/checkpoints/step-000100")
+    p.add_argument("out", help="folder to write")
+    p.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapter into the base weights")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "export":
+            from .export import export_checkpoint
+
+            print(f"exported to {export_checkpoint(args.checkpoint, args.out, merge=args.merge)}")
+            return 0
         from .config import load_config
 
         cfg = load_config(args.config, args.overrides)

@@ -31,6 +31,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Modules to adapt: PEFT's `all-linear` or a list of module names."
+    )
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "builtin:tiny",
@@ -41,6 +50,9 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base."
+    )
     logprob_chunk_size: int = Field(
         1024,
         gt=0,
@@ -152,6 +164,9 @@ class CheckpointConfig(_Section):
         "auto", description="`auto` (newest complete checkpoint in output_dir, if any), `never`, or a checkpoint path."
     )
     keep_last: int = Field(0, ge=0, description="Keep only the newest N checkpoints (0: keep all).")
+    force_resume: bool = Field(
+        False, description="Resume even if settings that change the run's meaning differ from the checkpoint's."
+    )
     save_final_model: bool = Field(True, description="Write the trained model with save_pretrained to OUTPUT_DIR/model.")
 
 

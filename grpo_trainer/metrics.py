@@ -22,20 +22,30 @@ class MetricsWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps after the checkpoint (they will be logged again)."""
-        if not self.enabled or not self.path.exists():
+    def restore(self, history: str) -> None:
+        """On resume: the metrics file becomes the checkpoint's copy (steps after it will be logged again)."""
+        if not self.enabled:
             return
         self._file.close()
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self.path.write_text(history)
         self._file = self.path.open("a")
+
+    def history_with(self, record: dict[str, Any] | None) -> str:
+        """The file's content plus `record`: what a checkpoint taken now should hold."""
+        if not self.enabled:
+            return ""
+        text = self.path.read_text() if self.path.exists() else ""
+        return text + (self._line(record) if record is not None else "")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.write(self._line(record))
         self._file.flush()
+
+    @staticmethod
+    def _line(record: dict[str, Any]) -> str:
+        return json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
 
     def close(self) -> None:
         if self._file is not None:

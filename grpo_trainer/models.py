@@ -36,14 +36,35 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     return tokenizer
 
 
-def load_causal_lm(cfg: ModelConfig):
+def load_causal_lm(cfg: ModelConfig, with_lora: bool = True):
+    """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set and `with_lora`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
     )
     model.config.use_cache = False  # training forwards never need the KV cache
+    if cfg.lora is not None and with_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
     return model
+
+
+def is_lora(lm) -> bool:
+    return hasattr(lm, "disable_adapter") and hasattr(lm, "merge_and_unload")
+
+
+def plain_model(lm):
+    """A LoRA model merged into plain weights (a copy's worth of memory), or the model itself."""
+    return lm.merge_and_unload() if is_lora(lm) else lm
 
 
 def context_length(model) -> int | None:

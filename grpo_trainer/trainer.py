@@ -31,7 +31,7 @@ from .config import Config
 from .data import PromptSampler, build_prompt_set, is_conversational, load_records
 from .errors import ConfigError, TrainingError
 from .metrics import MetricsWriter
-from .models import TokenLogprobs, context_length, load_causal_lm, load_tokenizer, make_sequence_batch
+from .models import TokenLogprobs, context_length, is_lora, load_causal_lm, load_tokenizer, make_sequence_batch, plain_model
 from .rewards import compute_rewards, load_rewards
 from .rollout import Rollout, build_engine
 
@@ -93,10 +93,19 @@ def train(cfg: Config) -> TrainResult:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # The scheduler stays unprepared: Accelerate's wrapper would step it once per process.
     accelerator.register_for_checkpointing(scheduler)
-    reference = None
-    if cfg.loss.beta > 0:  # with beta = 0 no reference model exists at all
+    reference = None  # with beta = 0 no reference model exists at all
+    if cfg.loss.beta > 0 and not is_lora(lm):
         reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size)
         reference = reference.to(accelerator.device).eval().requires_grad_(False)
+
+    def reference_logprobs(input_ids, attention_mask, num_tokens):
+        if reference is not None:
+            return reference(input_ids, attention_mask, num_tokens)[0]
+        # LoRA: the reference is the base model itself, adapters switched off; no second copy.
+        bare = accelerator.unwrap_model(policy)
+        with bare.lm.disable_adapter():
+            return bare(input_ids, attention_mask, num_tokens)[0]
+
     engine = build_engine(
         cfg.rollout.engine,
         get_model=lambda: accelerator.unwrap_model(policy).lm,
@@ -113,17 +122,28 @@ def train(cfg: Config) -> TrainResult:
     # ---- resume
     sampler = PromptSampler(len(prompt_set), seed=cfg.seed, shuffle=cfg.data.shuffle)
     start_step = 0
-    resume_from = ckpt.find_resume_checkpoint(output_dir, cfg.checkpoint.resume)
-    if resume_from is not None:
-        state = ckpt.load_checkpoint(accelerator, resume_from)
-        sampler.load_state_dict(state["sampler"])
-        start_step = int(state["step"])
-        logger.info("resumed from %s at step %d", resume_from, start_step)
+    resume_from = _find_checkpoint(cfg)
     metrics_out = MetricsWriter(output_dir, enabled=accelerator.is_main_process)
+    if resume_from is not None:
+        saved = ckpt.read_trainer_state(resume_from)
+        for note, harmless in ckpt.check_resume_compatible(
+            saved.get("config", {}), cfg.model_dump(mode="json"), saved.get("world_size"), world, cfg.checkpoint.force_resume
+        ):
+            (logger.info if harmless else logger.warning)("changed on resume: %s", note)
+        ckpt.load_checkpoint(accelerator, resume_from)
+        sampler.load_state_dict(saved["sampler"])
+        start_step = int(saved["step"])
+        metrics_out.restore((resume_from / ckpt.METRICS_HISTORY).read_text())
+        logger.info("resumed from %s at step %d", resume_from, start_step)
+    else:
+        if ckpt.complete_checkpoints(output_dir):
+            logger.warning("starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
+                           output_dir, cfg.checkpoint.resume)
+        metrics_out.restore("")
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(cfg.to_yaml())
-        metrics_out.truncate_after(start_step)
+        ckpt.remove_incomplete(output_dir)
     progress = _progress_bar(cfg, accelerator.is_main_process, start_step)
 
     last: dict = {}
@@ -198,8 +218,8 @@ def train(cfg: Config) -> TrainResult:
                 n_tok = mb["mask"].shape[1]
                 if cfg.train.num_iterations > 1:  # with mu = 1 the old policy *is* the current one: no extra pass
                     mb["old_logp"], _ = policy(mb["input_ids"], mb["attention_mask"], n_tok)
-                if reference is not None:
-                    mb["ref_logp"], _ = reference(mb["input_ids"], mb["attention_mask"], n_tok)
+                if cfg.loss.beta > 0:
+                    mb["ref_logp"] = reference_logprobs(mb["input_ids"], mb["attention_mask"], n_tok)
         timing["timing/logprobs"] = time.perf_counter() - tick
 
         # ---- 4. num_iterations optimizer steps on this batch
@@ -273,14 +293,17 @@ def train(cfg: Config) -> TrainResult:
             **reward_metrics,  # per-reward metrics of the main process's slice
             **timing,
         }
+        record["step_time"] = time.perf_counter() - step_start
+        log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.max_steps:
             tick = time.perf_counter()
+            history = metrics_out.history_with(record if log_this_step else None)
+            state = {"sampler": sampler.state_dict(), "world_size": world, "config": cfg.model_dump(mode="json")}
             ckpt.save_checkpoint(
-                accelerator, output_dir, step, {"sampler": sampler.state_dict()}, keep_last=cfg.checkpoint.keep_last
+                accelerator, output_dir, step, state, cfg.checkpoint.keep_last, files={ckpt.METRICS_HISTORY: history}
             )
             record["timing/checkpoint"] = time.perf_counter() - tick
-        record["step_time"] = time.perf_counter() - step_start
-        if step % cfg.logging.log_every == 0 or step == cfg.train.max_steps:
+        if log_this_step:
             metrics_out.write(record)
         progress.update(record)
         last = record
@@ -393,6 +416,13 @@ def _batch_geometry(cfg: Config, world: int) -> tuple[int, int]:
     return local_prompts, local_n // cfg.train.micro_batch_size
 
 
+def _find_checkpoint(cfg: Config):
+    try:
+        return ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
+    except FileNotFoundError as exc:
+        raise TrainingError(str(exc)) from None
+
+
 def _eos_ids(tokenizer, lm) -> list[int]:
     ids = {tokenizer.eos_token_id}
     generation_eos = getattr(lm.generation_config, "eos_token_id", None)
@@ -411,12 +441,19 @@ def _length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str
 
 
 def _save_final_model(accelerator, policy, tokenizer, folder: Path) -> None:
-    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded)."""
+    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded).
+
+    LoRA runs write the adapter alone to `adapter/` beside it, and the merged model to `folder`.
+    """
     state_dict = accelerator.get_state_dict(policy)  # collective under ZeRO-3 / FSDP
     if accelerator.is_main_process:
         lm = accelerator.unwrap_model(policy).lm
-        lm_state = {k.removeprefix("lm."): v for k, v in state_dict.items()}
-        lm.save_pretrained(folder, state_dict=lm_state)
+        if is_lora(lm):
+            lm.save_pretrained(folder.parent / "adapter")
+            tokenizer.save_pretrained(folder.parent / "adapter")
+            plain_model(lm).save_pretrained(folder)
+        else:
+            lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
         tokenizer.save_pretrained(folder)
         logger.info("saved the final model to %s", folder)
 

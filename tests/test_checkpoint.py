@@ -1,0 +1,163 @@
+"""Checkpoints: exact resume, atomic saves under SIGKILL, refusing incompatible resumes, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT, run_cli, small_run_overrides
+
+TIMING = ("timing/", "step_time", "/seconds")
+
+
+def metrics_without_timing(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
+def assert_same_run(a, b):
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"weights differ after resume: {different[:3]}"
+    assert metrics_without_timing(a) == metrics_without_timing(b)
+
+
+def train(out, steps, *extra, launcher=None, env=None, resume="never"):
+    overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
+    result = run_cli(["train", "configs/demo_cpu.yaml", *overrides, f"checkpoint.resume={resume}", *extra], launcher=launcher, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("extra", [[], ["train.num_iterations=2"]], ids=["mu1", "mu2"])
+def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model_path, extra):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, 4, *extra)
+    train(resumed, 2, *extra)
+    log = train(resumed, 4, *extra, resume="auto").stderr
+    assert "resumed from" in log and "at step 2" in log
+    assert "changed on resume: train.max_steps: 2 -> 4" in log
+    assert_same_run(straight, resumed)
+
+
+def test_two_process_resume_is_bit_identical(tmp_path, tiny_model_path):
+    launcher = [str(os.path.join(os.path.dirname(sys.executable), "accelerate")), "launch", "--config_file",
+                str(ROOT / "configs/accelerate/cpu_ddp.yaml"), "--main_process_port", "29633", "-m"]
+    env = {"ACCELERATE_USE_CPU": "1"}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert "world_size=2" in train(straight, 4, launcher=launcher, env=env).stderr
+    train(resumed, 2, launcher=launcher, env=env)
+    assert "at step 2" in train(resumed, 4, launcher=launcher, env=env, resume="auto").stderr
+    assert_same_run(straight, resumed)
+
+
+def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_path):
+    out = tmp_path / "run"
+    overrides = [o for o in small_run_overrides(out, 6)] + ["checkpoint.save_every=2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPO_TRAINER_PAUSE_IN_SAVE": "60"}
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_trainer", "train", "configs/demo_cpu.yaml", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    staging = out / "checkpoints" / ".tmp-step-000002"
+    try:
+        deadline = time.time() + 300
+        while not (staging / "model.safetensors").exists():  # the state is on disk, not yet published
+            assert proc.poll() is None and time.time() < deadline, "training ended before its first save"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "checkpoints" / "step-000002").exists() and not (out / "checkpoints" / "latest").exists()
+
+    # Now let the step-2 save complete, and kill during the step-4 one.
+    env["GRPO_TRAINER_PAUSE_IN_SAVE"] = "0"
+    train(out, 2, "checkpoint.save_every=2")
+    env["GRPO_TRAINER_PAUSE_IN_SAVE"] = "60"
+    resume_overrides = [o for o in small_run_overrides(out, 6) if "resume" not in o] + ["checkpoint.save_every=2", "checkpoint.resume=auto"]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_trainer", "train", "configs/demo_cpu.yaml", *resume_overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    staging = out / "checkpoints" / ".tmp-step-000004"
+    try:
+        deadline = time.time() + 300
+        while not (staging / "model.safetensors").exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (out / "checkpoints" / "latest").read_text() == "step-000002"
+
+    log = train(out, 6, "checkpoint.save_every=2", resume="auto").stderr
+    assert "at step 2" in log
+    assert not staging.exists()  # the half-written save was cleaned up
+    assert [r["step"] for r in metrics_without_timing(out)] == [1, 2, 3, 4, 5, 6]
+    assert (out / "checkpoints" / "latest").read_text() == "step-000006"
+
+
+def test_incompatible_resume_is_refused_and_compatible_changes_continue(tmp_path, tiny_model_path):
+    out = tmp_path / "run"
+    train(out, 2)
+    refused = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 3), "checkpoint.resume=auto",
+                       "rollout.num_generations=2", "loss.type=dapo"])
+    assert refused.returncode == 2
+    assert "cannot resume" in refused.stderr and "rollout.num_generations: 4 -> 2" in refused.stderr
+    assert "loss.type: 'grpo' -> 'dapo'" in refused.stderr and "checkpoint.force_resume=true" in refused.stderr
+    log = train(out, 3, "train.learning_rate=5e-4", "logging.log_every=1", resume="auto").stderr
+    assert "changed on resume: train.learning_rate: 0.001 -> 0.0005" in log
+    forced = train(out, 4, "loss.type=dapo", "checkpoint.force_resume=true", resume="auto").stderr
+    assert "(forced) loss.type" in forced
+
+
+def _greedy(model, tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        return model.generate(**ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)[0].tolist()
+
+
+def test_export_reloads_and_generates_the_same_tokens(tmp_path, tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_trainer.export import load_checkpoint_model
+
+    out = tmp_path / "run"
+    train(out, 2)
+    exported = tmp_path / "exported"
+    result = run_cli(["export", str(out / "checkpoints" / "step-000002"), str(exported)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    in_memory, tokenizer, _ = load_checkpoint_model(out / "checkpoints" / "step-000002")
+    reloaded = AutoModelForCausalLM.from_pretrained(exported)
+    assert _greedy(reloaded, AutoTokenizer.from_pretrained(exported)) == _greedy(in_memory.eval(), tokenizer)
+    final = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), reloaded.state_dict().values()))
+
+
+def test_lora_run_trains_only_adapters_and_exports_adapter_and_merged(tmp_path, tiny_model_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    train(out, 2, "model.lora={r: 4, alpha: 8}", "loss.beta=0.05")
+    base = load_file(tiny_model_path / "model.safetensors")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it trained
+
+    assert run_cli(["export", str(out / "checkpoints" / "step-000002"), str(tmp_path / "adapter_only")]).returncode == 0
+    assert (tmp_path / "adapter_only" / "adapter_config.json").is_file()
+    assert run_cli(["export", str(out / "checkpoints" / "step-000002"), str(tmp_path / "merged"), "--merge"]).returncode == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter_only").eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-4, rtol=1e-4)
+    # the merged weights moved away from the base: the adapters were not a no-op
+    merged_weights = merged.state_dict()
+    assert any(not torch.equal(base[k], merged_weights[k]) for k in base if k in merged_weights)
