@@ -139,7 +139,7 @@ def check_resume_compatible(
     """
     from .errors import TrainingError
 
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     refused = [k for k in changed if k in MEANING_KEYS or any(k.startswith(m + ".") for m in MEANING_KEYS)]
     problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused]
@@ -155,11 +155,11 @@ def check_resume_compatible(
     return notes + [(f"(forced) {p}", False) for p in problems]
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
 

@@ -1,4 +1,5 @@
-"""Command line: `python -m grpo_trainer {train,validate} CONFIG [key.sub=value ...]`.
+"""Command line: `python -m grpo_trainer {train,validate,eval} CONFIG [key.sub=value ...]`, `plot OUTPUT_DIR`,
+`export CHECKPOINT OUT`.
 
 Works the same under `accelerate launch -m grpo_trainer ...`. Problems the user
 can fix (config, data, rewards) print one clear message and exit with status 2;
@@ -23,6 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 loss.type=dr_grpo")
+    p = sub.add_parser("eval", help="mean@k and pass@k of each reward on the held-out split (data.eval_split)")
+    p.add_argument("config", help="YAML config file (the run's OUTPUT_DIR/config.yaml works)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides")
+    p.add_argument("--checkpoint", help="OUTPUT_DIR/model, a checkpoint folder, or an adapter folder (default: model.name_or_path)")
+    p.add_argument("--k", type=int, help="samples per prompt (default: eval.num_generations)")
+    p = sub.add_parser("plot", help="write PNG plots of a run's metrics to OUTPUT_DIR/plots")
+    p.add_argument("output_dir", help="the run's output_dir (holding metrics.jsonl)")
+    p.add_argument("--out", help="folder for the PNGs (default: OUTPUT_DIR/plots)")
     p = sub.add_parser("export", help="write a checkpoint's model as a save_pretrained folder")
     p.add_argument("checkpoint", help="a checkpoint folder, e.g. OUTPUT_DIR/checkpoints/step-000100")
     p.add_argument("out", help="folder to write")
@@ -31,8 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also come after --options (argparse stops collecting positionals there).
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
+        if args.command == "plot":
+            from .plot import plot_run
+
+            for path in plot_run(args.output_dir, args.out, on_skip=lambda note: print(f"skipped: {note}")):
+                print(path)
+            return 0
         if args.command == "export":
             from .export import export_checkpoint
 
@@ -43,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
             print(cfg.to_yaml(), end="")
+            return 0
+        if args.command == "eval":
+            from .evaluate import evaluate, format_results
+
+            print(format_results(evaluate(cfg, args.checkpoint, args.k)))
             return 0
         if args.command == "train":
             from .trainer import train

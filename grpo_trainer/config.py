@@ -81,6 +81,8 @@ class DataConfig(_Section):
     num_samples: int | None = Field(
         None, gt=0, description="Use only the first N records (after loading, before shuffling)."
     )
+    eval_source: str | None = Field(None, description="Where evaluation prompts come from (None: data.source).")
+    eval_split: str | None = Field(None, description="Split for evaluation (None: `test`).")
 
 
 class RolloutConfig(_Section):
@@ -156,6 +158,16 @@ class TrainConfig(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: no clipping).")
+    max_consecutive_nonfinite: int = Field(
+        3, ge=0, description="Optimizer steps with a NaN/inf loss or gradient are skipped; stop after this many in a row."
+    )
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Evaluate every N training steps, logged as eval/... (0: never during training).")
+    num_samples: int | None = Field(None, gt=0, description="Evaluate on the first N prompts of the eval split (None: all).")
+    num_generations: int = Field(4, ge=1, description="k: samples per prompt for mean@k and pass@k.")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature for evaluation (None: rollout.temperature).")
 
 
 class CheckpointConfig(_Section):
@@ -172,9 +184,16 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
-    report_to: list[Literal["jsonl"]] = Field(
-        default_factory=lambda: ["jsonl"], description="Metric sinks; `jsonl` (OUTPUT_DIR/metrics.jsonl) is always on."
+    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb` (main process only).",
     )
+    project: str = Field("grpo-trainer", description="Project name given to tensorboard / wandb.")
+    completions_every: int = Field(
+        0, ge=0, description="Every N steps, append sample completions to OUTPUT_DIR/completions.jsonl (0: never)."
+    )
+    num_completions: int = Field(4, gt=0, description="Completions recorded each time (from the main process's groups).")
+    print_completions: bool = Field(False, description="Also print those completions as a table on the console.")
     progress_bar: bool = Field(True, description="Show a live progress bar on the main process.")
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Console log level.")
 
@@ -191,6 +210,7 @@ class Config(_Section):
     )
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss and advantages.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.")
 

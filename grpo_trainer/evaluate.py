@@ -42,14 +42,13 @@ import torch
 from .config import Config
 from .data import LOCAL_FORMATS, PromptSet, build_prompt_set, is_conversational, load_records
 from .errors import ConfigError, DataError
-from .models import context_length, load_causal_lm, load_tokenizer
+from .models import context_length, eos_token_ids, load_causal_lm, load_policy_weights, load_tokenizer
 from .rewards import Reward, compute_rewards, load_rewards
 from .rollout.hf import HFEngine
 
 logger = logging.getLogger("grpo_trainer")
 
 DEFAULT_EVAL_SPLIT = "test"
-DEFAULT_K = 4
 DEFAULT_BATCH_PROMPTS = 32  # prompts per generate call when rollout.batch_size is 0
 CHECKPOINT_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # Accelerate's names for the first prepared model
 
@@ -112,23 +111,23 @@ def eval_settings(cfg: Config, k: int | None = None, num_prompts: int | None = N
 
     `k` overrides eval.num_generations and `num_prompts` overrides eval.num_samples.
     """
-    section = getattr(cfg, "eval", None)
-    source = getattr(cfg.data, "eval_source", None) or cfg.data.source
-    split = getattr(cfg.data, "eval_split", None) or DEFAULT_EVAL_SPLIT
-    k = k if k is not None else getattr(section, "num_generations", None) or DEFAULT_K
+    section = cfg.eval
+    source = cfg.data.eval_source or cfg.data.source
+    split = cfg.data.eval_split or DEFAULT_EVAL_SPLIT
+    k = k if k is not None else section.num_generations
     if k < 1:
         raise ConfigError(f"eval: k (the samples per prompt) must be at least 1, got {k}")
-    num_samples = num_prompts if num_prompts is not None else getattr(section, "num_samples", None)
+    num_samples = num_prompts if num_prompts is not None else section.num_samples
     if num_samples is not None and num_samples < 1:
         raise ConfigError(f"eval: the number of prompts must be at least 1, got {num_samples}")
-    temperature = getattr(section, "temperature", None) or cfg.rollout.temperature
+    temperature = section.temperature or cfg.rollout.temperature
     return EvalSettings(
         source=source,
         split=split,
         num_samples=num_samples,
         k=k,
         temperature=temperature,
-        every=getattr(section, "every", 0) or 0,
+        every=section.every,
     )
 
 
@@ -182,7 +181,7 @@ def evaluate_model(
     engine = HFEngine(
         get_model=lambda: lm,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=_eos_ids(tokenizer, lm),
+        eos_token_ids=eos_token_ids(tokenizer, lm),
         max_completion_length=cfg.rollout.max_completion_length,
         temperature=s.temperature,
         top_p=cfg.rollout.top_p,
@@ -265,7 +264,7 @@ def load_for_eval(cfg: Config, checkpoint: str | Path | None):
     if (path / "adapter_config.json").is_file():  # a PEFT adapter folder: the base model from cfg.model, then the adapter
         from peft import PeftModel
 
-        base_cfg = cfg.model.model_copy(update={"lora": None}) if getattr(cfg.model, "lora", None) is not None else cfg.model
+        base_cfg = cfg.model.model_copy(update={"lora": None})
         lm = PeftModel.from_pretrained(load_causal_lm(base_cfg), str(path))
         has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         model_cfg = cfg.model.model_copy(update={"name_or_path": str(path)}) if has_tokenizer else cfg.model
@@ -279,35 +278,5 @@ def load_for_eval(cfg: Config, checkpoint: str | Path | None):
             "checkpoints must be merged first (`accelerate merge-weights`), or evaluate OUTPUT_DIR/model."
         )
     lm = load_causal_lm(cfg.model)
-    _load_checkpoint_weights(lm, weights, cfg.model.name_or_path)
+    load_policy_weights(lm, weights, cfg.model.name_or_path)
     return lm, load_tokenizer(cfg.model, cfg.data.chat_template)
-
-
-def _load_checkpoint_weights(lm: torch.nn.Module, weights: Path, base_name: str) -> None:
-    """Load the trainer's wrapped-policy state (keys `lm.<name>`) into the bare model, strictly."""
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    else:
-        state = torch.load(str(weights), map_location="cpu", weights_only=True)
-    if any(key.startswith("lm.") for key in state):
-        state = {key.removeprefix("lm."): value for key, value in state.items()}
-    missing, unexpected = lm.load_state_dict(state, strict=False)
-    # Tied weights (lm_head = embeddings) are saved once; a missing key that shares storage with a loaded one is fine.
-    own = lm.state_dict()
-    loaded_ptrs = {own[key].data_ptr() for key in state if key in own}
-    missing = [key for key in missing if own[key].data_ptr() not in loaded_ptrs]
-    if missing or unexpected:
-        raise ConfigError(
-            f"checkpoint: {weights} does not match model.name_or_path ({base_name!r}): "
-            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
-            f"{'...' if len(unexpected) > 3 else ''}; evaluate with the config the run was trained with"
-        )
-
-
-def _eos_ids(tokenizer, lm) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    generation_eos = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
-    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-    return sorted(i for i in ids if i is not None)

@@ -14,15 +14,13 @@ from pathlib import Path
 from .checkpoint import TRAINER_STATE, read_trainer_state
 from .config import config_from_dict
 from .errors import TrainingError
-from .models import is_lora, load_causal_lm, load_tokenizer, plain_model
+from .models import is_lora, load_causal_lm, load_policy_weights, load_tokenizer, plain_model
 
 WEIGHTS = "model.safetensors"  # Accelerate's name for the first prepared model's weights
 
 
 def load_checkpoint_model(checkpoint: str | Path):
     """(causal LM with the checkpoint's weights, tokenizer, config) from a checkpoint folder."""
-    from safetensors.torch import load_file
-
     checkpoint = Path(checkpoint)
     if not (checkpoint / TRAINER_STATE).is_file():
         raise TrainingError(f"{checkpoint} is not a complete checkpoint (no {TRAINER_STATE})")
@@ -30,16 +28,7 @@ def load_checkpoint_model(checkpoint: str | Path):
         raise TrainingError(f"{checkpoint} has no {WEIGHTS} (a DeepSpeed checkpoint? run its zero_to_fp32.py first)")
     cfg = config_from_dict(read_trainer_state(checkpoint)["config"], source=str(checkpoint / TRAINER_STATE))
     lm = load_causal_lm(cfg.model)
-    weights = {k.removeprefix("lm."): v for k, v in load_file(checkpoint / WEIGHTS).items()}
-    missing, unexpected = lm.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight", "base_model.model.lm_head.weight"}  # saved once, as the embedding
-    if unexpected or set(missing) - tied:
-        raise TrainingError(
-            f"{checkpoint}: weights do not match the model {cfg.model.name_or_path!r} "
-            f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]})"
-        )
-    if hasattr(lm, "tie_weights"):
-        lm.tie_weights()
+    load_policy_weights(lm, checkpoint / WEIGHTS, cfg.model.name_or_path)
     return lm, load_tokenizer(cfg.model, cfg.data.chat_template), cfg
 
 

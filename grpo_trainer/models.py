@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .errors import ConfigError
 from .tiny import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,37 @@ def is_lora(lm) -> bool:
 def plain_model(lm):
     """A LoRA model merged into plain weights (a copy's worth of memory), or the model itself."""
     return lm.merge_and_unload() if is_lora(lm) else lm
+
+
+def eos_token_ids(tokenizer, lm) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def load_policy_weights(lm: torch.nn.Module, weights: Path, base_name: str) -> None:
+    """Load the trainer's wrapped-policy state (keys `lm.<name>`) into the bare model, strictly."""
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights))
+    else:
+        state = torch.load(str(weights), map_location="cpu", weights_only=True)
+    if any(key.startswith("lm.") for key in state):
+        state = {key.removeprefix("lm."): value for key, value in state.items()}
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    # Tied weights (lm_head = embeddings) are saved once; a missing key that shares storage with a loaded one is fine.
+    own = lm.state_dict()
+    loaded_ptrs = {own[key].data_ptr() for key in state if key in own}
+    missing = [key for key in missing if own[key].data_ptr() not in loaded_ptrs]
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint: {weights} does not match model.name_or_path ({base_name!r}): "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+            f"{'...' if len(unexpected) > 3 else ''}; evaluate with the config the run was trained with"
+        )
 
 
 def context_length(model) -> int | None:

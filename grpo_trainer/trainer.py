@@ -16,6 +16,7 @@ Deliberately simple: no sample packing, the `hf` engine only.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -30,8 +31,9 @@ from .advantages import group_advantages
 from .config import Config
 from .data import PromptSampler, build_prompt_set, is_conversational, load_records
 from .errors import ConfigError, TrainingError
+from .evaluate import evaluate_model, prepare_eval_data
 from .metrics import MetricsWriter
-from .models import TokenLogprobs, context_length, is_lora, load_causal_lm, load_tokenizer, make_sequence_batch, plain_model
+from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, make_sequence_batch, plain_model
 from .rewards import compute_rewards, load_rewards
 from .rollout import Rollout, build_engine
 
@@ -48,7 +50,7 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import parse_flag_from_env, set_seed
+    from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
     from transformers import get_scheduler
 
     output_dir = Path(cfg.output_dir)
@@ -58,7 +60,12 @@ def train(cfg: Config) -> TrainResult:
     g = cfg.rollout.num_generations
     local_prompts, grad_accum = _batch_geometry(cfg, world)
     local_n = local_prompts * g  # completions on this rank per step
-    accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
+    trackers = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
+    accelerator = Accelerator(
+        gradient_accumulation_steps=grad_accum,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "trackers")),
+    )
     rank = accelerator.process_index
     _setup_logging(cfg, accelerator.is_main_process)
     logger.info(
@@ -110,7 +117,7 @@ def train(cfg: Config) -> TrainResult:
         cfg.rollout.engine,
         get_model=lambda: accelerator.unwrap_model(policy).lm,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=_eos_ids(tokenizer, lm),
+        eos_token_ids=eos_token_ids(tokenizer, lm),
         max_completion_length=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -122,6 +129,7 @@ def train(cfg: Config) -> TrainResult:
     # ---- resume
     sampler = PromptSampler(len(prompt_set), seed=cfg.seed, shuffle=cfg.data.shuffle)
     start_step = 0
+    nonfinite_in_a_row = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
     resume_from = _find_checkpoint(cfg)
     metrics_out = MetricsWriter(output_dir, enabled=accelerator.is_main_process)
     if resume_from is not None:
@@ -133,6 +141,7 @@ def train(cfg: Config) -> TrainResult:
         ckpt.load_checkpoint(accelerator, resume_from)
         sampler.load_state_dict(saved["sampler"])
         start_step = int(saved["step"])
+        nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
         metrics_out.restore((resume_from / ckpt.METRICS_HISTORY).read_text())
         logger.info("resumed from %s at step %d", resume_from, start_step)
     else:
@@ -144,6 +153,11 @@ def train(cfg: Config) -> TrainResult:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(cfg.to_yaml())
         ckpt.remove_incomplete(output_dir)
+    if trackers:
+        accelerator.init_trackers(cfg.logging.project, config=_flat_hparams(cfg))
+    eval_data = None
+    if cfg.eval.every and accelerator.is_main_process:  # evaluation runs on the main process only
+        eval_data = prepare_eval_data(cfg, tokenizer, context_length(lm))
     progress = _progress_bar(cfg, accelerator.is_main_process, start_step)
 
     last: dict = {}
@@ -226,6 +240,7 @@ def train(cfg: Config) -> TrainResult:
         tick = time.perf_counter()
         sums = torch.zeros(6, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy
         grad_norm = torch.tensor(math.nan)
+        skipped = 0
         for iteration in range(cfg.train.num_iterations):
             for mb in micro_batches:
                 with accelerator.accumulate(policy):
@@ -252,14 +267,19 @@ def train(cfg: Config) -> TrainResult:
                         max_completion_length=cfg.rollout.max_completion_length,
                         total_micro_batches=len(micro_batches) * world,
                     )
-                    if not torch.isfinite(share):
-                        raise TrainingError(f"step {step}: the loss is {share.item()} (non-finite); check rewards and learning rate")
                     # Accelerate divides by grad_accum and the ranks' gradients are averaged: undo both,
                     # so the shares of all micro-batches on all ranks add up to the batch loss.
                     accelerator.backward(share * grad_accum * world)
-                    if accelerator.sync_gradients and cfg.train.max_grad_norm:
-                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.train.max_grad_norm)
-                    optimizer.step()
+                    if accelerator.sync_gradients:
+                        # The norm is global (reduced over ranks), so every rank takes the same decision.
+                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.train.max_grad_norm or math.inf)
+                        if torch.isfinite(grad_norm):
+                            optimizer.step()
+                            scheduler.step()
+                            nonfinite_in_a_row = 0
+                        else:
+                            nonfinite_in_a_row, skipped = nonfinite_in_a_row + 1, skipped + 1
+                            _guard_nonfinite(step, float(share), float(grad_norm), nonfinite_in_a_row, cfg)
                     optimizer.zero_grad(set_to_none=True)
                 # Averaged over iterations: clipping only happens once the batch is reused (iteration > 0).
                 sums[:5] += torch.stack(
@@ -267,9 +287,19 @@ def train(cfg: Config) -> TrainResult:
                 ) / cfg.train.num_iterations
                 if iteration == 0:
                     sums[5] += (entropy * mb["mask"]).sum()
-            scheduler.step()
         timing["timing/update"] = time.perf_counter() - tick
+        tick = time.perf_counter()
         engine.sync_weights(accelerator.unwrap_model(policy).lm)
+        timing["timing/weight_sync"] = time.perf_counter() - tick
+
+        eval_metrics: dict[str, float] = {}
+        if cfg.eval.every and step % cfg.eval.every == 0:
+            tick = time.perf_counter()
+            if accelerator.is_main_process:
+                # Forked RNG inside: the training random stream (and so exact resume) is untouched.
+                eval_metrics = (evaluate_model(accelerator.unwrap_model(policy).lm, tokenizer, cfg, data=eval_data, progress=False))
+            accelerator.wait_for_everyone()
+            timing["timing/eval"] = time.perf_counter() - tick
 
         # ---- 5. metrics (reduced over ranks), progress, checkpoint
         sums = accelerator.reduce(sums, "sum").cpu()
@@ -281,6 +311,7 @@ def train(cfg: Config) -> TrainResult:
             "loss": float(sums[0]),
             "learning_rate": scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
+            "nonfinite_skipped": skipped,
             "completions/mean_length": float(all_lengths.mean()),
             "completions/max_length": float(all_lengths.max()),
             "completions/clipped_ratio": float(all_truncated.mean()),
@@ -291,6 +322,7 @@ def train(cfg: Config) -> TrainResult:
             "clip_ratio/region_mean": float(sums[3]) / max(total_tokens, 1),
             **({"kl": float(sums[4]) / max(total_tokens, 1)} if cfg.loss.beta > 0 else {}),
             **reward_metrics,  # per-reward metrics of the main process's slice
+            **eval_metrics,
             **timing,
         }
         record["step_time"] = time.perf_counter() - step_start
@@ -298,13 +330,32 @@ def train(cfg: Config) -> TrainResult:
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.max_steps:
             tick = time.perf_counter()
             history = metrics_out.history_with(record if log_this_step else None)
-            state = {"sampler": sampler.state_dict(), "world_size": world, "config": cfg.model_dump(mode="json")}
+            state = {
+                "sampler": sampler.state_dict(),
+                "nonfinite_in_a_row": nonfinite_in_a_row,
+                "world_size": world,
+                "config": cfg.model_dump(mode="json"),
+            }
             ckpt.save_checkpoint(
                 accelerator, output_dir, step, state, cfg.checkpoint.keep_last, files={ckpt.METRICS_HISTORY: history}
             )
             record["timing/checkpoint"] = time.perf_counter() - tick
         if log_this_step:
             metrics_out.write(record)
+            if trackers:
+                accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+        if cfg.logging.completions_every and step % cfg.logging.completions_every == 0 and accelerator.is_main_process:
+            samples = [
+                {
+                    "step": step,
+                    "prompt": prompt_set.texts[rows[j]],
+                    "completion": tokenizer.decode(rollout.completion_ids[j], skip_special_tokens=True),
+                    "reward": float(all_rewards[rank * local_n + j]),
+                    "advantage": float(advantages[j]),
+                }
+                for j in range(min(cfg.logging.num_completions, local_n))
+            ]
+            _write_completions(output_dir / "completions.jsonl", samples, cfg.logging.print_completions)
         progress.update(record)
         last = record
 
@@ -416,18 +467,44 @@ def _batch_geometry(cfg: Config, world: int) -> tuple[int, int]:
     return local_prompts, local_n // cfg.train.micro_batch_size
 
 
+def _guard_nonfinite(step: int, loss: float, grad_norm: float, in_a_row: int, cfg: Config) -> None:
+    """Skip-and-count a non-finite update; stop the run once too many come in a row."""
+    if in_a_row > cfg.train.max_consecutive_nonfinite:
+        raise TrainingError(
+            f"step {step}: {in_a_row} optimizer steps in a row had a non-finite loss or gradient (loss {loss}, "
+            f"grad norm {grad_norm}); stopping (train.max_consecutive_nonfinite={cfg.train.max_consecutive_nonfinite}). "
+            "Lower train.learning_rate, keep train.max_grad_norm set, try model.dtype=float32, and check the rewards."
+        )
+    logger.warning(
+        "step %d: non-finite loss or gradient (loss %s, grad norm %s): optimizer step skipped (%d in a row)",
+        step, loss, grad_norm, in_a_row,
+    )
+
+
+def _write_completions(path: Path, samples: list[dict], echo: bool) -> None:
+    """Append samples to completions.jsonl; with `echo`, print them as a table too."""
+    with path.open("a") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+    if echo:
+        width = 48
+        cut = lambda text: (text.replace("\n", " ")[-width:]).ljust(width)  # noqa: E731 (prompt ends matter most)
+        lines = [f"{'prompt (end)':<{width}} | {'completion':<{width}} | reward | advantage"]
+        lines += [f"{cut(s['prompt'])} | {s['completion'].replace(chr(10), ' ')[:width]:<{width}} | {s['reward']:6.3f} | {s['advantage']:+.3f}" for s in samples]
+        logger.info("completions at step %d:\n%s", samples[0]["step"], "\n".join(lines))
+
+
+def _flat_hparams(cfg: Config) -> dict:
+    """The config as flat scalars, which is what tensorboard's hparams accept."""
+    flat = ckpt.flatten(cfg.model_dump(mode="json"))
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
+
+
 def _find_checkpoint(cfg: Config):
     try:
         return ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
     except FileNotFoundError as exc:
         raise TrainingError(str(exc)) from None
-
-
-def _eos_ids(tokenizer, lm) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    generation_eos = getattr(lm.generation_config, "eos_token_id", None)
-    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-    return sorted(i for i in ids if i is not None)
 
 
 def _length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
