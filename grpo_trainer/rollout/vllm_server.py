@@ -1,0 +1,238 @@
+"""Group sampling on an external vLLM server (`vllm serve`), over HTTP.
+
+The server is started separately (see docs/vllm.md for the exact command), on
+other GPUs or another machine; every trainer rank sends its own prompts. Written
+against vLLM 0.32 and its OpenAI-compatible API (tested with the CPU build).
+
+- generate: `POST /v1/completions` with token-id prompts, `n = G`,
+  `logprobs: 0` (the sampled token's log-prob), `return_token_ids: true` (vLLM's
+  extension: the completion as token ids, no re-tokenisation), `stop_token_ids`
+  (the trainer's EOS ids), a per-prompt seed. Start the server with
+  `--logprobs-mode processed_logprobs` so the log-probs are those of the
+  temperature-scaled distribution the tokens were drawn from (as in
+  vllm_colocate.py); the engine checks this at start-up where the server tells.
+- Health: `GET /health` is polled at start for up to `startup_timeout` seconds;
+  a server that is down, or does not answer, gives a `ConnectionError` naming the
+  URL and what to run, instead of a hang. Every request has `timeout` seconds.
+- Weight push, `weight_sync="disk"` (portable: no NCCL, works on CPU): the
+  trainer writes its merged weights as safetensors into `weights_dir` (a folder
+  the server can read: same machine or a shared file system), then calls
+  `POST /collective_rpc {"method": "grpo_reload_weights", "kwargs": {"weights_path": weights_dir}}`
+  (vLLM's in-place reload, through our worker extension that keeps tied
+  embeddings right, see weight_sync.WorkerWeightSync) and `POST /reset_prefix_cache`.
+  So the server must run with `VLLM_SERVER_DEV_MODE=1` (these endpoints exist
+  only then: they let any client reload weights and reset caches, keep such a
+  server on a trusted network) and `--worker-extension-cls
+  grpo_trainer.rollout.weight_sync.WorkerWeightSync` (grpo-trainer installed in
+  the server's environment).
+- `weight_sync="nccl"`: vLLM 0.32's `/init_weight_transfer_engine` +
+  `/update_weights` (NCCL broadcast from the trainer's GPU). GPU-only and not
+  implemented/tested here: it raises a clear error.
+- With several trainer ranks, only the main process pushes weights
+  (`is_main_process`); the trainer must put a barrier after `sync_weights` so
+  no rank samples before the push is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import Rollout
+from .weight_sync import save_weights
+
+
+class ServerError(RuntimeError):
+    """The vLLM server answered with an error, or an endpoint is missing."""
+
+
+class VLLMServerEngine:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        eos_token_ids: list[int] | None = None,
+        max_completion_length: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = 0,
+        timeout: float = 600.0,
+        startup_timeout: float = 60.0,
+        weight_sync: str = "disk",
+        weights_dir: str | None = None,
+        model_name: str | None = None,
+        is_main_process: bool = True,
+        batch_size: int = 0,
+        **_ignored: Any,  # the trainer's common engine kwargs (get_model, pad_token_id) are not needed here
+    ):
+        if weight_sync not in ("disk", "nccl", "none"):
+            raise ValueError(f"vllm_server weight_sync must be 'disk', 'nccl' or 'none', not {weight_sync!r}")
+        self.base_url = base_url.rstrip("/")
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.max_completion_length = max_completion_length
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.seed = seed
+        self.timeout = timeout
+        self.weight_sync = weight_sync
+        self.weights_dir = Path(weights_dir) if weights_dir else Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights"
+        self.is_main_process = is_main_process
+        self.batch_size = batch_size
+        self._calls = 0
+        self.wait_until_healthy(startup_timeout)
+        self.model_name = model_name or self._first_model()
+
+    # ------------------------------------------------------------------ http
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            if e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+                raise ServerError(
+                    f"vLLM server at {self.base_url} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(needed for the weight push, see docs/vllm.md)"
+                ) from None
+            if path == "/collective_rpc" and "grpo_reload_weights" in detail:
+                raise ServerError(
+                    f"vLLM server at {self.base_url} lacks the weight-sync extension: start it with "
+                    f"--worker-extension-cls grpo_trainer.rollout.weight_sync.WorkerWeightSync: {detail}"
+                ) from None
+            raise ServerError(f"vLLM server {method} {url} failed: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConnectionError(
+                f"vLLM server at {self.base_url} did not answer {method} {path} within {timeout or self.timeout:g}s: "
+                f"{reason}"
+            ) from None
+        return json.loads(raw) if raw else None
+
+    def wait_until_healthy(self, startup_timeout: float) -> None:
+        """Poll GET /health until it answers 200, or raise ConnectionError after `startup_timeout` seconds."""
+        deadline = time.monotonic() + startup_timeout
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                self._request("GET", "/health", timeout=max(0.1, min(5.0, left)))
+                return
+            except (ConnectionError, ServerError) as e:
+                last = e
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        raise ConnectionError(
+            f"rollout.engine=vllm_server: no healthy vLLM server at {self.base_url} after {startup_timeout:g}s "
+            f"(last error: {last}). Start one first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL "
+            f"--host 127.0.0.1 --port 8000 --logprobs-mode processed_logprobs` (docs/vllm.md)."
+        )
+
+    def _first_model(self) -> str:
+        models = self._request("GET", "/v1/models")
+        data = (models or {}).get("data") or []
+        if not data:
+            raise ServerError(f"vLLM server at {self.base_url} serves no model (/v1/models is empty)")
+        return data[0]["id"]
+
+    # ------------------------------------------------------------------ sampling
+    def _completion_body(self, prompts: list[list[int]], n: int) -> dict:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": [list(p) for p in prompts],
+            "n": n,
+            "max_tokens": self.max_completion_length,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": self.eos_token_ids,
+            "skip_special_tokens": False,
+        }
+        if self.seed is not None:
+            body["seed"] = ((self.seed * 1_000_003 + self._calls) * 1_000_003) % (1 << 62)
+        return body
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+        step = self.batch_size or len(prompt_ids)
+        completions: list[list[int]] = []
+        truncated: list[bool] = []
+        logprobs: list[list[float]] = []
+        eos = set(self.eos_token_ids)
+        for start in range(0, len(prompt_ids), step):
+            chunk = prompt_ids[start : start + step]
+            # One request per prompt would give each its own seed; one request for the chunk is
+            # faster. vLLM seeds the n samples of a prompt seed..seed+n-1, the same for every
+            # prompt of a request: so send one request per prompt when seeded.
+            # The requests run concurrently: the server batches them.
+            groups = [[p] for p in chunk] if self.seed is not None else [chunk]
+            bodies = []
+            for group in groups:
+                bodies.append(self._completion_body(group, num_generations))
+                self._calls += 1
+            with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
+                responses = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
+            for group, resp in zip(groups, responses):
+                choices = sorted(resp["choices"], key=lambda c: c["index"])
+                if len(choices) != len(group) * num_generations:
+                    raise ServerError(f"vLLM server returned {len(choices)} choices for {len(group)} x {num_generations}")
+                for choice in choices:
+                    ids = list(choice.get("token_ids") or [])
+                    lps = [float(x) for x in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+                    hits = [i for i, t in enumerate(ids) if t in eos]
+                    if hits:
+                        ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
+                    completions.append(ids)
+                    truncated.append(not hits)
+                    logprobs.append(lps)
+        return Rollout(completion_ids=completions, truncated=truncated, sampling_logprobs=logprobs)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if not self.is_main_process or self.weight_sync == "none":
+            return
+        if self.weight_sync == "nccl":
+            self.push_weights_nccl(model)
+        else:
+            self.push_weights_disk(model)
+
+    def push_weights_disk(self, model: torch.nn.Module) -> None:
+        """Write merged weights to `weights_dir` and have the server reload them in place."""
+        save_weights(model, self.weights_dir)
+        self.reload_from(self.weights_dir)
+
+    def reload_from(self, folder: str | os.PathLike) -> None:
+        """Ask the server to reload its weights, in place, from a folder of safetensors it can read."""
+        self._request(
+            "POST", "/collective_rpc", {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(Path(folder).resolve())}}
+        )
+        self._request("POST", "/reset_prefix_cache")
+
+    def push_weights_nccl(self, model: torch.nn.Module) -> None:
+        """NCCL broadcast into the server's GPUs (vLLM's weight-transfer engine). Not available here."""
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "rollout.vllm_server.weight_sync='nccl' needs CUDA GPUs on the trainer and the server "
+                "(NCCL); on CPU use weight_sync='disk'"
+            )
+        raise NotImplementedError(
+            "rollout.vllm_server.weight_sync='nccl' is not implemented yet (vLLM 0.32 offers it through "
+            "/init_weight_transfer_engine and /update_weights); use weight_sync='disk'"
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the server outlives the trainer."""

@@ -1,0 +1,264 @@
+"""The vLLM rollout engines against a real vLLM (the CPU build works): run only where vLLM imports.
+
+    /tmp/vllm-venv/bin/python -m pytest -q tests/test_vllm.py   (setup: docs/vllm.md)
+
+The model is a small random Llama with the tiny model's character tokenizer and
+head_dim 32 (vLLM's CPU attention supports head sizes 32, 64, 80, ...; the
+built-in tiny model's 24 is not among them). Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from grpo_trainer.models import TokenLogprobs, make_sequence_batch  # noqa: E402
+from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
+from grpo_trainer.rollout.vllm_server import VLLMServerEngine  # noqa: E402
+from grpo_trainer.tiny import ensure_tiny_model  # noqa: E402
+
+EOS = 2  # <|endoftext|> in the tiny tokenizer
+MAX_LEN = 40
+TEMPERATURE = 0.8
+ATOL = 2e-4  # fp32 on both sides; different kernels (vLLM CPU attention vs eager)
+PROMPTS = [[1, 20, 30, 40], [1, 50, 60], [1, 70, 71, 72, 73, 74], [1, 90]]
+
+
+def build_model(folder: Path) -> Path:
+    """A 2-layer Llama, head_dim 32, random weights, the tiny model's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = ensure_tiny_model()
+    cfg = json.loads((Path(tiny) / "config.json").read_text())
+    for key in ("architectures", "transformers_version"):
+        cfg.pop(key, None)
+    cfg.update(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():  # peakier than the default init, so that samples and EOS vary with the weights
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(folder)
+    for f in Path(tiny).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def load_lm(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    lm.config.use_cache = False
+    return lm
+
+
+def trainer_logprobs(lm, prompts, completions, temperature) -> list[list[float]]:
+    batch = make_sequence_batch(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        lp, _ = TokenLogprobs(lm, temperature=temperature)(batch.input_ids, batch.attention_mask, batch.num_completion_tokens)
+    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+
+def perturb(lm, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() + 1e-3))
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], atol=ATOL):
+    for x, y in zip(a, b, strict=True):
+        assert len(x) == len(y)
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol), (x[:5], y[:5])
+
+
+def max_diff(a, b) -> float:
+    return max(max(abs(u - v) for u, v in zip(x, y)) for x, y in zip(a, b) if x)
+
+
+def check_rollout(rollout, n_prompts, g):
+    assert len(rollout.completion_ids) == len(rollout.truncated) == len(rollout.sampling_logprobs) == n_prompts * g
+    for ids, trunc, lps in zip(rollout.completion_ids, rollout.truncated, rollout.sampling_logprobs):
+        assert len(lps) == len(ids) >= 1
+        assert all(v <= 1e-6 for v in lps)
+        assert EOS not in ids[:-1]  # nothing after the first EOS
+        if trunc:
+            assert len(ids) == MAX_LEN and ids[-1] != EOS
+        else:
+            assert ids[-1] == EOS and len(ids) <= MAX_LEN
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("vllm_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = VLLMColocateEngine(
+        str(model_dir), eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE,
+        seed=0, dtype="float32", max_model_len=256,
+    )
+    yield eng
+    eng.close()
+
+
+# ---------------------------------------------------------------------------- colocate
+
+
+def test_colocate_shapes_eos_truncation(engine):
+    g = 8
+    rollout = engine.generate(PROMPTS, g)
+    check_rollout(rollout, len(PROMPTS), g)
+    assert any(rollout.truncated) and not all(rollout.truncated)  # both endings occur
+    # Samples of a group differ; two calls differ (fresh seed per call).
+    assert len({tuple(c) for c in rollout.completion_ids[:g]}) > 1
+    again = engine.generate(PROMPTS, g)
+    assert again.completion_ids != rollout.completion_ids
+
+
+def test_colocate_sync_weights_logprobs_match(engine, model_dir):
+    lm = load_lm(model_dir)
+    engine.sync_weights(lm)  # the weights vLLM loaded, pushed back: a no-op change
+    before = engine.generate(PROMPTS, 4)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    assert_close(before.sampling_logprobs, trainer_logprobs(lm, prompts, before.completion_ids, TEMPERATURE))
+
+    # One optimizer step's worth of change: vLLM follows only after the push.
+    old = trainer_logprobs(lm, prompts, before.completion_ids, TEMPERATURE)
+    perturb(lm)
+    new = trainer_logprobs(lm, prompts, before.completion_ids, TEMPERATURE)
+    assert max_diff(old, new) > 1e-2
+    stale = engine.generate(PROMPTS, 4)
+    assert_close(stale.sampling_logprobs, trainer_logprobs(load_lm(model_dir), prompts, stale.completion_ids, TEMPERATURE))
+    engine.sync_weights(lm)
+    after = engine.generate(PROMPTS, 4)
+    expected = trainer_logprobs(lm, prompts, after.completion_ids, TEMPERATURE)
+    assert_close(after.sampling_logprobs, expected)
+    assert max_diff(after.sampling_logprobs, trainer_logprobs(load_lm(model_dir), prompts, after.completion_ids, TEMPERATURE)) > 1e-2
+
+
+def test_colocate_sync_lora_merged(engine, model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    lm = load_lm(model_dir)
+    base_lp = None
+    peft_model = get_peft_model(
+        lm,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False),
+    )
+    snapshot = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    engine.sync_weights(peft_model)
+    for k, v in peft_model.state_dict().items():  # the training model is untouched (not merged in place)
+        assert torch.equal(v, snapshot[k]), k
+    out = engine.generate(PROMPTS, 4)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    assert_close(out.sampling_logprobs, trainer_logprobs(peft_model, prompts, out.completion_ids, TEMPERATURE))
+    with peft_model.disable_adapter():
+        base_lp = trainer_logprobs(peft_model, prompts, out.completion_ids, TEMPERATURE)
+    assert max_diff(out.sampling_logprobs, base_lp) > 1e-2  # the adapter's effect reached vLLM
+
+
+def test_weight_names_match_checkpoint(model_dir):
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+
+    from grpo_trainer.rollout.weight_sync import iter_merged_weights
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    plain = {n for n, _ in iter_merged_weights(load_lm(model_dir))}
+    lora = {n for n, _ in iter_merged_weights(get_peft_model(load_lm(model_dir), LoraConfig(r=2, target_modules=["q_proj"])))}
+    assert plain == saved and lora == saved
+
+
+# ---------------------------------------------------------------------------- server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+        "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
+        "--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync",
+    ]  # fmt: skip
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", proc, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_server_generate_and_disk_weight_push(server, model_dir, tmp_path):
+    url, proc, log = server
+    try:
+        eng = VLLMServerEngine(
+            url, eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE, seed=0,
+            timeout=60, startup_timeout=180, weights_dir=str(tmp_path / "weights"),
+        )
+    except ConnectionError:
+        print(Path(log).read_text()[-3000:])
+        raise
+    g = 4
+    prompts = [p for p in PROMPTS for _ in range(g)]
+    lm = load_lm(model_dir)
+    first = eng.generate(PROMPTS, g)
+    check_rollout(first, len(PROMPTS), g)
+    assert_close(first.sampling_logprobs, trainer_logprobs(lm, prompts, first.completion_ids, TEMPERATURE))
+
+    perturb(lm)
+    t0 = time.perf_counter()
+    eng.sync_weights(lm)
+    print(f"disk weight push: {time.perf_counter() - t0:.2f}s")
+    after = eng.generate(PROMPTS, g)
+    check_rollout(after, len(PROMPTS), g)
+    assert_close(after.sampling_logprobs, trainer_logprobs(lm, prompts, after.completion_ids, TEMPERATURE))
+    stale = trainer_logprobs(load_lm(model_dir), prompts, after.completion_ids, TEMPERATURE)
+    assert max_diff(after.sampling_logprobs, stale) > 1e-2
+
+
+def test_server_down_gives_clear_error_fast():
+    port = free_port()  # nothing listens there any more
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*vllm serve"):
+        VLLMServerEngine(f"http://127.0.0.1:{port}", eos_token_ids=[EOS], startup_timeout=2.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_server_silent_gives_clear_error_within_timeout():
+    with socket.socket() as s:  # accepts connections (backlog) but never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="no healthy vLLM server"):
+            VLLMServerEngine(f"http://127.0.0.1:{port}", eos_token_ids=[EOS], startup_timeout=2.0)
+        assert time.monotonic() - t0 < 5.0
