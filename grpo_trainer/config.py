@@ -95,6 +95,11 @@ class RolloutConfig(_Section):
     batch_size: int = Field(
         0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
     )
+    seed_per_prompt: bool = Field(
+        False,
+        description="Draw each prompt's group from its own seed, so samples do not depend on the number of ranks "
+        "(the hf engine then generates one prompt at a time).",
+    )
 
 
 class RewardConfig(_Section):

@@ -28,7 +28,9 @@ class Rollout:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+        """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
+        result does not depend on batching or on how prompts are split over ranks."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the sampler use the trainer's current weights."""

@@ -9,7 +9,8 @@ there is no sampler/trainer mismatch to measure.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 
@@ -27,8 +28,11 @@ class HFEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         batch_size: int = 0,
+        full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
+        # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
+        self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.max_completion_length = max_completion_length
@@ -39,20 +43,25 @@ class HFEngine:
         """Nothing to do: this engine samples from the training model itself."""
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         model = self.get_model()
         was_training = model.training
         model.eval()
         use_cache = model.config.use_cache
         model.config.use_cache = True
+        # Seeded groups are generated one prompt at a time: generate has one RNG stream per call.
+        step = 1 if seeds is not None else self.batch_size or len(prompt_ids)
+        completions: list[list[int]] = []
+        truncated: list[bool] = []
         try:
-            step = self.batch_size or len(prompt_ids)
-            completions: list[list[int]] = []
-            truncated: list[bool] = []
-            for start in range(0, len(prompt_ids), step):
-                c, t = self._generate_batch(model, prompt_ids[start : start + step], num_generations)
-                completions += c
-                truncated += t
+            with self.full_parameters(model):
+                for start in range(0, len(prompt_ids), step):
+                    with torch.random.fork_rng(devices=[]) if seeds is not None else contextlib.nullcontext():
+                        if seeds is not None:
+                            torch.manual_seed(seeds[start])
+                        c, t = self._generate_batch(model, prompt_ids[start : start + step], num_generations)
+                    completions += c
+                    truncated += t
         finally:
             model.config.use_cache = use_cache
             model.train(was_training)
