@@ -200,7 +200,9 @@ def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        # `vllm serve` is the usual command; vllm-cpu 0.32's CLI crashes looking up the
+        # version of a package named "vllm" (it is installed as "vllm-cpu"), so use the module.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
         "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
         "--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync",
@@ -219,14 +221,20 @@ def server(model_dir, tmp_path_factory):
 
 def test_server_generate_and_disk_weight_push(server, model_dir, tmp_path):
     url, proc, log = server
-    try:
-        eng = VLLMServerEngine(
-            url, eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE, seed=0,
-            timeout=60, startup_timeout=180, weights_dir=str(tmp_path / "weights"),
-        )
-    except ConnectionError:
-        print(Path(log).read_text()[-3000:])
-        raise
+    deadline = time.monotonic() + 180
+    while True:  # wait for start-up, failing at once if the server process died
+        assert proc.poll() is None, "vllm server exited:\n" + Path(log).read_text()[-3000:]
+        try:
+            eng = VLLMServerEngine(
+                url, eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE, seed=0,
+                timeout=60, startup_timeout=5, weights_dir=str(tmp_path / "weights"),
+            )
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                print(Path(log).read_text()[-3000:])
+                raise
+    print(f"server ready after {180 - (deadline - time.monotonic()):.1f}s")
     g = 4
     prompts = [p for p in PROMPTS for _ in range(g)]
     lm = load_lm(model_dir)
