@@ -1,0 +1,55 @@
+"""Smoke test of scripts/bench.py: our trainer's path for 2 steps, and the JSON it writes.
+
+The TRL side runs only where TRL is importable in this interpreter (the team venv does not have it;
+docs/performance.md says how to make the separate TRL venv the benchmark uses).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "scripts" / "bench.py"
+SMALL = ["--steps", "2", "--warmup", "1", "--reps", "1", "--prompts-per-step", "2", "--num-generations", "4",
+         "--max-completion-length", "8", "--micro-batch-size", "4"]
+RESULT_KEYS = {"median_step_time_s", "median_gen_time_s", "rollout_tokens_per_s", "train_tokens_per_s",
+               "mean_completion_length", "peak_rss_mib", "steps_measured", "reps"}
+
+
+def _bench(tmp_path, trainers):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--trainers", trainers, "--json", str(out), *SMALL],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_ours_only(tmp_path):
+    report, stdout = _bench(tmp_path, "ours")
+    assert "| median step time (s) |" in stdout
+    assert report["model"] == "tiny"
+    assert report["config"]["completions_per_step"] == 8
+    assert set(report["results"]) == {"ours"}
+    ours = report["results"]["ours"]
+    assert RESULT_KEYS <= set(ours)
+    assert ours["steps_measured"] == 1 and ours["reps"] == 1
+    assert ours["median_step_time_s"] > 0 and ours["train_tokens_per_s"] > 0 and ours["peak_rss_mib"] > 0
+    assert 0 < ours["mean_completion_length"] <= 8
+    run = report["per_run"]["ours"][0]
+    assert len(run["steps"]) == 2 and {"step_time", "gen_time", "mean_length"} <= set(run["steps"][0])
+    assert report["ratios_ours_over_trl"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not importable in this interpreter")
+def test_bench_both(tmp_path):
+    report, _ = _bench(tmp_path, "ours,trl")
+    assert set(report["results"]) == {"ours", "trl"}
+    assert RESULT_KEYS <= set(report["results"]["trl"])
+    assert report["ratios_ours_over_trl"]["median_step_time_s"] > 0
