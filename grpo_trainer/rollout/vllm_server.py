@@ -147,7 +147,7 @@ class VLLMServerEngine:
         return data[0]["id"]
 
     # ------------------------------------------------------------------ sampling
-    def _completion_body(self, prompts: list[list[int]], n: int) -> dict:
+    def _completion_body(self, prompts: list[list[int]], n: int, seed: int | None = None) -> dict:
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": [list(p) for p in prompts],
@@ -161,12 +161,14 @@ class VLLMServerEngine:
             "stop_token_ids": self.eos_token_ids,
             "skip_special_tokens": False,
         }
-        if self.seed is not None:
+        if seed is not None:
+            body["seed"] = seed % (1 << 62)
+        elif self.seed is not None:
             body["seed"] = ((self.seed * 1_000_003 + self._calls) * 1_000_003) % (1 << 62)
         return body
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         step = self.batch_size or len(prompt_ids)
         completions: list[list[int]] = []
         truncated: list[bool] = []
@@ -178,10 +180,12 @@ class VLLMServerEngine:
             # faster. vLLM seeds the n samples of a prompt seed..seed+n-1, the same for every
             # prompt of a request: so send one request per prompt when seeded.
             # The requests run concurrently: the server batches them.
-            groups = [[p] for p in chunk] if self.seed is not None else [chunk]
+            seeded = self.seed is not None or seeds is not None
+            groups = [[p] for p in chunk] if seeded else [chunk]
             bodies = []
-            for group in groups:
-                bodies.append(self._completion_body(group, num_generations))
+            for i, group in enumerate(groups):
+                prompt_seed = seeds[start + i] if seeds is not None else None
+                bodies.append(self._completion_body(group, num_generations, prompt_seed))
                 self._calls += 1
             with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
                 responses = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
