@@ -43,6 +43,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[$(EXTRAS),bench]"
 	$(PY) scripts/bench.py $(ARGS)
 
 clean:

@@ -67,3 +67,26 @@ def test_fsdp_on_cpu_is_refused_not_silently_replaced(tmp_path, tiny_model_path)
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "run", steps=1)], launcher=launcher)
     assert result.returncode != 0
     assert "the Accelerate config asks for FSDP but Accelerate set up" in result.stderr
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_loss_does_not_depend_on_micro_batches_or_ranks(loss_type, tmp_path, tiny_model_path):
+    """One process with 4 micro-batches vs two DDP ranks with 1 each: the same batch loss and gradient norm.
+
+    One step, so both runs score the very same completions (seeded per prompt) with the same weights.
+    (`bnpo` is left out: it is defined per micro-batch.)
+    """
+    common = ["rollout.seed_per_prompt=true", f"loss.type={loss_type}", "train.num_iterations=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(one, steps=1), *common, "train.micro_batch_size=4"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    launcher = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_ddp.yaml"),
+                "--main_process_port", str(29720 + ["grpo", "dr_grpo", "dapo", "gspo", "cispo"].index(loss_type)), "-m"]
+    ddp = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *common, "train.micro_batch_size=8"],
+                  launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "grad_accum=4" in single.stderr and "world_size=2" in ddp.stderr and "grad_accum=1" in ddp.stderr
+    a, b = read_metrics(one)[0], read_metrics(two)[0]
+    assert a["reward"] == b["reward"]
+    for key in ("loss", "grad_norm", "clip_ratio/region_mean"):
+        assert a[key] == pytest.approx(b[key], abs=1e-6, rel=1e-5), key
