@@ -14,6 +14,7 @@ the log-probs of training match those of sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn

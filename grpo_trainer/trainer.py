@@ -11,16 +11,15 @@ loss of each micro-batch is scaled so that gradient accumulation and the
 cross-rank gradient average add up to exactly the batch loss `losses.aggregate`
 defines. The math lives in `losses` and `advantages`; this file only moves data.
 
-Deliberately simple: no sample packing, the `hf` engine only.
+Deliberately simple: no sample packing; evaluation during training runs on the main process only.
+Backend-specific plumbing (DeepSpeed, ZeRO-3 gathering, CPU process groups) lives in `distributed`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
-import os
 import math
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import losses
+from . import distributed, losses
 from .advantages import group_advantages
 from .config import Config
 from .data import PromptSampler, build_prompt_set, is_conversational, load_records
@@ -59,7 +58,7 @@ def train(cfg: Config) -> TrainResult:
     output_dir = Path(cfg.output_dir)
     # The world size is needed before the Accelerator exists (it fixes gradient accumulation). Pass the
     # CPU flag as the Accelerator would: a PartialState made without it pins a multi-process CPU run to one rank.
-    world = _partial_state().num_processes
+    world = distributed.partial_state().num_processes
     g = cfg.rollout.num_generations
     local_prompts, grad_accum = _batch_geometry(cfg, world)
     local_n = local_prompts * g  # completions on this rank per step
@@ -71,7 +70,7 @@ def train(cfg: Config) -> TrainResult:
     )
     rank = accelerator.process_index
     _setup_logging(cfg, accelerator.is_main_process)
-    _check_distributed_setup(accelerator)
+    distributed.check_distributed_setup(accelerator)
     logger.info(
         "world_size=%d distributed_type=%s device=%s prompts_per_rank=%d completions_per_rank=%d grad_accum=%d",
         world, accelerator.distributed_type.value, accelerator.device, local_prompts, local_n, grad_accum,
@@ -101,7 +100,7 @@ def train(cfg: Config) -> TrainResult:
         num_warmup_steps=cfg.train.warmup_steps,
         num_training_steps=optimizer_steps,
     )
-    _fill_deepspeed_config(accelerator, cfg)
+    distributed.fill_deepspeed_config(accelerator, cfg)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # The scheduler stays unprepared: Accelerate's wrapper would step it once per process.
     accelerator.register_for_checkpointing(scheduler)
@@ -128,7 +127,7 @@ def train(cfg: Config) -> TrainResult:
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
         batch_size=cfg.rollout.batch_size,
-        full_parameters=lambda model: _gathered_if_zero3(accelerator, model),
+        full_parameters=lambda model: distributed.gathered_if_zero3(accelerator, model),
         **(_vllm_engine_kwargs(cfg, accelerator) if cfg.rollout.engine.startswith("vllm") else {}),
     )
     set_seed(cfg.seed + rank)  # from here on, ranks sample different completions
@@ -291,7 +290,7 @@ def train(cfg: Config) -> TrainResult:
                     accelerator.backward(share * grad_accum * world)
                     if accelerator.sync_gradients:
                         # The norm is global (reduced over ranks), so every rank takes the same decision.
-                        grad_norm = _global_grad_norm(accelerator, policy, cfg.train.max_grad_norm)
+                        grad_norm = distributed.global_grad_norm(accelerator, policy, cfg.train.max_grad_norm)
                         if torch.isfinite(grad_norm):
                             optimizer.step()
                             scheduler.step()
@@ -313,7 +312,7 @@ def train(cfg: Config) -> TrainResult:
         timing["timing/update"] = time.perf_counter() - tick
         tick = time.perf_counter()
         bare_lm = accelerator.unwrap_model(policy).lm
-        with _gathered_if_zero3(accelerator, bare_lm):
+        with distributed.gathered_if_zero3(accelerator, bare_lm):
             engine.sync_weights(bare_lm)
         accelerator.wait_for_everyone()  # a server engine is pushed to by the main process only
         timing["timing/weight_sync"] = time.perf_counter() - tick
@@ -532,75 +531,6 @@ def _mix_seed(*parts: int) -> int:
     for part in parts:
         value = (value * 1_000_003 + part) % (2**63)
     return value
-
-
-def _check_distributed_setup(accelerator) -> None:
-    """Fail loudly when Accelerate silently set up something other than what the launch asked for."""
-    for flag, wanted in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
-        if os.environ.get(flag, "false").lower() == "true" and accelerator.distributed_type.value != wanted:
-            raise ConfigError(
-                f"the Accelerate config asks for {wanted} but Accelerate set up {accelerator.distributed_type.value}"
-                + (" (Accelerate enables FSDP on GPUs only; on CPU use DeepSpeed or DDP)" if wanted == "FSDP" else "")
-            )
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and accelerator.num_processes != launched:
-        raise ConfigError(
-            f"{launched} processes were launched but Accelerate set up {accelerator.num_processes} "
-            f"({accelerator.distributed_type.value}); on a CPU-only machine use a multi-process Accelerate config "
-            "with use_cpu: true and ACCELERATE_USE_CPU=1 (see configs/accelerate/cpu_ddp.yaml)"
-        )
-    if launched > 1 and accelerator.distributed_type.value == "NO":
-        raise ConfigError(f"{launched} processes were launched but Accelerate set up no distributed backend")
-
-
-def _partial_state():
-    """Accelerate's process state, created before the Accelerator because the world size fixes gradient accumulation.
-
-    The CPU flag is passed as the Accelerator would pass it (a state made without it pins a multi-process
-    CPU run to one rank). Launched without CUDA, the process group needs an explicit backend: Accelerate
-    would otherwise take a DeepSpeed launch on CPU for a single process.
-    """
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
-    kwargs = {"backend": "gloo"} if launched and not torch.cuda.is_available() else {}
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
-
-
-def _fill_deepspeed_config(accelerator, cfg: Config) -> None:
-    """DeepSpeed wants the micro-batch and clipping in its own config; `prepare` cannot infer them without a dataloader."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    ds = plugin.deepspeed_config
-    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
-    ds["train_batch_size"] = cfg.train.micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
-    ds["gradient_clipping"] = cfg.train.max_grad_norm or 0.0
-
-
-def _zero_stage(accelerator) -> int:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return int(plugin.zero_stage) if plugin is not None else 0
-
-
-def _gathered_if_zero3(accelerator, model):
-    """Under ZeRO-3 each rank holds a shard of every weight: gather them for generation (and only then)."""
-    if _zero_stage(accelerator) == 3:
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def _global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
-    """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
-
-    Under DeepSpeed the engine clips and steps inside `backward` and reports the norm afterwards,
-    so a non-finite norm is counted there but the step cannot be skipped.
-    """
-    norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm or math.inf)
-    return torch.as_tensor(0.0 if norm is None else float(norm))
 
 
 def _guard_nonfinite(step: int, loss: float, grad_norm: float, in_a_row: int, cfg: Config) -> None:

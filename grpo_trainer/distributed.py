@@ -1,0 +1,87 @@
+"""Distributed plumbing that Accelerate leaves to its users: the process state, backend checks, DeepSpeed.
+
+The trainer never branches on the backend except here, where a library forces it:
+DeepSpeed wants batch sizes in its own config, ZeRO-3 shards parameters that generation
+and weight pushes need whole, and on CPU-only machines Accelerate needs an explicit
+gloo backend and can silently set up something other than what was launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from .config import Config
+from .errors import ConfigError
+
+
+def partial_state():
+    """Accelerate's process state, created before the Accelerator because the world size fixes gradient accumulation.
+
+    The CPU flag is passed as the Accelerator would pass it (a state made without it pins a multi-process
+    CPU run to one rank). Launched without CUDA, the process group needs an explicit backend: Accelerate
+    would otherwise take a DeepSpeed launch on CPU for a single process.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+    kwargs = {"backend": "gloo"} if launched and not torch.cuda.is_available() else {}
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
+
+
+def check_distributed_setup(accelerator) -> None:
+    """Fail loudly when Accelerate silently set up something other than what the launch asked for."""
+    for flag, wanted in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+        if os.environ.get(flag, "false").lower() == "true" and accelerator.distributed_type.value != wanted:
+            raise ConfigError(
+                f"the Accelerate config asks for {wanted} but Accelerate set up {accelerator.distributed_type.value}"
+                + (" (Accelerate enables FSDP on GPUs only; on CPU use DeepSpeed or DDP)" if wanted == "FSDP" else "")
+            )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise ConfigError(
+            f"{launched} processes were launched but Accelerate set up {accelerator.num_processes} "
+            f"({accelerator.distributed_type.value}); on a CPU-only machine use a multi-process Accelerate config "
+            "with use_cpu: true and ACCELERATE_USE_CPU=1 (see configs/accelerate/cpu_ddp.yaml)"
+        )
+    if launched > 1 and accelerator.distributed_type.value == "NO":
+        raise ConfigError(f"{launched} processes were launched but Accelerate set up no distributed backend")
+
+
+def fill_deepspeed_config(accelerator, cfg: Config) -> None:
+    """DeepSpeed wants the micro-batch and clipping in its own config; `prepare` cannot infer them without a dataloader."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
+    ds["train_batch_size"] = cfg.train.micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
+    ds["gradient_clipping"] = cfg.train.max_grad_norm or 0.0
+
+
+def zero_stage(accelerator) -> int:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
+def gathered_if_zero3(accelerator, model):
+    """Under ZeRO-3 each rank holds a shard of every weight: gather them for generation (and only then)."""
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
+    """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
+
+    Under DeepSpeed the engine clips and steps inside `backward` and reports the norm afterwards,
+    so a non-finite norm is counted there but the step cannot be skipped.
+    """
+    norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm or math.inf)
+    return torch.as_tensor(0.0 if norm is None else float(norm))
