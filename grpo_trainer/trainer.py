@@ -502,22 +502,10 @@ def _vllm_engine_kwargs(cfg: Config, accelerator) -> dict:
     """What the vLLM engines need beyond the common sampling settings (see rollout/vllm_*.py)."""
     from .tiny import resolve_model_path
 
-    v = cfg.rollout.vllm
     return dict(
+        **cfg.rollout.vllm.model_dump(),  # the rollout.vllm section maps 1:1 onto the engines' arguments
         model_path=resolve_model_path(cfg.model.name_or_path),
         seed=cfg.seed + accelerator.process_index,  # ranks must not share a random stream
-        dtype=v.dtype,
-        max_model_len=v.max_model_len,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
-        tensor_parallel_size=v.tensor_parallel_size,
-        enable_sleep_mode=v.enable_sleep_mode,
-        enforce_eager=v.enforce_eager,
-        base_url=v.base_url,
-        timeout=v.timeout,
-        startup_timeout=v.startup_timeout,
-        weight_sync=v.weight_sync,
-        weights_dir=v.weights_dir,
         is_main_process=accelerator.is_main_process,
     )
 
