@@ -200,12 +200,19 @@ def compute_rewards(
     has_opinion = ~torch.isnan(per_function)
     total = torch.where(has_opinion, per_function * weights, torch.zeros_like(per_function)).sum(1)
     total[~has_opinion.any(1)] = math.nan
+    metrics.update(reward_statistics(rewards, per_function))
+    return RewardBatch(per_function=per_function, total=total, metrics=metrics)
+
+
+def reward_statistics(rewards: list[Reward], per_function: torch.Tensor) -> dict[str, float]:
+    """`rewards/<name>/mean` and `.../std` over the samples each reward had an opinion on (per_function: [N, R])."""
+    stats = {}
     for j, reward in enumerate(rewards):
         column = per_function[:, j]
         column = column[~torch.isnan(column)]
-        metrics[f"rewards/{reward.name}/mean"] = float(column.mean()) if column.numel() else math.nan
-        metrics[f"rewards/{reward.name}/std"] = float(column.std(unbiased=False)) if column.numel() else math.nan
-    return RewardBatch(per_function=per_function, total=total, metrics=metrics)
+        stats[f"rewards/{reward.name}/mean"] = float(column.mean()) if column.numel() else math.nan
+        stats[f"rewards/{reward.name}/std"] = float(column.std(unbiased=False)) if column.numel() else math.nan
+    return stats
 
 
 def _call_sync(reward: Reward, call: Callable[..., Any], prompts: list[Any]) -> Any:

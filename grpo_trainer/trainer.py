@@ -36,7 +36,7 @@ from .errors import ConfigError, TrainingError
 from .evaluate import evaluate_model, prepare_eval_data
 from .metrics import MetricsWriter
 from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, make_sequence_batch, plain_model
-from .rewards import compute_rewards, load_rewards
+from .rewards import compute_rewards, load_rewards, reward_statistics
 from .rollout import Rollout, build_engine
 
 logger = logging.getLogger("grpo_trainer")
@@ -207,8 +207,10 @@ def train(cfg: Config) -> TrainResult:
         else:
             local_indices = next_local_indices()
             rollout, reward_batch = sample_and_score(local_indices)
-            reward_metrics = reward_batch.metrics
             all_rewards = accelerator.gather(reward_batch.total.to(accelerator.device)).cpu()  # [world * local_n]
+            # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
+            all_per_function = accelerator.gather(reward_batch.per_function.to(accelerator.device)).cpu()  # [world * local_n, R]
+            reward_metrics = {**reward_batch.metrics, **reward_statistics(rewards, all_per_function)}
         rows = [i for i in local_indices for _ in range(g)]
         all_advantages, reward_stats = group_advantages(all_rewards, g, cfg.loss.scale_rewards)
         reward_stats.update(sampling_stats)  # under dynamic sampling: statistics of everything sampled
@@ -352,7 +354,7 @@ def train(cfg: Config) -> TrainResult:
                 if rollout.sampling_logprobs is not None
                 else {}
             ),
-            **reward_metrics,  # per-reward metrics of the main process's slice
+            **reward_metrics,
             **eval_metrics,
             **timing,
         }

@@ -26,5 +26,8 @@ def test_two_process_run_finishes_with_two_real_ranks(tmp_path, tiny_model_path)
     # The trap this guards against: a "2-process" launch that silently runs one process.
     assert "world_size=2 distributed_type=MULTI_CPU" in result.stderr
     assert "prompts_per_rank=2" in result.stderr
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # one writer: the main process
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]  # one writer: the main process
+    for row in rows:  # per-reward statistics cover both ranks, like `reward` (one reward, weight 1)
+        assert abs(row["rewards/math_accuracy/mean"] - row["reward"]) < 1e-6
     assert (out / "model" / "model.safetensors").is_file()
