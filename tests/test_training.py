@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -56,25 +57,25 @@ def test_resume_continues_from_the_saved_step(tmp_path, tiny_model_path):
     assert (out / "checkpoints" / "latest").read_text() == "step-000003"
 
 
-def test_a_reward_that_raises_stops_the_run_with_a_clear_message(tmp_path, tiny_model_path):
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            "def broken(completions, **kwargs):\n    raise ValueError('cannot score this')\n",
+            "error: reward 'broken' raised ValueError: cannot score this on sample 0 (prompt:",
+        ),
+        ("def broken(completions, **kwargs):\n    return [1.0]\n", "error: reward 'broken' returned 1 values for 16 completions"),
+    ],
+    ids=["raises", "wrong-length"],
+)
+def test_a_misbehaving_reward_stops_the_run_with_a_clear_message(tmp_path, tiny_model_path, source, expected):
     reward_file = tmp_path / "bad_reward.py"
-    reward_file.write_text("def exploding(completions, **kwargs):\n    raise ValueError('cannot score this')\n")
+    reward_file.write_text(source)
     result = run_cli(
-        ["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "run"), f"rewards=[{{name: '{reward_file}:exploding'}}]"]
+        ["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "run"), f"rewards=[{{name: '{reward_file}:broken'}}]"]
     )
     assert result.returncode == 2
-    assert "error: reward 'exploding' raised ValueError: cannot score this on sample 0 (prompt:" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_a_reward_with_the_wrong_length_stops_the_run(tmp_path, tiny_model_path):
-    reward_file = tmp_path / "short_reward.py"
-    reward_file.write_text("def short(completions, **kwargs):\n    return [1.0]\n")
-    result = run_cli(
-        ["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "run"), f"rewards=[{{name: '{reward_file}:short'}}]"]
-    )
-    assert result.returncode == 2
-    assert "error: reward 'short' returned 1 values for 16 completions" in result.stderr
+    assert expected in result.stderr
     assert "Traceback" not in result.stderr
 
 
