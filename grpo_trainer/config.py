@@ -53,6 +53,13 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base."
     )
+    share_prompt: bool = Field(
+        True,
+        description="Run each prompt through the model once and reuse its KV cache for all its completions, when "
+        "sampling (hf engine) and in the log-prob passes. Same numbers up to float rounding; off: every completion "
+        "carries its own copy of the prompt (and the hf engine uses `model.generate`). Gradient checkpointing turns "
+        "it off for the training passes.",
+    )
     logprob_chunk_size: int = Field(
         1024,
         gt=0,

@@ -77,6 +77,21 @@ def gathered_if_zero3(accelerator, model):
     return contextlib.nullcontext()
 
 
+def zero3_sampling_context(accelerator, engine):
+    """Whole weights and no ZeRO-3 hooks while the hf engine samples from the training model.
+
+    Gathering alone is not enough: DeepSpeed's per-module hooks would still run on every decode
+    step and expect all ranks to make the same forward calls, but each rank stops decoding when
+    its own completions end. DeepSpeed's `unwrap_model_for_generation` gathers the parameters,
+    detaches the hooks and puts them back afterwards. Outside ZeRO-3: nothing to do.
+    """
+    if zero_stage(accelerator) == 3:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(engine)
+    return contextlib.nullcontext()
+
+
 def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
     """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
 

@@ -186,6 +186,7 @@ def evaluate_model(
         temperature=s.temperature,
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
+        share_prompt=cfg.model.share_prompt,
     )
     device = next(lm.parameters()).device
     prompts_total = len(data.prompt_set)

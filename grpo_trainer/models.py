@@ -6,9 +6,9 @@ module handed to `accelerator.prepare`, so DDP/FSDP/DeepSpeed see an ordinary
 forward, while the full-vocabulary fp32 logits are only ever built for
 `chunk_size` tokens at a time, and never for prompt positions.
 
-Batches are laid out as left-padded prompts followed by right-padded
-completions, with explicit position ids, the layout `generate` uses, so
-the log-probs of training match those of sampling.
+Batches hold left-padded prompts (each distinct prompt once) and
+right-padded completions, with explicit position ids, the layout `generate`
+uses, so the log-probs of training match those of sampling.
 """
 
 from __future__ import annotations
@@ -107,34 +107,84 @@ def context_length(model) -> int | None:
 class TokenLogprobs(nn.Module):
     """A causal LM whose forward gives per-token log-probs of the completion tokens.
 
-    forward(input_ids [B, P + C], attention_mask [B, P + C], num_completion_tokens=C)
-      -> logprobs [B, C] (fp32), entropy [B, C] or None
+    forward(**SequenceBatch.tensors()) -> logprobs [B, C] (fp32), entropy [B, C] or None
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
+
+    With `share_prompt`, each distinct prompt of the batch goes through the model
+    once and its KV cache is copied to the completions that continue it (G of
+    them in a group), which then run on their own tokens only. Attention is
+    causal, so this is the same computation as running every prompt+completion
+    in full, and gradients reach the prompt positions through the cache. Under
+    gradient checkpointing transformers drops the cache, so the full path is used.
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, share_prompt: bool = True):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.share_prompt = share_prompt
         # FSDP's auto-wrap looks for the transformer block classes on the module it is given.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, with_entropy: bool = False
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
-        hidden = base.get_decoder()(
+        decoder = base.get_decoder()
+        checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
+        if self.share_prompt and not checkpointing:
+            hidden = self._hidden_shared_prompt(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
+        else:
+            hidden = self._hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
+        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy)
+
+    @staticmethod
+    def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
+        """Every row is its prompt + completion: [B, P + C] through the model; the C states that predict completion tokens."""
+        input_ids = torch.cat([prompt_ids[prompt_index], completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask[prompt_index], completion_mask.to(prompt_mask.dtype)], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        # The state at position t predicts token t + 1: keep the C states that predict completion tokens.
-        hidden = hidden[:, -num_completion_tokens - 1 : -1]  # [B, C, H]
-        targets = input_ids[:, -num_completion_tokens:]  # [B, C]
-        head = base.get_output_embeddings()
+        c = completion_ids.shape[1]
+        return hidden[:, -c - 1 : -1]  # the state at position t predicts token t + 1
+
+    @staticmethod
+    def _hidden_shared_prompt(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
+        """Prompts [U, P] once, their cache gathered to the B rows, then completions [B, C - 1] on top of it."""
+        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+        first = out.last_hidden_state[prompt_index, -1:]  # [B, 1, H]: predicts completion token 0
+        c = completion_ids.shape[1]
+        if c == 1:
+            return first
+        cache = out.past_key_values
+        cache.reorder_cache(prompt_index)  # an index_select per layer: differentiable, so gradients flow back
+        mask = prompt_mask[prompt_index]
+        attention_mask = torch.cat([mask, completion_mask[:, :-1].to(mask.dtype)], 1)
+        position_ids = mask.sum(-1, keepdim=True) + torch.arange(c - 1, device=mask.device)
+        rest = decoder(
+            input_ids=completion_ids[:, :-1],  # the last token predicts nothing we score
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        return torch.cat([first, rest], 1)  # [B, C, H]
+
+    def _score(self, head, hidden, targets, with_entropy):
+        """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
         logps, entropies = [], []
-        for start in range(0, num_completion_tokens, self.chunk_size):
+        for start in range(0, targets.shape[1], self.chunk_size):
             stop = start + self.chunk_size
             logits = head(hidden[:, start:stop]).float() / self.temperature  # [B, c, V]
             logp_all = logits.log_softmax(-1)
@@ -147,28 +197,37 @@ class TokenLogprobs(nn.Module):
 
 @dataclass
 class SequenceBatch:
-    """Prompt + completion token ids laid out for one forward pass."""
+    """Completions and the prompts they continue, each distinct prompt held once.
 
-    input_ids: torch.Tensor  # [B, P + C]
-    attention_mask: torch.Tensor  # [B, P + C]
-    completion_mask: torch.Tensor  # [B, C] 1 for real completion tokens
+    Prompts are left-padded and completions right-padded to the longest of the
+    batch, the layout `generate` uses, so training log-probs match sampling's.
+    """
+
+    prompt_ids: torch.Tensor  # [U, P] distinct prompts, left-padded
+    prompt_mask: torch.Tensor  # [U, P]
+    prompt_index: torch.Tensor  # [B] row of prompt_ids that completion b continues
+    completion_ids: torch.Tensor  # [B, C] right-padded
+    completion_mask: torch.Tensor  # [B, C] 1.0 for real completion tokens
 
     @property
     def num_completion_tokens(self) -> int:
         return self.completion_mask.shape[1]
 
+    def tensors(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The keyword arguments of `TokenLogprobs.forward`, on `device`."""
+        return {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
+
 
 def make_sequence_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SequenceBatch:
-    """Left-pad prompts and right-pad completions to the longest of this batch, then concatenate."""
-    p_len = max(len(p) for p in prompts)
+    """Row b is prompts[b] followed by completions[b]; identical prompts (a group's) are stored once."""
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    p_len = max(len(p) for p in distinct)
     c_len = max(max(len(c) for c in completions), 1)
-    rows, masks, cmasks = [], [], []
-    for p, c in zip(prompts, completions):
-        rows.append([pad_id] * (p_len - len(p)) + p + c + [pad_id] * (c_len - len(c)))
-        masks.append([0] * (p_len - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_len - len(c)))
-        cmasks.append([1] * len(c) + [0] * (c_len - len(c)))
     return SequenceBatch(
-        input_ids=torch.tensor(rows, dtype=torch.long),
-        attention_mask=torch.tensor(masks, dtype=torch.long),
-        completion_mask=torch.tensor(cmasks, dtype=torch.float32),
+        prompt_ids=torch.tensor([[pad_id] * (p_len - len(p)) + list(p) for p in distinct], dtype=torch.long),
+        prompt_mask=torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long),
+        prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+        completion_ids=torch.tensor([c + [pad_id] * (c_len - len(c)) for c in completions], dtype=torch.long),
+        completion_mask=torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for c in completions]),
     )

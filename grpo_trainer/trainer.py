@@ -86,7 +86,7 @@ def train(cfg: Config) -> TrainResult:
     rewards = load_rewards(cfg.rewards)
     if cfg.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = TokenLogprobs(lm, temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size)
+    policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt)
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.train.learning_rate,
@@ -106,16 +106,18 @@ def train(cfg: Config) -> TrainResult:
     accelerator.register_for_checkpointing(scheduler)
     reference = None  # with beta = 0 no reference model exists at all
     if cfg.loss.beta > 0 and not is_lora(lm):
-        reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size)
+        reference = TokenLogprobs(
+            load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt
+        )
         reference = reference.to(accelerator.device).eval().requires_grad_(False)
 
-    def reference_logprobs(input_ids, attention_mask, num_tokens):
+    def reference_logprobs(sequences: dict[str, torch.Tensor]) -> torch.Tensor:
         if reference is not None:
-            return reference(input_ids, attention_mask, num_tokens)[0]
+            return reference(**sequences)[0]
         # LoRA: the reference is the base model itself, adapters switched off; no second copy.
         bare = accelerator.unwrap_model(policy)
         with bare.lm.disable_adapter():
-            return bare(input_ids, attention_mask, num_tokens)[0]
+            return bare(**sequences)[0]
 
     engine = build_engine(
         cfg.rollout.engine,
@@ -127,8 +129,8 @@ def train(cfg: Config) -> TrainResult:
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
         batch_size=cfg.rollout.batch_size,
-        full_parameters=lambda model: distributed.gathered_if_zero3(accelerator, model),
-        **(_vllm_engine_kwargs(cfg, accelerator) if cfg.rollout.engine.startswith("vllm") else {}),
+        full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
+        **(_vllm_engine_kwargs(cfg, accelerator) if cfg.rollout.engine.startswith("vllm") else {"share_prompt": cfg.model.share_prompt}),
     )
     set_seed(cfg.seed + rank)  # from here on, ranks sample different completions
 
@@ -231,8 +233,7 @@ def train(cfg: Config) -> TrainResult:
             )
             micro_batches.append(
                 {
-                    "input_ids": batch.input_ids.to(accelerator.device),
-                    "attention_mask": batch.attention_mask.to(accelerator.device),
+                    "sequences": batch.tensors(accelerator.device),  # the policy's forward arguments
                     "mask": (batch.completion_mask * keep[sl, None]).to(accelerator.device),  # [mb, C]
                     "advantages": advantages[sl].to(accelerator.device),  # [mb]
                 }
@@ -245,11 +246,10 @@ def train(cfg: Config) -> TrainResult:
         total_tokens = float(totals[0])
         with torch.no_grad():
             for mb in micro_batches:
-                n_tok = mb["mask"].shape[1]
                 if cfg.train.num_iterations > 1:  # with mu = 1 the old policy *is* the current one: no extra pass
-                    mb["old_logp"], _ = policy(mb["input_ids"], mb["attention_mask"], n_tok)
+                    mb["old_logp"], _ = policy(**mb["sequences"])
                 if cfg.loss.beta > 0:
-                    mb["ref_logp"] = reference_logprobs(mb["input_ids"], mb["attention_mask"], n_tok)
+                    mb["ref_logp"] = reference_logprobs(mb["sequences"])
         timing["timing/logprobs"] = time.perf_counter() - tick
 
         # ---- 4. num_iterations optimizer steps on this batch
@@ -260,8 +260,7 @@ def train(cfg: Config) -> TrainResult:
         for iteration in range(cfg.train.num_iterations):
             for mb in micro_batches:
                 with accelerator.accumulate(policy):
-                    n_tok = mb["mask"].shape[1]
-                    logp, entropy = policy(mb["input_ids"], mb["attention_mask"], n_tok, with_entropy=iteration == 0)
+                    logp, entropy = policy(**mb["sequences"], with_entropy=iteration == 0)
                     token_loss, parts = losses.token_loss(
                         logp,
                         mb.get("old_logp", logp.detach()),

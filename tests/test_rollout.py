@@ -1,7 +1,9 @@
-"""The transformers-generate engine: groups of G, EOS kept, truncation flagged, and log-probs that match."""
+"""The hf engine and the training forward: groups of G, EOS kept, truncation flagged, log-probs that match,
+and the shared-prompt paths (one prefill per group) equal to the plain ones."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo_trainer.config import ModelConfig
@@ -9,7 +11,8 @@ from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, m
 from grpo_trainer.rollout import build_engine
 
 
-def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path):
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared-prompt", "full"])
+def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path, share_prompt):
     tokenizer = load_tokenizer(ModelConfig())
     lm = load_causal_lm(ModelConfig())
     prompts = [
@@ -18,7 +21,7 @@ def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path):
     ]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_ids=[tokenizer.eos_token_id], max_completion_length=16)
+                          eos_token_ids=[tokenizer.eos_token_id], max_completion_length=16, share_prompt=share_prompt)
     torch.manual_seed(0)
     rollout = engine.generate(prompt_ids, num_generations=3)
     assert len(rollout.completion_ids) == 6 and len(rollout.truncated) == 6
@@ -28,7 +31,8 @@ def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path):
         assert len(ids) <= 16
 
     short = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_ids=[tokenizer.eos_token_id], max_completion_length=3).generate(prompt_ids, 2)
+                         eos_token_ids=[tokenizer.eos_token_id], max_completion_length=3,
+                         share_prompt=share_prompt).generate(prompt_ids, 2)
     assert all(short.truncated) and all(len(c) == 3 for c in short.completion_ids)
 
     # The training forward (padded batch, explicit positions) scores each completion exactly as the
@@ -36,10 +40,79 @@ def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path):
     rows = [0, 0, 0, 1, 1, 1]
     batch = make_sequence_batch([prompt_ids[r] for r in rows], rollout.completion_ids, tokenizer.pad_token_id)
     with torch.no_grad():
-        logp, entropy = TokenLogprobs(lm, chunk_size=5)(batch.input_ids, batch.attention_mask, batch.num_completion_tokens, with_entropy=True)
+        logp, entropy = TokenLogprobs(lm, chunk_size=5, share_prompt=share_prompt)(**batch.tensors(), with_entropy=True)
         for i, row in enumerate(rows):
             ids = torch.tensor([prompt_ids[row] + rollout.completion_ids[i]])
             n = len(rollout.completion_ids[i])
             direct = lm(ids).logits[0, -n - 1 : -1].log_softmax(-1).gather(-1, ids[0, -n:, None]).squeeze(-1)
             torch.testing.assert_close(logp[i, :n], direct, atol=1e-5, rtol=1e-5)
     assert (entropy >= 0).all() and (batch.completion_mask.sum(1) == torch.tensor([len(c) for c in rollout.completion_ids])).all()
+
+
+def _chat_prompts(tokenizer, questions):
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}, {"temperature": 1.3, "top_k": 20, "top_p": 0.9}])
+def test_own_decode_loop_draws_the_same_tokens_as_generate(tiny_model_path, sampling):
+    """For one prompt and one completion both engines make the same random draws: same seed, same tokens.
+
+    (In a batch the streams part ways once a row finishes: `generate` keeps drawing for finished rows,
+    our loop drops them. Each row's draw is still from the same distribution.)"""
+    tokenizer = load_tokenizer(ModelConfig())
+    lm = load_causal_lm(ModelConfig())
+    prompt_ids = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+4?", "What is 7+75?", "What is 100+1?"])
+    out = {}
+    for share_prompt in (True, False):
+        engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_ids=[tokenizer.eos_token_id], max_completion_length=12,
+                              share_prompt=share_prompt, **sampling)
+        out[share_prompt] = engine.generate(prompt_ids * 3, 1, seeds=list(range(len(prompt_ids) * 3)))
+    assert out[True].completion_ids == out[False].completion_ids
+    assert out[True].truncated == out[False].truncated
+    assert len(set(map(tuple, out[True].completion_ids))) > len(prompt_ids)  # really sampled, not one fixed answer
+
+
+def test_sample_next_token_keeps_only_the_top_k_and_the_nucleus():
+    from grpo_trainer.rollout.hf import sample_next_token
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    torch.manual_seed(0)
+    assert set(sample_next_token(logits, top_k=2).tolist()) == {0, 1}
+    assert set(sample_next_token(logits, top_p=0.75).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert set(sample_next_token(logits, top_p=0.5).tolist()) == {0}  # the most likely token always stays
+    counts = torch.bincount(sample_next_token(logits), minlength=4) / 2000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04, rtol=0)
+    assert sample_next_token(logits[:1] * 0 + torch.tensor([[0.0, 2.0, 1.0, 0.0]]), do_sample=False).tolist() == [1]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_shared_prompt_forward_equals_full_sequences_values_and_gradients(tiny_model_path, checkpointing):
+    """One pass per distinct prompt + completions on its cache == every row in full, for log-probs,
+    entropies and parameter gradients. Groups split across the batch, prompts of different lengths and
+    completions of 1 token are all in it. Under gradient checkpointing the shared path falls back to the full one."""
+    tokenizer = load_tokenizer(ModelConfig())
+    lm = load_causal_lm(ModelConfig())
+    if checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+    prompt_ids = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?", "What is 7+75?"])
+    rows = [0, 0, 1, 2, 2, 2, 1]
+    g = torch.Generator().manual_seed(0)
+    completions = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 1, 7, 9)]
+    batch = make_sequence_batch([prompt_ids[r] for r in rows], completions, tokenizer.pad_token_id)
+    assert batch.prompt_ids.shape[0] == 3 and batch.prompt_index.tolist() == [0, 0, 1, 2, 2, 2, 1]
+    results = {}
+    for share_prompt in (True, False):
+        lm.zero_grad(set_to_none=True)
+        logp, entropy = TokenLogprobs(lm, chunk_size=4, share_prompt=share_prompt)(**batch.tensors(), with_entropy=True)
+        (logp * batch.completion_mask * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+        results[share_prompt] = (logp.detach(), entropy, {n: p.grad.clone() for n, p in lm.named_parameters()})
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(results[True][0][mask], results[False][0][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1][mask], results[False][1][mask], atol=1e-5, rtol=1e-5)
+    for name, grad in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert any(grad.abs().sum() > 0 for grad in results[True][2].values())

@@ -68,7 +68,7 @@ def load_lm(folder: Path):
 def trainer_logprobs(lm, prompts, completions, temperature) -> list[list[float]]:
     batch = make_sequence_batch(prompts, completions, pad_id=0)
     with torch.no_grad():
-        lp, _ = TokenLogprobs(lm, temperature=temperature)(batch.input_ids, batch.attention_mask, batch.num_completion_tokens)
+        lp, _ = TokenLogprobs(lm, temperature=temperature)(**batch.tensors())
     return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
 
 

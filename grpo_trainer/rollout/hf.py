@@ -1,10 +1,17 @@
-"""Group sampling with transformers `generate`: the engine that runs everywhere.
+"""Group sampling with the transformers model itself: the engine that runs everywhere.
 
-It samples from the training model itself (unwrapped from DDP), so there are no
-weights to push: `sync_weights` is a no-op. Prompts are repeated G times and
-sampled in one batched call per `batch_size` prompts, with the KV cache on.
-It reports no sampling log-probs: the sampler is the trained model itself, so
-there is no sampler/trainer mismatch to measure.
+It samples from the training model (unwrapped from DDP), so there are no
+weights to push: `sync_weights` is a no-op. It reports no sampling log-probs:
+the sampler is the trained model itself, so there is no sampler/trainer
+mismatch to measure.
+
+With `share_prompt` (the default) it runs its own decode loop: each prompt is
+prefilled once and its KV cache copied to its G completions, and rows that
+have finished are dropped from the batch instead of being decoded as padding
+to the end. Sampling is what `generate` does for these settings (temperature,
+then top-k, then top-p, then one multinomial draw per row), so with G = 1 the
+two give the same tokens from the same seed (tested). Without `share_prompt`
+it calls `model.generate` with the prompts repeated G times.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class HFEngine:
         top_k: int = 0,
         batch_size: int = 0,
         full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+        share_prompt: bool = True,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
@@ -38,6 +46,7 @@ class HFEngine:
         self.max_completion_length = max_completion_length
         self.sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
         self.batch_size = batch_size
+        self.share_prompt = share_prompt
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: this engine samples from the training model itself."""
@@ -59,7 +68,8 @@ class HFEngine:
                     with torch.random.fork_rng(devices=[]) if seeds is not None else contextlib.nullcontext():
                         if seeds is not None:
                             torch.manual_seed(seeds[start])
-                        c, t = self._generate_batch(model, prompt_ids[start : start + step], num_generations)
+                        generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
+                        c, t = generate(model, prompt_ids[start : start + step], num_generations)
                     completions += c
                     truncated += t
         finally:
@@ -67,7 +77,7 @@ class HFEngine:
             model.train(was_training)
         return Rollout(completion_ids=completions, truncated=truncated)
 
-    def _generate_batch(self, model, prompts: list[list[int]], g: int):
+    def _left_padded(self, model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         device = next(model.parameters()).device
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -75,16 +85,52 @@ class HFEngine:
         for row, p in enumerate(prompts):
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
+        return ids.to(device), mask.to(device)
+
+    def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int):
+        """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
+        ids, mask = self._left_padded(model, prompts)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1)
+        rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
+        cache = out.past_key_values
+        cache.reorder_cache(rows)
+        logits, mask = out.logits[rows, -1], mask[rows]
+        positions = mask.sum(-1)  # [B] position of the next token
+        eos = torch.tensor(self.eos_token_ids, device=ids.device)
+        tokens: list[list[int]] = [[] for _ in range(len(rows))]
+        live = torch.arange(len(rows), device=ids.device)  # completion index of each row still in the batch
+        for step in range(self.max_completion_length):
+            nxt = sample_next_token(logits, **self.sampling)  # [live]
+            for row, token in zip(live.tolist(), nxt.tolist()):
+                tokens[row].append(token)
+            going = ~torch.isin(nxt, eos)
+            if step == self.max_completion_length - 1 or not going.any():
+                break
+            if not going.all():  # finished rows leave the batch: no more compute spent on padding
+                keep = going.nonzero().squeeze(-1)
+                cache.reorder_cache(keep)
+                live, nxt, mask, positions = live[keep], nxt[keep], mask[keep], positions[keep]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+            positions = positions + 1
+        eos_set = set(self.eos_token_ids)
+        truncated = [not t or t[-1] not in eos_set for t in tokens]
+        return tokens, truncated
+
+    def _generate_batch(self, model, prompts: list[list[int]], g: int):
+        ids, mask = self._left_padded(model, prompts)
         out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
+            input_ids=ids,
+            attention_mask=mask,
             num_return_sequences=g,  # rows come out grouped: prompt 0 x G, prompt 1 x G, ...
             max_new_tokens=self.max_completion_length,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             **self.sampling,
         )
-        new_tokens = out[:, width:].cpu()  # [B*G, <=L]
+        new_tokens = out[:, ids.shape[1] :].cpu()  # [B*G, <=L]
         eos = torch.tensor(self.eos_token_ids)
         completions, truncated = [], []
         for row in range(new_tokens.shape[0]):
@@ -94,3 +140,20 @@ class HFEngine:
             completions.append(tokens[:length])
             truncated.append(not len(hits))
         return completions, truncated
+
+
+def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+                      top_k: int | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], as `generate` samples: temperature, top-k, top-p, then a multinomial draw."""
+    scores = logits.float() / temperature if temperature != 1.0 else logits.float()
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -float("inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1)  # ascending: the tail that nucleus sampling drops comes first
+        drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    if not do_sample:
+        return scores.argmax(-1)
+    return torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
