@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ class TrainResult:
     is_main_process: bool
 
 
-def train(cfg: Config) -> TrainResult:
+def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
     from transformers import get_scheduler
@@ -171,20 +172,20 @@ def train(cfg: Config) -> TrainResult:
     last: dict = {}
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         step_start = time.perf_counter()
-        timing: dict[str, float] = {}
+        timing = PhaseTimer()
 
         # ---- 1-2. sample G completions per prompt, score them; advantages over the whole batch (all ranks)
         draws = itertools.count()  # sampling rounds this step (dynamic sampling may take several)
 
         def sample_and_score(local_indices: list[int]):
-            tick = time.perf_counter()
+            timing.start("timing/rollout")
             seeds = None
             if cfg.rollout.seed_per_prompt:  # a function of (seed, step, round, position in the global batch)
                 draw = next(draws)
                 seeds = [_mix_seed(cfg.seed, step, draw, rank * local_prompts + j) for j in range(len(local_indices))]
             rollout = engine.generate([prompt_set.token_ids[i] for i in local_indices], g, seeds=seeds)
-            timing["timing/rollout"] = timing.get("timing/rollout", 0.0) + time.perf_counter() - tick
-            tick = time.perf_counter()
+            timing.stop("timing/rollout")
+            timing.start("timing/reward")
             rows = [i for i in local_indices for _ in range(g)]  # prompt index of each completion
             texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             reward_batch = compute_rewards(
@@ -194,7 +195,7 @@ def train(cfg: Config) -> TrainResult:
                 completion_ids=rollout.completion_ids,
                 columns=prompt_set.reward_columns(rows, cfg.data.answer_column),
             )
-            timing["timing/reward"] = timing.get("timing/reward", 0.0) + time.perf_counter() - tick
+            timing.stop("timing/reward")
             return rollout, reward_batch
 
         def next_local_indices() -> list[int]:
@@ -219,7 +220,7 @@ def train(cfg: Config) -> TrainResult:
         advantages = all_advantages[rank * local_n : (rank + 1) * local_n]  # [local_n]
 
         # ---- 3. micro-batches; old and reference log-probs only when needed
-        tick = time.perf_counter()
+        timing.start("timing/logprobs")
         lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
         keep = torch.ones(local_n)
         if cfg.loss.mask_truncated_completions:
@@ -250,10 +251,10 @@ def train(cfg: Config) -> TrainResult:
                     mb["old_logp"], _ = policy(**mb["sequences"])
                 if cfg.loss.beta > 0:
                     mb["ref_logp"] = reference_logprobs(mb["sequences"])
-        timing["timing/logprobs"] = time.perf_counter() - tick
+        timing.stop("timing/logprobs")
 
         # ---- 4. num_iterations optimizer steps on this batch
-        tick = time.perf_counter()
+        timing.start("timing/update")
         sums = torch.zeros(8, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy, |sampler-trainer logp| sum, max
         grad_norm = torch.tensor(math.nan)
         skipped = 0
@@ -310,22 +311,22 @@ def train(cfg: Config) -> TrainResult:
                         gap = (logp.detach() - mb["sampling_logp"]).abs() * mb["mask"]
                         sums[6] += gap.sum()
                         sums[7] = torch.maximum(sums[7], gap.max())
-        timing["timing/update"] = time.perf_counter() - tick
-        tick = time.perf_counter()
+        timing.stop("timing/update")
+        timing.start("timing/weight_sync")
         bare_lm = accelerator.unwrap_model(policy).lm
         with distributed.gathered_if_zero3(accelerator, bare_lm):
             engine.sync_weights(bare_lm)
         accelerator.wait_for_everyone()  # a server engine is pushed to by the main process only
-        timing["timing/weight_sync"] = time.perf_counter() - tick
+        timing.stop("timing/weight_sync")
 
         eval_metrics: dict[str, float] = {}
         if cfg.eval.every and step % cfg.eval.every == 0:
-            tick = time.perf_counter()
+            timing.start("timing/eval")
             if accelerator.is_main_process:
                 # Forked RNG inside: the training random stream (and so exact resume) is untouched.
                 eval_metrics = (evaluate_model(accelerator.unwrap_model(policy).lm, tokenizer, cfg, data=eval_data, progress=False))
             accelerator.wait_for_everyone()
-            timing["timing/eval"] = time.perf_counter() - tick
+            timing.stop("timing/eval")
 
         # ---- 5. metrics (reduced over ranks), progress, checkpoint
         gap_max = accelerator.reduce(sums[7:8].clone(), "max").cpu()  # a max, not a sum, over ranks
@@ -355,7 +356,7 @@ def train(cfg: Config) -> TrainResult:
             ),
             **reward_metrics,
             **eval_metrics,
-            **timing,
+            **timing.seconds,
         }
         record["step_time"] = time.perf_counter() - step_start
         log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
@@ -389,6 +390,8 @@ def train(cfg: Config) -> TrainResult:
             ]
             _write_completions(output_dir / "completions.jsonl", samples, cfg.logging.print_completions)
         progress.update(record)
+        if on_step_end is not None:  # e.g. a profiler's step(), or a test's probe
+            on_step_end(step)
         last = record
 
     progress.close()
@@ -401,6 +404,28 @@ def train(cfg: Config) -> TrainResult:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step (the `timing/*` metrics), each phase also a torch.profiler range.
+
+    A phase can be entered several times in a step (dynamic sampling draws again): its times add up.
+    `scripts/profile_step.py` groups the profiled operators by these ranges.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._open: dict[str, tuple[float, torch.profiler.record_function]] = {}
+
+    def start(self, name: str) -> None:
+        marker = torch.profiler.record_function(name)
+        marker.__enter__()
+        self._open[name] = (time.perf_counter(), marker)
+
+    def stop(self, name: str) -> None:
+        started, marker = self._open.pop(name)
+        marker.__exit__(None, None, None)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 @dataclass

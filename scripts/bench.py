@@ -116,16 +116,13 @@ def prompt_tokens(path: str) -> float:
 # ----------------------------------------------------------------------------- one run of each trainer
 
 
-def run_ours(spec: dict, out: Path) -> None:
-    """`python -m grpo_trainer train <generated yaml>` in this process (runpy, exactly what -m does)."""
-    import runpy
-
-    import yaml
-
-    cfg = {
-        "output_dir": str(out / "run"),
+def ours_config(spec: dict, output_dir: Path) -> dict:
+    """This trainer's config for a bench spec (also used by scripts/profile_step.py and scripts/scaling.py)."""
+    return {
+        "output_dir": str(output_dir),
         "seed": spec["seed"],
-        "model": {"name_or_path": spec["model_path"], "dtype": "float32", "gradient_checkpointing": False},
+        "model": {"name_or_path": spec["model_path"], "dtype": "float32", "gradient_checkpointing": False,
+                  "share_prompt": spec.get("share_prompt", True)},
         "data": {"source": "builtin:arithmetic", "split": "train"},
         "rollout": {"engine": "hf", "num_generations": spec["num_generations"],
                     "max_completion_length": spec["max_completion_length"], "temperature": 1.0},
@@ -137,6 +134,15 @@ def run_ours(spec: dict, out: Path) -> None:
         "checkpoint": {"save_every": 0, "resume": "never", "save_final_model": False},
         "logging": {"progress_bar": False, "report_to": ["jsonl"]},
     }
+
+
+def run_ours(spec: dict, out: Path) -> None:
+    """`python -m grpo_trainer train <generated yaml>` in this process (runpy, exactly what -m does)."""
+    import runpy
+
+    import yaml
+
+    cfg = ours_config(spec, out / "run")
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     sys.argv = ["grpo_trainer", "train", str(config_path)]

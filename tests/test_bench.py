@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench.py: our trainer's path for 2 steps, and the JSON it writes.
+"""Smoke tests of scripts/bench.py (our trainer's path for 2 steps, and the JSON it writes) and of
+scripts/profile_step.py (the trainer's phases as profiler ranges, operators attributed to them).
 
 The TRL side runs only where TRL is importable in this interpreter (the team venv does not have it;
 docs/performance.md says how to make the separate TRL venv the benchmark uses).
@@ -53,3 +54,20 @@ def test_bench_both(tmp_path):
     assert set(report["results"]) == {"ours", "trl"}
     assert RESULT_KEYS <= set(report["results"]["trl"])
     assert report["ratios_ours_over_trl"]["median_step_time_s"] > 0
+
+
+def test_profile_step_attributes_operators_to_the_trainer_phases():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "profile_step.py"), "--steps", "3", "--prompts-per-step", "2",
+         "--num-generations", "4", "--top", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "profiled steps=1" in out
+    for phase in ("rollout", "reward", "update"):
+        assert f"| {phase} |" in out  # the phase table, from timing/* in metrics.jsonl
+    # Operators inside the rollout and update ranges: matrix multiplies are among the top ones there.
+    for phase in ("rollout", "update"):
+        section = out.split(f"\n{phase}: aten self time")[1].split("\n\n")[0]
+        assert "aten::mm" in section or "aten::addmm" in section or "aten::bmm" in section, section

@@ -116,3 +116,23 @@ def test_shared_prompt_forward_equals_full_sequences_values_and_gradients(tiny_m
     for name, grad in results[False][2].items():
         torch.testing.assert_close(results[True][2][name], grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     assert any(grad.abs().sum() > 0 for grad in results[True][2].values())
+
+
+def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_path):
+    """Checkpoints ship sampling defaults (Qwen2.5-Instruct: top_k 20, repetition_penalty 1.05). Sampling
+    must follow `rollout.*` only, or the completions come from a distribution the loss does not score.
+    Both engine paths (own decode loop, `generate`) draw the same tokens as with a clean config."""
+    tokenizer = load_tokenizer(ModelConfig())
+    lm = load_causal_lm(ModelConfig())
+    prompt_ids = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+4?", "What is 7+75?"])
+    seeds = list(range(len(prompt_ids)))
+
+    def sample(share_prompt):
+        engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_ids=[tokenizer.eos_token_id], max_completion_length=12, share_prompt=share_prompt)
+        return engine.generate(prompt_ids, 1, seeds=seeds).completion_ids
+
+    clean = sample(True)
+    lm.generation_config.update(top_k=2, repetition_penalty=3.0, temperature=0.3, top_p=0.5, no_repeat_ngram_size=1)
+    assert sample(True) == clean
+    assert sample(False) == clean

@@ -41,6 +41,7 @@ def single(tmp_path_factory, tiny_model_path):
     return out
 
 
+@pytest.mark.xdist_group("sharding")  # one worker: the one-process baseline (a module fixture) runs once
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_sharded_run_matches_one_process(setup, single, tmp_path):
     pytest.importorskip("deepspeed") if setup.startswith("zero") else None

@@ -121,15 +121,23 @@ class HFEngine:
 
     def _generate_batch(self, model, prompts: list[list[int]], g: int):
         ids, mask = self._left_padded(model, prompts)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            num_return_sequences=g,  # rows come out grouped: prompt 0 x G, prompt 1 x G, ...
+        from transformers import GenerationConfig
+
+        # Only our settings: `generate` fills every setting left unset from the checkpoint's generation
+        # config (Qwen2.5-Instruct ships top_k 20 and repetition_penalty 1.05), which would change the
+        # distribution the completions are drawn from. So the checkpoint's is swapped out for the call.
+        config = GenerationConfig(
             max_new_tokens=self.max_completion_length,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            **self.sampling,
+            num_return_sequences=g,  # rows come out grouped: prompt 0 x G, prompt 1 x G, ...
+            **{**self.sampling, "top_k": self.sampling["top_k"] or 0},
         )
+        checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        finally:
+            model.generation_config = checkpoint_config
         new_tokens = out[:, ids.shape[1] :].cpu()  # [B*G, <=L]
         eos = torch.tensor(self.eos_token_ids)
         completions, truncated = [], []

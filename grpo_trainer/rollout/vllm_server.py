@@ -156,6 +156,12 @@ class VLLMServerEngine:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k if self.top_k > 0 else 0,
+            # Neutral on purpose: the server fills unset ones from the checkpoint's generation config
+            # (Qwen2.5-Instruct: repetition_penalty 1.05), which the trainer's log-probs do not model.
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_p": 0.0,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": self.eos_token_ids,
