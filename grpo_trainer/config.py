@@ -188,6 +188,12 @@ class TrainConfig(_Section):
         16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
     )
     num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
+    skip_zero_advantage: bool = Field(
+        True,
+        description="With loss.beta = 0, leave completions whose advantage is 0 (or whose tokens are all masked) out "
+        "of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
+        "unchanged; `entropy` then covers the trained completions. Not applied to `bnpo` (normalised per micro-batch).",
+    )
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate shape after warmup."

@@ -225,25 +225,26 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
         keep = torch.ones(local_n)
         if cfg.loss.mask_truncated_completions:
             keep = 1.0 - torch.tensor(rollout.truncated, dtype=torch.float32)
-        micro = cfg.train.micro_batch_size
+        # Completions that cannot move the weights stay out of the passes (exact: see _micro_batch_rows).
+        skip_zero = cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and cfg.loss.type != "bnpo"
+        trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0] if skip_zero else None
         micro_batches = []
-        for start in range(0, local_n, micro):
-            sl = slice(start, start + micro)
+        for idx in _micro_batch_rows(local_n, cfg.train.micro_batch_size, trainable, lengths):
             batch = make_sequence_batch(
-                [prompt_set.token_ids[i] for i in rows[sl]], rollout.completion_ids[sl], tokenizer.pad_token_id
+                [prompt_set.token_ids[rows[j]] for j in idx], [rollout.completion_ids[j] for j in idx], tokenizer.pad_token_id
             )
             micro_batches.append(
                 {
                     "sequences": batch.tensors(accelerator.device),  # the policy's forward arguments
-                    "mask": (batch.completion_mask * keep[sl, None]).to(accelerator.device),  # [mb, C]
-                    "advantages": advantages[sl].to(accelerator.device),  # [mb]
+                    "mask": (batch.completion_mask * keep[idx, None]).to(accelerator.device),  # [mb, C]
+                    "advantages": advantages[idx].to(accelerator.device),  # [mb]
                 }
             )
             if rollout.sampling_logprobs is not None:  # the sampler's own log-probs (vLLM engines)
-                micro_batches[-1]["sampling_logp"] = _pad(rollout.sampling_logprobs[sl], batch.num_completion_tokens).to(accelerator.device)
-        totals = accelerator.reduce(
-            torch.tensor([float(sum(mb["mask"].sum() for mb in micro_batches))], device=accelerator.device), "sum"
-        )
+                sampled = [rollout.sampling_logprobs[j] for j in idx]
+                micro_batches[-1]["sampling_logp"] = _pad(sampled, batch.num_completion_tokens).to(accelerator.device)
+        # Normalisers count every completion, trained or not: skipping never changes the loss.
+        totals = accelerator.reduce(torch.tensor([float((lengths * keep).sum())], device=accelerator.device), "sum")
         total_tokens = float(totals[0])
         with torch.no_grad():
             for mb in micro_batches:
@@ -255,7 +256,9 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
 
         # ---- 4. num_iterations optimizer steps on this batch
         timing.start("timing/update")
-        sums = torch.zeros(8, device=accelerator.device)  # loss, clip_low, clip_high, clip_region, kl, entropy, |sampler-trainer logp| sum, max
+        # loss, clip_low, clip_high, clip_region, kl, entropy, |sampler-trainer logp| sum, max, tokens trained, completions trained
+        sums = torch.zeros(10, device=accelerator.device)
+        sums[9] = local_n if trainable is None else len(trainable)
         grad_norm = torch.tensor(math.nan)
         skipped = 0
         for iteration in range(cfg.train.num_iterations):
@@ -307,6 +310,7 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
                 ) / cfg.train.num_iterations
                 if iteration == 0:
                     sums[5] += (entropy * mb["mask"]).sum()
+                    sums[8] += mb["mask"].sum()
                     if "sampling_logp" in mb:
                         gap = (logp.detach() - mb["sampling_logp"]).abs() * mb["mask"]
                         sums[6] += gap.sum()
@@ -344,13 +348,14 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
             "completions/max_length": float(all_lengths.max()),
             "completions/clipped_ratio": float(all_truncated.mean()),
             **_length_by_outcome(all_lengths, all_rewards),
-            "entropy": float(sums[5]) / max(total_tokens, 1),
+            "entropy": float(sums[5]) / max(float(sums[8]), 1),  # over the completions that were trained on
+            "completions/trained_fraction": float(sums[9]) / (local_n * world),
             "clip_ratio/low_mean": float(sums[1]) / max(total_tokens, 1),
             "clip_ratio/high_mean": float(sums[2]) / max(total_tokens, 1),
             "clip_ratio/region_mean": float(sums[3]) / max(total_tokens, 1),
             **({"kl": float(sums[4]) / max(total_tokens, 1)} if cfg.loss.beta > 0 else {}),
             **(
-                {"sampling/logp_diff_mean": float(sums[6]) / max(total_tokens, 1), "sampling/logp_diff_max": float(gap_max[0])}
+                {"sampling/logp_diff_mean": float(sums[6]) / max(float(sums[8]), 1), "sampling/logp_diff_max": float(gap_max[0])}
                 if rollout.sampling_logprobs is not None
                 else {}
             ),
@@ -534,6 +539,30 @@ def _vllm_engine_kwargs(cfg: Config, accelerator) -> dict:
         seed=cfg.seed + accelerator.process_index,  # ranks must not share a random stream
         is_main_process=accelerator.is_main_process,
     )
+
+
+def _micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, lengths: torch.Tensor) -> list[list[int]]:
+    """The completions (row indices) each micro-batch trains on.
+
+    All rows, `micro` at a time, unless `trainable` lists the rows worth a pass. Then those rows are
+    spread evenly, in order (groups stay together), over the *same number* of micro-batches: gradient
+    accumulation and DDP/ZeRO synchronisation count on every rank making the same number of backward
+    calls. A micro-batch left with nothing gets the shortest other row: its advantage is 0 (or its
+    tokens masked), so its gradient is exactly 0 and only the backward call itself is kept.
+    """
+    n_micro = math.ceil(local_n / micro)
+    if trainable is None:
+        return [list(range(start, min(start + micro, local_n))) for start in range(0, local_n, micro)]
+    sizes = [len(trainable) // n_micro + (1 if i < len(trainable) % n_micro else 0) for i in range(n_micro)]
+    chunks, start = [], 0
+    for size in sizes:
+        chunks.append(trainable[start : start + size])
+        start += size
+    if any(not chunk for chunk in chunks):
+        chosen = set(trainable)
+        filler = min((j for j in range(local_n) if j not in chosen), key=lambda j: float(lengths[j]))
+        chunks = [chunk or [filler] for chunk in chunks]
+    return chunks
 
 
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
