@@ -93,7 +93,11 @@ class DataConfig(_Section):
 
 
 class VLLMConfig(_Section):
-    dtype: str = Field("auto", description="vLLM's weight dtype.")
+    dtype: str = Field(
+        "auto",
+        description="vLLM's weight dtype; `auto`: the policy's `model.dtype` (vLLM's own `auto` would run a float32 "
+        "checkpoint in bfloat16, widening the sampler/trainer log-prob gap).",
+    )
     max_model_len: int | None = Field(None, gt=0, description="vLLM's context length (None: the model's).")
     gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="Share of GPU memory vLLM reserves in colocate mode (training needs the rest)."

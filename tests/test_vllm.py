@@ -296,9 +296,11 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    print("sampling/logp_diff_mean per step:", [r["sampling/logp_diff_mean"] for r in rows])
     # vLLM samples with the weights the trainer just pushed: after large updates (lr 1e-2) its log-probs stay
-    # as close to the trainer's as before any update (~5e-3 nats on average here: vLLM's CPU kernels vs eager).
+    # as close to the trainer's as before any update. vLLM runs in the trainer's float32 (rollout.vllm.dtype
+    # auto); in vLLM's own auto dtype (bfloat16 for a float32 checkpoint) the gap was ~5e-3 nats.
     gaps = [r["sampling/logp_diff_mean"] for r in rows]
-    assert gaps[0] < 2e-2 and max(gaps[1:]) < 2 * gaps[0] + 1e-3, gaps
+    assert max(gaps) < 1e-4, gaps  # measured ~3e-7
     before, after = load_file(model / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
