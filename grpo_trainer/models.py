@@ -141,14 +141,15 @@ class TokenLogprobs(nn.Module):
         decoder = base.get_decoder()
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
         if self.share_prompt and not checkpointing:
-            hidden = self._hidden_shared_prompt(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
+            hidden_states = self._hidden_shared_prompt
         else:
-            hidden = self._hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
+            hidden_states = self._hidden_full
+        hidden = hidden_states(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
         return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy)
 
     @staticmethod
     def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
-        """Every row is its prompt + completion: [B, P + C] through the model; the C states that predict completion tokens."""
+        """Every row as prompt + completion, [B, P + C], through the model; the C states that predict completion tokens."""
         input_ids = torch.cat([prompt_ids[prompt_index], completion_ids], 1)
         attention_mask = torch.cat([prompt_mask[prompt_index], completion_mask.to(prompt_mask.dtype)], 1)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -159,7 +160,9 @@ class TokenLogprobs(nn.Module):
         return hidden[:, -c - 1 : -1]  # the state at position t predicts token t + 1
 
     @staticmethod
-    def _hidden_shared_prompt(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
+    def _hidden_shared_prompt(
+        decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask
+    ) -> torch.Tensor:
         """Prompts [U, P] once, their cache gathered to the B rows, then completions [B, C - 1] on top of it."""
         prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)

@@ -131,7 +131,11 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
         top_k=cfg.rollout.top_k,
         batch_size=cfg.rollout.batch_size,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
-        **(_vllm_engine_kwargs(cfg, accelerator) if cfg.rollout.engine.startswith("vllm") else {"share_prompt": cfg.model.share_prompt}),
+        **(
+            _vllm_engine_kwargs(cfg, accelerator)
+            if cfg.rollout.engine.startswith("vllm")
+            else {"share_prompt": cfg.model.share_prompt}
+        ),
     )
     set_seed(cfg.seed + rank)  # from here on, ranks sample different completions
 
@@ -227,11 +231,15 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
             keep = 1.0 - torch.tensor(rollout.truncated, dtype=torch.float32)
         # Completions that cannot move the weights stay out of the passes (exact: see _micro_batch_rows).
         skip_zero = cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and cfg.loss.type != "bnpo"
-        trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0] if skip_zero else None
+        trainable = None  # None: every completion
+        if skip_zero:
+            trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0]
         micro_batches = []
         for idx in _micro_batch_rows(local_n, cfg.train.micro_batch_size, trainable, lengths):
             batch = make_sequence_batch(
-                [prompt_set.token_ids[rows[j]] for j in idx], [rollout.completion_ids[j] for j in idx], tokenizer.pad_token_id
+                [prompt_set.token_ids[rows[j]] for j in idx],
+                [rollout.completion_ids[j] for j in idx],
+                tokenizer.pad_token_id,
             )
             micro_batches.append(
                 {

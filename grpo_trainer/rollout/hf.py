@@ -9,9 +9,11 @@ With `share_prompt` (the default) it runs its own decode loop: each prompt is
 prefilled once and its KV cache copied to its G completions, and rows that
 have finished are dropped from the batch instead of being decoded as padding
 to the end. Sampling is what `generate` does for these settings (temperature,
-then top-k, then top-p, then one multinomial draw per row), so with G = 1 the
-two give the same tokens from the same seed (tested). Without `share_prompt`
-it calls `model.generate` with the prompts repeated G times.
+then top-k, then top-p, then one multinomial draw per row), so for one prompt
+and G = 1 the two give the same tokens from the same seed (tested; in a batch
+the random streams part ways once rows finish). Neither takes sampling
+settings from the checkpoint's generation config. Without `share_prompt` it
+calls `model.generate` with the prompts repeated G times.
 """
 
 from __future__ import annotations
@@ -120,9 +122,9 @@ class HFEngine:
         return tokens, truncated
 
     def _generate_batch(self, model, prompts: list[list[int]], g: int):
-        ids, mask = self._left_padded(model, prompts)
         from transformers import GenerationConfig
 
+        ids, mask = self._left_padded(model, prompts)
         # Only our settings: `generate` fills every setting left unset from the checkpoint's generation
         # config (Qwen2.5-Instruct ships top_k 20 and repetition_penalty 1.05), which would change the
         # distribution the completions are drawn from. So the checkpoint's is swapped out for the call.
