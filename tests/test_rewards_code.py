@@ -9,6 +9,9 @@ import pytest
 from rewards import code_tests
 from rewards.code_tests import extract_code, parse_tests
 
+# Runs code as `nobody` in the sandbox: on the same pytest-xdist worker as tests/test_sandbox.py's process census.
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(2, 2) == 4"]
 HUMANEVAL_TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"
 DOUBLE_IO = {"inputs": ["2\n", "5\n", "0\n"], "outputs": ["4\n", "10\n", "0\n"]}
