@@ -130,7 +130,8 @@ def ours_config(spec: dict, output_dir: Path) -> dict:
         "loss": {"type": "grpo", "beta": 0.0, "scale_rewards": "group"},
         "train": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts_per_step"],
                   "micro_batch_size": spec["micro_batch_size"], "learning_rate": spec["learning_rate"],
-                  "warmup_steps": 0, "lr_scheduler": "constant", "adam_beta2": 0.99, "max_grad_norm": 1.0},
+                  "warmup_steps": 0, "lr_scheduler": "constant", "adam_beta2": 0.99, "max_grad_norm": 1.0,
+                  "skip_zero_advantage": spec.get("skip_zero_advantage", True)},
         "checkpoint": {"save_every": 0, "resume": "never", "save_final_model": False},
         "logging": {"progress_bar": False, "report_to": ["jsonl"]},
     }

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-step", type=int, default=None, help="default: the --model preset's")
     p.add_argument("--num-generations", type=int, default=None, help="default: the --model preset's")
     p.add_argument("--share-prompt", choices=["true", "false"], default="true")
+    p.add_argument("--skip-zero-advantage", choices=["true", "false"], default="true",
+                   help="false to profile the full update (the random-init large model's advantages are all 0)")
     p.add_argument("--top", type=int, default=8, help="operators shown per phase")
     p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     args = p.parse_args(argv)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
                                           "micro_batch_size", "learning_rate")},
                 "steps": args.steps, "seed": 0, "model_path": bench.model_path(args.model, root),
-                "share_prompt": args.share_prompt == "true"}
+                "share_prompt": args.share_prompt == "true", "skip_zero_advantage": args.skip_zero_advantage == "true"}
         cfg = config_from_dict(bench.ours_config(spec, root / "run"))
         schedule = torch.profiler.schedule(wait=0, warmup=2, active=args.steps - 2, repeat=1)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:

@@ -7,8 +7,10 @@
 Each row is one run of this trainer (`scripts/bench.py`'s `_run_ours`, its own process) on the bundled
 arithmetic task; the first step is dropped and the rest are summarised by their median. A completion
 stops at EOS, so the "max completion length" rows only grow as far as the model's completions do: the
-random-init `large` model samples EOS about once in 128 tokens, so its completions mostly reach the maximum, while the tiny
-model's answers end after ~12 tokens. The `--model large` rows are the compute-bound ones.
+random-init `large` model samples EOS about once in 128 tokens, so its completions mostly reach the
+maximum, while the tiny model's answers end after ~12 tokens. The `large` rows are the compute-bound
+ones. `train.skip_zero_advantage` is off for every row, so the update column is the full forward +
+backward over all completions.
 
 Roofline: the machine's peak is measured, not looked up: the best float32 matmul rate over a few
 square sizes (`torch.mm`, all threads unless --threads). A token costs 2 x (matmul weights) FLOPs in a
@@ -32,8 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (same folder: its presets, model builder and one-run launcher)
 
+# skip_zero_advantage off: this table measures what the passes cost, and the random-init large model's
+# rewards are all 0, so with the default the trainer would (rightly) skip its update altogether.
 BASE = dict(prompts_per_step=8, num_generations=8, max_completion_length=16, micro_batch_size=64, steps=6,
-            learning_rate=1e-4, seed=0)
+            learning_rate=1e-4, seed=0, skip_zero_advantage=False)
 ROWS = [  # (label, model, overrides)
     ("G=4", "tiny", dict(num_generations=4, micro_batch_size=32)),
     ("G=8", "tiny", {}),
@@ -90,7 +94,8 @@ def run_row(label: str, model: str, overrides: dict, root: Path, threads: int | 
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {"label": label, "model": model, "completions": n, "G": spec["num_generations"],
             "max_completion_length": spec["max_completion_length"], "mean_completion_length": med("completions/mean_length"),
-            "step_s": med("step_time"), "generation_s": med("timing/rollout"), "update_s": med("timing/update"),
+            "step_s": med("step_time"), "generation_s": med("timing/rollout"), "reward_s": med("timing/reward"),
+            "update_s": med("timing/update"),
             "model_path": spec["model_path"]}
 
 
@@ -131,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
     print(f"peak float32 matmul {peak / 1e9:.1f} GFLOP/s (threads={args.threads or 'default'}); "
           f"mean prompt {prompt_len:.1f} tokens")
-    head = ["run", "params (M)", "completions/step", "mean len", "step (s)", "generation (s)", "update (s)",
+    head = ["run", "params (M)", "completions/step", "mean len", "step (s)", "generation (s)", "reward (s)", "update (s)",
             "rollout tok/s", "gen GFLOP/s (% peak)", "update GFLOP/s (% peak)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in results:
         print(f"| {r['label']} | {r['params_m']:.1f} | {r['completions']} | {r['mean_completion_length']:.1f} | "
-              f"{r['step_s']:.3f} | {r['generation_s']:.3f} | {r['update_s']:.3f} | {r['rollout_tok_s']:.0f} | "
+              f"{r['step_s']:.3f} | {r['generation_s']:.3f} | {r['reward_s']:.3f} | {r['update_s']:.3f} | "
+              f"{r['rollout_tok_s']:.0f} | "
               f"{r['generation_gflop_s']:.1f} ({r['generation_pct_peak']:.0f}%) | "
               f"{r['update_gflop_s']:.1f} ({r['update_pct_peak']:.0f}%) |")
     if args.json:
