@@ -232,8 +232,10 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
         # Completions that cannot move the weights stay out of the passes (exact: see _micro_batch_rows).
         skip_zero = cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and cfg.loss.type != "bnpo"
         trainable = None  # None: every completion
+        row_weight = keep  # per completion: 0 masks all its tokens out of the loss and the metrics
         if skip_zero:
             trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0]
+            row_weight = torch.zeros(local_n).index_fill_(0, torch.tensor(trainable, dtype=torch.long), 1.0)
         micro_batches = []
         for idx in _micro_batch_rows(local_n, cfg.train.micro_batch_size, trainable, lengths):
             batch = make_sequence_batch(
@@ -244,7 +246,7 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
             micro_batches.append(
                 {
                     "sequences": batch.tensors(accelerator.device),  # the policy's forward arguments
-                    "mask": (batch.completion_mask * keep[idx, None]).to(accelerator.device),  # [mb, C]
+                    "mask": (batch.completion_mask * row_weight[idx, None]).to(accelerator.device),  # [mb, C]
                     "advantages": advantages[idx].to(accelerator.device),  # [mb]
                 }
             )
@@ -561,7 +563,8 @@ def _micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, len
     spread evenly, in order (groups stay together), over the *same number* of micro-batches: gradient
     accumulation and DDP/ZeRO synchronisation count on every rank making the same number of backward
     calls. A micro-batch left with nothing gets the shortest other row: its advantage is 0 (or its
-    tokens masked), so its gradient is exactly 0 and only the backward call itself is kept.
+    tokens masked), and the caller masks all its tokens, so it adds nothing to the gradient or the
+    metrics: only the backward call itself is kept.
     """
     n_micro = math.ceil(local_n / micro)
     if trainable is None:

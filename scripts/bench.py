@@ -124,7 +124,8 @@ def ours_config(spec: dict, output_dir: Path) -> dict:
         "model": {"name_or_path": spec["model_path"], "dtype": "float32", "gradient_checkpointing": False,
                   "share_prompt": spec.get("share_prompt", True)},
         "data": {"source": "builtin:arithmetic", "split": "train"},
-        "rollout": {"engine": "hf", "num_generations": spec["num_generations"],
+        "rollout": {"engine": "vllm_colocate" if spec.get("engine") == "vllm" else "hf",
+                    "num_generations": spec["num_generations"],
                     "max_completion_length": spec["max_completion_length"], "temperature": 1.0},
         "rewards": [{"name": "math_accuracy"}],
         "loss": {"type": "grpo", "beta": 0.0, "scale_rewards": "group"},
@@ -185,7 +186,10 @@ def run_trl(spec: dict, out: Path) -> None:
         max_completion_length=spec["max_completion_length"],
         temperature=1.0,
         top_p=1.0,
-        use_vllm=False,
+        use_vllm=spec.get("engine") == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.1,  # on CPU: the share of RAM vLLM reserves
+        vllm_max_model_length=512,
         loss_type="grpo",
         beta=0.0,
         num_iterations=1,
@@ -269,6 +273,8 @@ def launch(trainer: str, python: str, spec: dict, out: Path, log, threads: int |
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if spec.get("engine") == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache when vLLM runs on CPU (both trainers)
     cmd = [python, str(Path(__file__).resolve()), f"_run_{trainer}", str(out)]
     with open(out / "log.txt", "w") as logfile:
         start = time.perf_counter()
@@ -349,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="generation on both sides: transformers (default) or vLLM colocated in the training "
+                        "process (ours: rollout.engine=vllm_colocate; TRL: use_vllm, vllm_mode=colocate). vLLM's "
+                        "CPU attention does not support the tiny model's head size: use --model large")
     p.add_argument("--trainers", default="ours,trl", help="comma list of ours, trl (default: both)")
     for key in ("prompts_per_step", "num_generations", "max_completion_length", "micro_batch_size", "steps", "warmup", "reps"):
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="default: per --model preset")
@@ -362,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--require-trl", action="store_true", help="fail instead of skipping when TRL is not found")
     args = p.parse_args(argv)
 
+    if args.engine == "vllm" and args.model == "tiny":
+        p.error("--engine vllm: vLLM's CPU attention does not support the tiny model's head_dim 24; add --model large")
     preset = dict(PRESETS[args.model])
     for key in preset:
         if getattr(args, key, None) is not None:
@@ -392,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         path = model_path(args.model, workdir)
         spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
                                           "micro_batch_size", "steps", "learning_rate")},
-                "seed": args.seed, "model_path": path}
+                "seed": args.seed, "model_path": path, "engine": args.engine}
         plen = prompt_tokens(path)
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
         runs: dict[str, list[dict]] = {t: [] for t in trainers}
@@ -423,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**{k: v for k, v in spec.items() if k != "model_path"}, "warmup": preset["warmup"], "reps": preset["reps"],
                    "threads": args.threads,
                    "completions_per_step": n, "mean_prompt_tokens": plen, "loss_type": "grpo", "beta": 0.0,
-                   "temperature": 1.0, "generation": "hf"},
+                   "temperature": 1.0, "generation": args.engine},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "cuda": torch.cuda.is_available()},
         "versions": versions,
         "results": summaries,

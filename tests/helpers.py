@@ -31,3 +31,17 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, laun
     command = (launcher or [sys.executable, "-m"]) + ["grpo_trainer", *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def assert_same_update(base: dict, a: dict, b: dict, rel: float = 1e-3) -> None:
+    """Two runs from the same weights `base` took the same optimizer steps: per tensor, the difference of
+    their final weights is within `rel` of the size of the update itself.
+
+    Not elementwise: Adam divides each gradient by its own running scale, so where a gradient is ~0, float
+    noise (which depends on how rows are grouped into micro-batches and ranks) becomes a visible step.
+    """
+    for name in b:
+        update = (b[name] - base[name]).norm()
+        assert update > 0, f"{name} did not change"
+        assert (a[name] - b[name]).norm() <= rel * update, f"{name}: {(a[name] - b[name]).norm()} vs update {update}"
+

@@ -2,8 +2,9 @@
 
 With `rollout.seed_per_prompt` each prompt's group is drawn from its own seed, so all runs see the
 same completions and any difference comes from the sharding itself. Tolerance: rewards and
-completion lengths identical; loss and gradient norm within 1e-5; final weights within 1e-5
-(float reductions are ordered differently across ranks).
+completion lengths identical; loss, gradient norm, clip ratio and entropy within 1e-5; final weights:
+the same update to 0.1% per tensor (helpers.assert_same_update: float reductions are ordered
+differently across ranks, and Adam magnifies that noise where a gradient is ~0).
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import os
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from grpo_trainer.metrics import read_metrics
-from helpers import ROOT, run_cli, small_run_overrides
+from helpers import ROOT, assert_same_update, run_cli, small_run_overrides
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 SETUPS = {
@@ -43,7 +43,7 @@ def single(tmp_path_factory, tiny_model_path):
 
 @pytest.mark.xdist_group("sharding")  # one worker: the one-process baseline (a module fixture) runs once
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_sharded_run_matches_one_process(setup, single, tmp_path):
+def test_sharded_run_matches_one_process(setup, single, tmp_path, tiny_model_path):
     pytest.importorskip("deepspeed") if setup.startswith("zero") else None
     config, env, expected_type = SETUPS[setup]
     out = tmp_path / "run"
@@ -57,9 +57,8 @@ def test_sharded_run_matches_one_process(setup, single, tmp_path):
     assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
     for key in ("loss", "grad_norm", "clip_ratio/region_mean", "entropy"):
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
-    a, b = load_file(out / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors")
-    for name in b:
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    base = load_file(tiny_model_path / "model.safetensors")
+    assert_same_update(base, load_file(out / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors"))
 
 
 def test_fsdp_on_cpu_is_refused_not_silently_replaced(tmp_path, tiny_model_path):
