@@ -2,6 +2,7 @@
 
     python scripts/bench.py                      # tiny model, both trainers, 3 alternating reps each (~3-5 min on 2 cores)
     python scripts/bench.py --model large        # ~25M-parameter random-init Llama: compute-bound, not overhead-bound
+    python scripts/bench.py --model large --engine vllm   # both trainers generate with vLLM (colocated; CPU build works)
     python scripts/bench.py --trainers ours      # this trainer only (no TRL needed)
     python scripts/bench.py --json bench.json    # also write the numbers as JSON
 
@@ -54,8 +55,10 @@ sys.path.insert(0, str(REPO))
 PRESETS = {
     "tiny": dict(prompts_per_step=16, num_generations=8, max_completion_length=16, micro_batch_size=64,
                  steps=8, warmup=2, reps=3, learning_rate=2e-4),
+    # The random-init large model's rewards are all 0: with skip_zero_advantage our update would be skipped
+    # outright, which says nothing about speed. It is off for this model, so both trainers do the full passes.
     "large": dict(prompts_per_step=4, num_generations=8, max_completion_length=32, micro_batch_size=16,
-                  steps=5, warmup=1, reps=2, learning_rate=1e-5),
+                  steps=5, warmup=1, reps=2, learning_rate=1e-5, skip_zero_advantage=False),
 }
 LARGE_ARCH = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=8, max_position_embeddings=512)
@@ -404,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         path = model_path(args.model, workdir)
         spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
                                           "micro_batch_size", "steps", "learning_rate")},
-                "seed": args.seed, "model_path": path, "engine": args.engine}
+                "seed": args.seed, "model_path": path, "engine": args.engine,
+                "skip_zero_advantage": preset.get("skip_zero_advantage", True)}
         plen = prompt_tokens(path)
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
         runs: dict[str, list[dict]] = {t: [] for t in trainers}

@@ -71,3 +71,9 @@ def test_profile_step_attributes_operators_to_the_trainer_phases():
     for phase in ("rollout", "update"):
         section = out.split(f"\n{phase}: aten self time")[1].split("\n\n")[0]
         assert "aten::mm" in section or "aten::addmm" in section or "aten::bmm" in section, section
+
+
+def test_vllm_pair_refuses_the_tiny_model_with_the_reason():
+    proc = subprocess.run([sys.executable, str(BENCH), "--engine", "vllm"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "head_dim 24" in proc.stderr and "--model large" in proc.stderr

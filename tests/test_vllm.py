@@ -304,3 +304,20 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     assert max(gaps) < 1e-4, gaps  # measured ~3e-7
     before, after = load_file(model / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bench_runs_our_trainer_with_vllm_generation(tmp_path):
+    """scripts/bench.py --engine vllm (the side-by-side pair with vLLM generation), our side, shrunk."""
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "bench.py"), "--trainers", "ours", "--model", "large", "--engine", "vllm",
+         "--steps", "2", "--warmup", "1", "--reps", "1", "--prompts-per-step", "2", "--num-generations", "4",
+         "--max-completion-length", "8", "--micro-batch-size", "8", "--json", str(out)],
+        cwd=repo, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["generation"] == "vllm"
+    ours = report["results"]["ours"]
+    assert ours["steps_measured"] == 1 and ours["median_step_time_s"] > 0 and 0 < ours["mean_completion_length"] <= 8
