@@ -152,9 +152,8 @@ class TokenLogprobs(nn.Module):
         """Every row as prompt + completion, [B, P + C], through the model; the C states that predict completion tokens."""
         input_ids = torch.cat([prompt_ids[prompt_index], completion_ids], 1)
         attention_mask = torch.cat([prompt_mask[prompt_index], completion_mask.to(prompt_mask.dtype)], 1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask), use_cache=False
         ).last_hidden_state
         c = completion_ids.shape[1]
         return hidden[:, -c - 1 : -1]  # the state at position t predicts token t + 1
@@ -164,8 +163,7 @@ class TokenLogprobs(nn.Module):
         decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask
     ) -> torch.Tensor:
         """Prompts [U, P] once, their cache gathered to the B rows, then completions [B, C - 1] on top of it."""
-        prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask), use_cache=True)
         first = out.last_hidden_state[prompt_index, -1:]  # [B, 1, H]: predicts completion token 0
         c = completion_ids.shape[1]
         if c == 1:
@@ -221,15 +219,28 @@ class SequenceBatch:
         return {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned in one [N, P] tensor, and its attention mask: the layout `generate` uses."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    return ids, mask
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: each row's first real token is position 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def make_sequence_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> SequenceBatch:
     """Row b is prompts[b] followed by completions[b]; identical prompts (a group's) are stored once."""
     distinct: dict[tuple[int, ...], int] = {}
     prompt_index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    p_len = max(len(p) for p in distinct)
+    prompt_ids, prompt_mask = left_padded(list(distinct), pad_id)
     c_len = max(max(len(c) for c in completions), 1)
     return SequenceBatch(
-        prompt_ids=torch.tensor([[pad_id] * (p_len - len(p)) + list(p) for p in distinct], dtype=torch.long),
-        prompt_mask=torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
         prompt_index=torch.tensor(prompt_index, dtype=torch.long),
         completion_ids=torch.tensor([c + [pad_id] * (c_len - len(c)) for c in completions], dtype=torch.long),
         completion_mask=torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for c in completions]),

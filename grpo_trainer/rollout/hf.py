@@ -23,6 +23,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from ..models import left_padded, positions
 from . import Rollout
 
 
@@ -80,25 +81,19 @@ class HFEngine:
         return Rollout(completion_ids=completions, truncated=truncated)
 
     def _left_padded(self, model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
         device = next(model.parameters()).device
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+        ids, mask = left_padded(prompts, self.pad_token_id)
         return ids.to(device), mask.to(device)
 
     def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int):
         """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
         ids, mask = self._left_padded(model, prompts)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
         rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
         cache = out.past_key_values
         cache.reorder_cache(rows)
         logits, mask = out.logits[rows, -1], mask[rows]
-        positions = mask.sum(-1)  # [B] position of the next token
+        next_position = mask.sum(-1)  # [B]
         eos = torch.tensor(self.eos_token_ids, device=ids.device)
         tokens: list[list[int]] = [[] for _ in range(len(rows))]
         live = torch.arange(len(rows), device=ids.device)  # completion index of each row still in the batch
@@ -112,11 +107,11 @@ class HFEngine:
             if not going.all():  # finished rows leave the batch: no more compute spent on padding
                 keep = going.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
-                live, nxt, mask, positions = live[keep], nxt[keep], mask[keep], positions[keep]
+                live, nxt, mask, next_position = live[keep], nxt[keep], mask[keep], next_position[keep]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
-            positions = positions + 1
+            next_position = next_position + 1
         eos_set = set(self.eos_token_ids)
         truncated = [not t or t[-1] not in eos_set for t in tokens]
         return tokens, truncated
