@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 TRAINER_STATE = "trainer_state.json"
+WEIGHTS = "model.safetensors"  # Accelerate's name for the first prepared model's weights (the policy)
 METRICS_HISTORY = "metrics.jsonl"  # the run's metrics up to the checkpoint's step
 LATEST = "latest"
 
@@ -97,6 +98,35 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def load_checkpoint_model(checkpoint: str | Path):
+    """(causal LM with the checkpoint's weights, tokenizer, config) from a training checkpoint folder.
+
+    The one loader of training checkpoints (`eval --checkpoint` and `export` both use it). The model,
+    LoRA settings and chat template come from the resolved config the checkpoint carries, so a
+    checkpoint always loads as it was trained, whatever config is at hand.
+    """
+    from .config import config_from_dict
+    from .errors import ConfigError
+    from .models import load_causal_lm, load_policy_weights, load_tokenizer
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / TRAINER_STATE).is_file():
+        hint = f" (it holds {checkpoint / 'model'}: use that)" if (checkpoint / "model" / "config.json").is_file() else ""
+        raise ConfigError(
+            f"checkpoint: {checkpoint} is not a training checkpoint (no {TRAINER_STATE}) nor a save_pretrained "
+            f"folder (no config.json){hint}; expected OUTPUT_DIR/model or OUTPUT_DIR/checkpoints/step-N"
+        )
+    if not (checkpoint / WEIGHTS).is_file():
+        raise ConfigError(
+            f"checkpoint: {checkpoint} has no {WEIGHTS}: a sharded FSDP/DeepSpeed checkpoint must be merged first "
+            "(`accelerate merge-weights`, or DeepSpeed's zero_to_fp32.py), or use OUTPUT_DIR/model"
+        )
+    cfg = config_from_dict(read_trainer_state(checkpoint)["config"], source=str(checkpoint / TRAINER_STATE))
+    lm = load_causal_lm(cfg.model)
+    load_policy_weights(lm, checkpoint / WEIGHTS, cfg.model.name_or_path)
+    return lm, load_tokenizer(cfg.model, cfg.data.chat_template), cfg
 
 
 def load_checkpoint(accelerator, path: str | Path) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
+from .losses import LOSS_TYPES
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"]
+LossType = Literal[LOSS_TYPES]  # the names of losses.LOSS_VARIANTS, the one table of loss variants
 ScaleRewards = Literal["group", "batch", "none"]
 
 
@@ -93,6 +94,8 @@ class DataConfig(_Section):
 
 
 class VLLMConfig(_Section):
+    """The in-process vLLM engine (`rollout.engine: vllm_colocate`)."""
+
     dtype: str = Field(
         "auto",
         description="vLLM's weight dtype; `auto`: the policy's `model.dtype` (vLLM's own `auto` would run a float32 "
@@ -106,22 +109,34 @@ class VLLMConfig(_Section):
         None, gt=0, description="KV cache size in bytes, overriding gpu_memory_utilization (CPU default: 1 GiB)."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
-    enable_sleep_mode: bool = Field(False, description="Free vLLM's GPU memory during the update (GPU only).")
-    enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
-    base_url: str = Field("http://127.0.0.1:8000", description="vllm_server: the server's address.")
-    timeout: float = Field(600.0, gt=0, description="vllm_server: seconds per request before a clear error.")
-    startup_timeout: float = Field(60.0, gt=0, description="vllm_server: seconds to wait for the server's health check.")
-    weight_sync: Literal["disk", "nccl", "none"] = Field(
-        "disk", description="vllm_server: push weights through a shared folder (`disk`), NCCL (GPU), or not at all."
+    enable_sleep_mode: bool = Field(
+        False, description="Free vLLM's GPU memory (KV cache, weights) while the policy is updated (GPU only)."
     )
-    weights_dir: str | None = Field(None, description="vllm_server + disk: a folder both trainer and server can read.")
+    enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
+
+
+class VLLMServerConfig(_Section):
+    """An external vLLM server (`rollout.engine: vllm_server`), started separately (docs/vllm.md)."""
+
+    base_url: str = Field("http://127.0.0.1:8000", description="The server's address.")
+    timeout: float = Field(600.0, gt=0, description="Seconds per request before a clear error.")
+    startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the server's health check.")
+    weight_sync: Literal["disk", "nccl", "none"] = Field(
+        "disk", description="Push weights through a shared folder (`disk`), NCCL (GPU), or not at all."
+    )
+    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+
+
+# Keys that moved: a config using the old place is told the new one.
+MOVED_KEYS = {f"rollout.vllm.{key}": f"rollout.vllm_server.{key}" for key in VLLMServerConfig.model_fields}
 
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings.")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The in-process vLLM engine (vllm_colocate).")
+    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="An external vLLM server (vllm_server).")
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
@@ -373,7 +388,9 @@ def _explain(exc: ValidationError) -> str:
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
         path = ".".join(loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and path in MOVED_KEYS:
+            msg = f"  {path}: moved to '{MOVED_KEYS[path]}'"
+        elif err["type"] == "extra_forbidden":
             valid = _valid_keys(loc[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             msg = f"  {path}: unknown key"

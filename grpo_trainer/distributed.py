@@ -100,3 +100,33 @@ def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tenso
     """
     norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm or math.inf)
     return torch.as_tensor(0.0 if norm is None else float(norm))
+
+
+class Collectives:
+    """The cross-rank operations the loop needs, on CPU tensors in and out.
+
+    Every phase that combines ranks goes through this one small interface (Accelerate's collectives,
+    moved to the device and back), so the phases run unchanged on one process, on many, and in the
+    tests on a group of threads standing in for ranks (tests/helpers.py: ThreadCollectives).
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` [n, ...] concatenated in rank order: [world * n, ...]."""
+        return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
+
+    def gather_objects(self, items: list) -> list:
+        """Every rank's list, concatenated in rank order (picklable items)."""
+        from accelerate.utils import gather_object
+
+        return gather_object(items)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), "sum").cpu()
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), "max").cpu()

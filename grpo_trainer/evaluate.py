@@ -33,24 +33,23 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .config import Config
-from .data import LOCAL_FORMATS, PromptSet, build_prompt_set, is_conversational, load_records
+from .data import LOCAL_FORMATS
 from .errors import ConfigError, DataError
-from .models import context_length, eos_token_ids, load_causal_lm, load_policy_weights, load_tokenizer
-from .rewards import Reward, compute_rewards, load_rewards
+from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
+from .rollout import sampling_settings
 from .rollout.hf import HFEngine
+from .task import Task, load_task
 
 logger = logging.getLogger("grpo_trainer")
 
 DEFAULT_EVAL_SPLIT = "test"
 DEFAULT_BATCH_PROMPTS = 32  # prompts per generate call when rollout.batch_size is 0
-CHECKPOINT_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # Accelerate's names for the first prepared model
 
 
 # ----------------------------------------------------------------------------- the estimators
@@ -103,7 +102,6 @@ class EvalSettings:
     num_samples: int | None
     k: int
     temperature: float
-    every: int
 
 
 def eval_settings(cfg: Config, k: int | None = None, num_prompts: int | None = None) -> EvalSettings:
@@ -127,33 +125,23 @@ def eval_settings(cfg: Config, k: int | None = None, num_prompts: int | None = N
         num_samples=num_samples,
         k=k,
         temperature=temperature,
-        every=section.every,
     )
 
 
-@dataclass
-class EvalData:
-    """Eval prompts ready to sample from, and the rewards to score them with; build once, reuse every eval."""
+def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_prompts: int | None = None) -> Task:
+    """The eval prompts, formatted and tokenized, and the rewards; build once, reuse for every evaluation.
 
-    records: list[dict[str, Any]]
-    prompt_set: PromptSet
-    rewards: list[Reward]
-    conversational: bool
-
-
-def prepare_eval_data(cfg: Config, tokenizer, max_context: int | None = None, num_prompts: int | None = None) -> EvalData:
-    """Load, format and tokenize the eval prompts (raises DataError on a bad source, split or record)."""
+    Raises DataError on a bad source, split or record.
+    """
     s = eval_settings(cfg, num_prompts=num_prompts)
     data_cfg = cfg.data.model_copy(update={"source": s.source, "num_samples": s.num_samples})
     one_split = Path(s.source).suffix.lower() in LOCAL_FORMATS  # a local file has no splits: the split is ignored
     if s.source == cfg.data.source and (s.split == cfg.data.split or one_split):
         logger.warning("eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split", s.source, s.split)
     try:
-        records = load_records(data_cfg, split=s.split)
+        return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split)
     except DataError as exc:
         raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
-    prompt_set = build_prompt_set(data_cfg, tokenizer, records, max_context)
-    return EvalData(records, prompt_set, load_rewards(cfg.rewards), is_conversational(records, cfg.data.prompt_column))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -165,31 +153,23 @@ def evaluate_model(
     cfg: Config,
     k: int | None = None,
     *,
-    data: EvalData | None = None,
+    task: Task | None = None,
     num_prompts: int | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
     """Evaluate an already-loaded causal LM (plain, unwrapped) on the eval prompts; see the module docstring.
 
-    Pass `data=prepare_eval_data(...)` to reuse the tokenized prompts across periodic evaluations
+    Pass `task=load_eval_task(...)` to reuse the tokenized prompts across periodic evaluations
     (then `num_prompts`, which overrides eval.num_samples, is decided there).
     The model's train/eval mode and KV-cache setting are restored afterwards.
     """
     s = eval_settings(cfg, k)
-    if data is None:
-        data = prepare_eval_data(cfg, tokenizer, context_length(lm), num_prompts)
-    engine = HFEngine(
-        get_model=lambda: lm,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=eos_token_ids(tokenizer, lm),
-        max_completion_length=cfg.rollout.max_completion_length,
-        temperature=s.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        share_prompt=cfg.model.share_prompt,
-    )
+    if task is None:
+        task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
+    sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
+    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=cfg.model.share_prompt)
     device = next(lm.parameters()).device
-    prompts_total = len(data.prompt_set)
+    prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
     chunks: list[torch.Tensor] = []  # [p, k, R + 1] per batch of prompts
     from tqdm.auto import tqdm
@@ -199,22 +179,13 @@ def evaluate_model(
         torch.manual_seed(cfg.seed)
         for start in range(0, prompts_total, per_batch):
             indices = list(range(start, min(start + per_batch, prompts_total)))
-            rollout = engine.generate([data.prompt_set.token_ids[i] for i in indices], s.k)
-            rows = [i for i in indices for _ in range(s.k)]  # grouped: prompt i x k
-            texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-            completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
-            scored = compute_rewards(
-                data.rewards,
-                prompts=[data.records[i][cfg.data.prompt_column] for i in rows],
-                completions=completions,
-                completion_ids=rollout.completion_ids,
-                columns=data.prompt_set.reward_columns(rows, cfg.data.answer_column),
-            )
+            rollout = engine.generate(task.prompt_ids(indices), s.k)
+            scored = task.score([i for i in indices for _ in range(s.k)], rollout.completion_ids)  # grouped: prompt i x k
             both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
             chunks.append(both.view(len(indices), s.k, -1))
             bar.update(len(indices))
     bar.close()
-    names = [r.name for r in data.rewards] + ["reward"]
+    names = [r.name for r in task.rewards] + ["reward"]
     results = summarize(torch.cat(chunks, 0), names, s.k)
     results["eval/num_prompts"] = float(prompts_total)
     return results
@@ -249,8 +220,8 @@ def format_results(results: dict[str, float]) -> str:
 def load_for_eval(cfg: Config, checkpoint: str | Path | None):
     """(model, tokenizer) for a save_pretrained folder (full model or PEFT adapter), a training checkpoint, or cfg.model.
 
-    A training checkpoint is loaded into the model `cfg.model` describes (LoRA included, when
-    configured), so evaluate it with the config it was trained with.
+    A training checkpoint is loaded with the config it carries (`checkpoint.load_checkpoint_model`, as
+    `export` does), whatever `cfg` says about the model.
     """
     if checkpoint is None:
         return load_causal_lm(cfg.model), load_tokenizer(cfg.model, cfg.data.chat_template)
@@ -270,14 +241,7 @@ def load_for_eval(cfg: Config, checkpoint: str | Path | None):
         has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         model_cfg = cfg.model.model_copy(update={"name_or_path": str(path)}) if has_tokenizer else cfg.model
         return lm, load_tokenizer(model_cfg, cfg.data.chat_template)
-    weights = next((path / name for name in CHECKPOINT_WEIGHTS if (path / name).is_file()), None)
-    if weights is None:
-        hint = f" (it holds {path / 'model'}: evaluate that)" if (path / "model" / "config.json").is_file() else ""
-        raise ConfigError(
-            f"checkpoint: {path} has neither config.json (a save_pretrained folder) nor "
-            f"{' / '.join(CHECKPOINT_WEIGHTS)} (a training checkpoint){hint}. Sharded FSDP/DeepSpeed "
-            "checkpoints must be merged first (`accelerate merge-weights`), or evaluate OUTPUT_DIR/model."
-        )
-    lm = load_causal_lm(cfg.model)
-    load_policy_weights(lm, weights, cfg.model.name_or_path)
-    return lm, load_tokenizer(cfg.model, cfg.data.chat_template)
+    from .checkpoint import load_checkpoint_model
+
+    lm, tokenizer, _ = load_checkpoint_model(path)  # a training checkpoint: with the config it was trained with
+    return lm, tokenizer

@@ -15,11 +15,52 @@ Deliberately not here: no config objects, no model calls, no distributed code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo")
-SEQUENCE_MEAN_TYPES = ("grpo", "gspo")
-GLOBAL_TOKEN_MEAN_TYPES = ("dapo", "cispo")
+
+@dataclass(frozen=True)
+class LossVariant:
+    """What distinguishes one `loss.type` from another; the config, the trainer and the docs read this table.
+
+    ratio:        `token` (one ratio per token) or `sequence` (GSPO: one per completion).
+    surrogate:    `clipped` (PPO's -min(r*A, clip(r)*A)) or `cispo` (-sg(clip(r, max)) * A * log pi).
+    aggregation:  how token losses become the batch loss (see `aggregate`).
+    per_micro_batch: the loss is normalised within each micro-batch, so it depends on how the batch is cut.
+    exact_zero_advantage_skip: with beta = 0, leaving zero-advantage completions out of the passes leaves the
+                  update unchanged (false where the normaliser counts the tokens present in a micro-batch).
+    """
+
+    name: str
+    ratio: Literal["token", "sequence"]
+    surrogate: Literal["clipped", "cispo"]
+    aggregation: Literal["sequence_mean", "micro_batch_token_mean", "max_length", "batch_token_mean"]
+    per_micro_batch: bool
+    exact_zero_advantage_skip: bool
+    paper: str
+
+
+LOSS_VARIANTS: dict[str, LossVariant] = {
+    v.name: v
+    for v in (
+        LossVariant("grpo", "token", "clipped", "sequence_mean", False, True, "Shao et al. 2024, DeepSeekMath, eq. 3"),
+        LossVariant("bnpo", "token", "clipped", "micro_batch_token_mean", True, False, "Xiao et al. 2025, BNPO"),
+        LossVariant("dr_grpo", "token", "clipped", "max_length", False, True, "Liu et al. 2025, Dr. GRPO, eq. 7"),
+        LossVariant("dapo", "token", "clipped", "batch_token_mean", False, True, "Yu et al. 2025, DAPO, eq. 12"),
+        LossVariant("gspo", "sequence", "clipped", "sequence_mean", False, True, "Zheng et al. 2025, GSPO, eq. 7"),
+        LossVariant("cispo", "token", "cispo", "batch_token_mean", False, True, "MiniMax 2025, MiniMax-M1, eq. 4"),
+    )
+}
+LOSS_TYPES = tuple(LOSS_VARIANTS)
+
+
+def loss_variant(loss_type: str) -> LossVariant:
+    try:
+        return LOSS_VARIANTS[loss_type]
+    except KeyError:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}") from None
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -46,19 +87,22 @@ def token_loss(
     delta: float | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    policy_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, T] (padding included; `aggregate` masks it) and clipping counts.
 
-    advantages: [B], one per completion. Returned metrics are *sums over real tokens*
-    (`clip_low`, `clip_high`, `clip_region`, and `kl` when beta > 0) so that callers can add
-    them across micro-batches and ranks, then divide by the token count.
+    advantages: [B], one per completion. `policy_weight` [B, T] (detached), when given, multiplies the
+    policy term only, not the KL term: a correction for who sampled the tokens (truncated importance
+    sampling) says nothing about how far the policy may drift from the reference, and TRL weights the
+    same way. Returned metrics are *sums over real tokens* (`clip_low`, `clip_high`, `clip_region`,
+    and `kl` when beta > 0) so that callers can add them across micro-batches and ranks, then divide
+    by the token count.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    variant = loss_variant(loss_type)
     adv = advantages[:, None]  # [B, 1]
     log_ratio = logp - old_logp  # [B, T]
 
-    if loss_type == "cispo":
+    if variant.surrogate == "cispo":
         # MiniMax-M1 (2025), eq. 4: -sg(clip(r, max=1+eps_high)) * A * log pi_theta.
         # The weight is detached, so every token keeps a gradient: none is dropped by clipping.
         ratio = torch.exp(log_ratio)
@@ -67,7 +111,7 @@ def token_loss(
         clip_low = torch.zeros_like(ratio, dtype=torch.bool)
         clip_high = (ratio > 1 + epsilon_high) & (adv > 0)
     else:
-        if loss_type == "gspo":
+        if variant.ratio == "sequence":
             # GSPO (Zheng et al. 2025, eq. 7): s_i = exp(mean_t(log pi_theta - log pi_old)), one ratio per sequence.
             lengths = mask.sum(1).clamp(min=1)
             seq_log_ratio = masked_sum(log_ratio, mask, dim=1) / lengths  # [B]
@@ -85,6 +129,8 @@ def token_loss(
             # Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for A < 0 the
             # loss is bounded by -delta*A, so one huge ratio cannot blow up the update.
             loss = torch.where(adv < 0, torch.min(loss, -delta * adv), loss)
+    if policy_weight is not None:
+        loss = loss * policy_weight
 
     metrics = {
         "clip_low": masked_sum(clip_low.float(), mask).detach(),
@@ -114,25 +160,26 @@ def aggregate(
 
     Summing the shares over all micro-batches on all ranks gives the loss of the
     whole batch; `total_*` are counts over that whole batch (all ranks).
-      grpo, gspo: mean over sequences of each sequence's token mean (Shao et al. 2024, eq. 3)
-      bnpo:       token mean within the micro-batch, then mean over micro-batches (Xiao et al. 2025)
-      dr_grpo:    token sum / (sequences x max_completion_length) (Liu et al. 2025, Dr. GRPO, eq. 7)
-      dapo, cispo: token sum / tokens of the whole batch (Yu et al. 2025, DAPO, eq. 12; MiniMax-M1 eq. 4)
+      sequence_mean (grpo, gspo): mean over sequences of each sequence's token mean (Shao et al. 2024, eq. 3)
+      micro_batch_token_mean (bnpo): token mean within the micro-batch, then mean over micro-batches (Xiao et al. 2025)
+      max_length (dr_grpo): token sum / (sequences x max_completion_length) (Liu et al. 2025, Dr. GRPO, eq. 7)
+      batch_token_mean (dapo, cispo): token sum / tokens of the whole batch (Yu et al. 2025, DAPO, eq. 12;
+                                      MiniMax-M1 eq. 4)
     """
-    if loss_type in SEQUENCE_MEAN_TYPES:
+    aggregation = loss_variant(loss_type).aggregation
+    if aggregation == "sequence_mean":
         per_sequence = masked_sum(loss, mask, dim=1) / mask.sum(1).clamp(min=1)
         return per_sequence.sum() / total_sequences
-    if loss_type == "bnpo":
+    if aggregation == "micro_batch_token_mean":
         return masked_sum(loss, mask) / mask.sum().clamp(min=1) / total_micro_batches
-    if loss_type == "dr_grpo":
+    if aggregation == "max_length":
         return masked_sum(loss, mask) / (total_sequences * max_completion_length)
-    if loss_type in GLOBAL_TOKEN_MEAN_TYPES:
-        return masked_sum(loss, mask) / max(total_tokens, 1)
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    return masked_sum(loss, mask) / max(total_tokens, 1)  # batch_token_mean
 
 
 def truncated_importance_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """Per-token weight min(pi_old / pi_sampler, cap), detached: corrects for the sampler (e.g. vLLM) scoring
     tokens slightly differently from the trainer (truncated importance sampling, Yao et al. 2025,
-    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")."""
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). Pass it to `token_loss` as
+    `policy_weight`."""
     return torch.exp(old_logp - sampling_logp).clamp(max=cap).detach()

@@ -1,4 +1,4 @@
-"""Where metrics go: OUTPUT_DIR/metrics.jsonl (always), and the console.
+"""Where metrics go: OUTPUT_DIR/metrics.jsonl (always), and the console; and how phases are timed.
 
 Only the main process writes; values reaching here are already reduced over
 ranks by the trainer. One JSON object per line, flushed at once, so a crashed
@@ -7,10 +7,34 @@ run keeps every step it finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import torch
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step (the `timing/*` metrics), each phase also a torch.profiler range.
+
+    A phase can be entered several times in a step (dynamic sampling draws again): its times add up.
+    `scripts/profile_step.py` groups the profiled operators by these ranges.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        with torch.profiler.record_function(name):
+            try:
+                yield
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 class MetricsWriter:

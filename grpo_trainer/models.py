@@ -38,15 +38,15 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     return tokenizer
 
 
-def load_causal_lm(cfg: ModelConfig, with_lora: bool = True):
-    """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set and `with_lora`."""
+def load_causal_lm(cfg: ModelConfig):
+    """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
     )
     model.config.use_cache = False  # training forwards never need the KV cache
-    if cfg.lora is not None and with_lora:
+    if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(

@@ -142,12 +142,15 @@ def test_bad_checkpoint_paths_are_clear_errors(trained_run, tmp_path):
     cfg = load_config("configs/demo_cpu.yaml")
     with pytest.raises(ConfigError, match="is not a folder"):
         load_for_eval(cfg, tmp_path / "missing")
-    with pytest.raises(ConfigError, match=r"evaluate that"):
+    with pytest.raises(ConfigError, match=r"use that"):
         load_for_eval(cfg, trained_run)  # the output_dir itself: point at its model/ folder
+    with pytest.raises(ConfigError, match="not a training checkpoint"):
+        load_for_eval(cfg, trained_run / "checkpoints")
     wrong = tmp_path / "wrong"
     wrong.mkdir()
     from safetensors.torch import save_file
 
+    (wrong / "trainer_state.json").write_text((trained_run / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     save_file({"lm.something.else": torch.zeros(2)}, str(wrong / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not match model.name_or_path"):
         load_for_eval(cfg, wrong)

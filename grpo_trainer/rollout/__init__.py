@@ -1,18 +1,28 @@
-"""Rollout engines: sample G completions for each prompt.
+"""Rollout engines: sample G completions for each prompt, and own their lifecycle.
 
-An engine is anything with `generate(prompt_ids, num_generations) -> Rollout`
-and `sync_weights(model)`. The trainer only talks to that interface, so the
-`hf` engine (transformers generate, everywhere) and vLLM engines (GPUs) are
-interchangeable. `build_engine` is the registry: engines are imported lazily,
-so nothing from vLLM is imported unless it is chosen.
+The loop talks to an engine through `RolloutEngine` alone, so the `hf` engine
+(the training model itself, everywhere) and the vLLM engines (a copy of the
+weights inside vLLM) are interchangeable. An engine says whether it needs the
+trainer's weights pushed after each update (`needs_weight_sync`: the `hf` engine
+samples from the training model, so the loop skips the push and, under ZeRO-3,
+the all-gather that would precede it), frees its memory while the policy is
+updated (`sleep`, `wake_up`) and releases what it holds at the end (`close`).
+
+`build_engine` is the registry: each engine reads the sampling settings common to
+all (`SamplingSettings`) and its own typed config section; engines are imported
+lazily, so nothing from vLLM is imported unless it is chosen.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 @dataclass
@@ -22,31 +32,86 @@ class Rollout:
     completion_ids: list[list[int]]  # each ends with EOS unless truncated
     truncated: list[bool]  # True when max_completion_length was reached without EOS
     # Per-token log-probs under the sampler, when the engine reports them (for the
-    # sampler/trainer mismatch metric); same lengths as completion_ids.
+    # sampler/trainer mismatch metric and truncated importance sampling); same lengths as completion_ids.
     sampling_logprobs: list[list[float]] | None = None
-    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What every engine samples with: the `rollout` section's common keys and the tokenizer's stop tokens."""
+
+    eos_token_ids: list[int]
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    batch_size: int = 0  # prompts per generate call (0: all at once)
 
 
 class RolloutEngine(Protocol):
+    needs_weight_sync: bool  # False when the engine samples from the training model itself
+
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
         result does not depend on batching or on how prompts are split over ranks."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the sampler use the trainer's current weights."""
+        """Make the sampler use the trainer's current weights (called only when needs_weight_sync)."""
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""
+
+    def wake_up(self) -> None:
+        """Undo `sleep`; engines also wake themselves before generating or taking weights."""
+
+    def close(self) -> None:
+        """Release processes and memory; the engine is not used afterwards."""
 
 
-def build_engine(name: str, **kwargs) -> RolloutEngine:
+def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(
+        eos_token_ids=list(eos_token_ids),
+        max_completion_length=r.max_completion_length,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        batch_size=r.batch_size,
+    )
+
+
+def build_engine(
+    cfg: Config,
+    sampling: SamplingSettings,
+    *,
+    get_model: Callable[[], torch.nn.Module],
+    pad_token_id: int,
+    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    rank: int = 0,
+    is_main_process: bool = True,
+) -> RolloutEngine:
+    """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank)."""
+    name = cfg.rollout.engine
     if name == "hf":
         from .hf import HFEngine
 
-        return HFEngine(**kwargs)
+        return HFEngine(
+            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt,
+            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()),
+        )
+    seed = cfg.seed + rank  # ranks must not share a random stream
     if name == "vllm_colocate":
+        from ..tiny import resolve_model_path
         from .vllm_colocate import VLLMColocateEngine
 
-        return VLLMColocateEngine(**kwargs)
+        settings = cfg.rollout.vllm
+        if settings.dtype == "auto":
+            # The trainer's dtype. vLLM's own "auto" runs a float32 checkpoint in bfloat16, and the
+            # sampler/trainer log-prob gap grows from ~3e-7 to ~5e-3 nats (measured, tests/test_vllm.py).
+            settings = settings.model_copy(update={"dtype": cfg.model.dtype})
+        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed)
     if name == "vllm_server":
         from .vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(**kwargs)
+        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
     raise ValueError(f"rollout.engine: unknown engine {name!r}")

@@ -24,35 +24,41 @@ from typing import Callable, ContextManager
 import torch
 
 from ..models import left_padded, positions
-from . import Rollout
+from . import Rollout, SamplingSettings
 
 
 class HFEngine:
+    needs_weight_sync = False  # it samples from the training model itself
+
     def __init__(
         self,
+        sampling: SamplingSettings,
         get_model: Callable[[], torch.nn.Module],
         pad_token_id: int,
-        eos_token_ids: list[int],
-        max_completion_length: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        batch_size: int = 0,
-        full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
         share_prompt: bool = True,
+        full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
         self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
         self.pad_token_id = pad_token_id
-        self.eos_token_ids = eos_token_ids
-        self.max_completion_length = max_completion_length
-        self.sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
-        self.batch_size = batch_size
+        self.eos_token_ids = list(sampling.eos_token_ids)
+        self.max_completion_length = sampling.max_completion_length
+        self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: this engine samples from the training model itself."""
+
+    def sleep(self) -> None:
+        """Nothing to free: the weights are the training model's, and the KV cache lives only inside `generate`."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""
+
+    def close(self) -> None:
+        """Nothing held."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:

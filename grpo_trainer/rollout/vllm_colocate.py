@@ -31,9 +31,10 @@ it, and after every optimizer step receives the trainer's weights in place
   user set it): start-up is seconds instead of tens of seconds and the weight
   push is a plain in-memory copy. With it off, the weights travel to the engine
   process through vLLM's RPC serialisation (works, slower).
-- Sleep mode (`enable_sleep_mode`, GPU only): `sleep()` frees the KV cache and
-  weights' GPU memory during the training phase and `wake_up()` restores it. On
-  CPU both are no-ops (vLLM's CPU platform has no sleep mode).
+- Sleep mode (`rollout.vllm.enable_sleep_mode`, GPU only): the loop calls
+  `sleep()` once sampling is done, which frees the KV cache and offloads the
+  weights for the update; `wake_up()` (called by `sync_weights` and `generate`)
+  restores them. On CPU both are no-ops (vLLM's CPU platform has no sleep mode).
 
 Nothing from vLLM is imported until an engine is built.
 """
@@ -41,13 +42,15 @@ Nothing from vLLM is imported until an engine is built.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Rollout
+from . import Rollout, SamplingSettings
 from .weight_sync import iter_merged_weights
+
+if TYPE_CHECKING:
+    from ..config import VLLMConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: plenty for small models, keeps RAM free for training
 
@@ -80,29 +83,24 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
 
 
 class VLLMColocateEngine:
+    needs_weight_sync = True  # vLLM holds its own copy of the weights
+
     def __init__(
         self,
+        sampling: SamplingSettings,
+        settings: VLLMConfig | None = None,
+        *,
         model_path: str,
-        eos_token_ids: list[int],
-        max_completion_length: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         seed: int = 0,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.3,
-        kv_cache_memory_bytes: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        enforce_eager: bool = True,
         in_process: bool = True,
         return_logprobs: bool = True,
-        batch_size: int = 0,
         tokenizer: str | None = None,
         extra_llm_kwargs: dict[str, Any] | None = None,
-        **_ignored: Any,  # the trainer's common engine kwargs (get_model, pad_token_id) are not needed here
     ):
+        """`settings` is the `rollout.vllm` section; the keyword arguments are for tests and scripts."""
+        from ..config import VLLMConfig
+
+        settings = settings or VLLMConfig()
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -112,35 +110,36 @@ class VLLMColocateEngine:
                 "rollout.engine=vllm_colocate needs vLLM: `pip install vllm` (GPU) or the CPU build, see docs/vllm.md"
             ) from e
 
-        self.eos_token_ids = list(eos_token_ids)
-        self.max_completion_length = max_completion_length
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.eos_token_ids = list(sampling.eos_token_ids)
+        self.max_completion_length = sampling.max_completion_length
+        self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
         self.seed = seed
         self.return_logprobs = return_logprobs
-        self.batch_size = batch_size
-        self.enable_sleep_mode = enable_sleep_mode
+        self.batch_size = sampling.batch_size
+        self.enable_sleep_mode = settings.enable_sleep_mode
         self._calls = 0
         self._sleeping = False
         self.cpu = _on_cpu()
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
             tokenizer=tokenizer or str(model_path),
-            dtype=dtype,
+            dtype=settings.dtype,
             seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            enforce_eager=settings.enforce_eager,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="grpo_trainer.rollout.weight_sync.WorkerWeightSync",
         )
-        if max_model_len:
-            kwargs["max_model_len"] = max_model_len
+        if settings.max_model_len:
+            kwargs["max_model_len"] = settings.max_model_len
+        kv_cache_memory_bytes = settings.kv_cache_memory_bytes
         if kv_cache_memory_bytes is None and self.cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if enable_sleep_mode and not self.cpu:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if self.enable_sleep_mode and not self.cpu:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(extra_llm_kwargs or {})
         self.llm = LLM(**kwargs)
@@ -201,11 +200,6 @@ class VLLMColocateEngine:
         self.wake_up()
         weights = list(iter_merged_weights(model))
         self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
-        self.llm.reset_prefix_cache()
-
-    def load_weights_from(self, folder: str | Path) -> None:
-        """Reload weights from a `from_pretrained`-style folder of safetensors (e.g. a checkpoint export)."""
-        self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights_path=str(folder)))
         self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ memory (GPU only)

@@ -43,12 +43,15 @@ from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Rollout
+from . import Rollout, SamplingSettings
 from .weight_sync import save_weights
+
+if TYPE_CHECKING:
+    from ..config import VLLMServerConfig
 
 
 class ServerError(RuntimeError):
@@ -56,38 +59,35 @@ class ServerError(RuntimeError):
 
 
 class VLLMServerEngine:
+    needs_weight_sync = True  # the server holds its own copy of the weights
+
     def __init__(
         self,
-        base_url: str = "http://127.0.0.1:8000",
-        eos_token_ids: list[int] | None = None,
-        max_completion_length: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: SamplingSettings,
+        settings: VLLMServerConfig | None = None,
+        *,
         seed: int | None = 0,
-        timeout: float = 600.0,
-        startup_timeout: float = 60.0,
-        weight_sync: str = "disk",
-        weights_dir: str | None = None,
         model_name: str | None = None,
         is_main_process: bool = True,
-        batch_size: int = 0,
-        **_ignored: Any,  # the trainer's common engine kwargs (get_model, pad_token_id) are not needed here
     ):
-        if weight_sync not in ("disk", "nccl", "none"):
-            raise ValueError(f"vllm_server weight_sync must be 'disk', 'nccl' or 'none', not {weight_sync!r}")
-        self.base_url = base_url.rstrip("/")
-        self.eos_token_ids = list(eos_token_ids or [])
-        self.max_completion_length = max_completion_length
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        """`settings` is the `rollout.vllm_server` section (defaults: a server on 127.0.0.1:8000)."""
+        from ..config import VLLMServerConfig
+
+        settings = settings or VLLMServerConfig()
+        self.base_url = settings.base_url.rstrip("/")
+        self.eos_token_ids = list(sampling.eos_token_ids)
+        self.max_completion_length = sampling.max_completion_length
+        self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
         self.seed = seed
-        self.timeout = timeout
-        self.weight_sync = weight_sync
-        self.weights_dir = Path(weights_dir) if weights_dir else Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights"
+        self.timeout = settings.timeout
+        self.weight_sync = settings.weight_sync
+        self.weights_dir = (
+            Path(settings.weights_dir) if settings.weights_dir else Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights"
+        )
         self.is_main_process = is_main_process
-        self.batch_size = batch_size
+        self.batch_size = sampling.batch_size
         self._calls = 0
-        self.wait_until_healthy(startup_timeout)
+        self.wait_until_healthy(settings.startup_timeout)
         self.model_name = model_name or self._first_model()
 
     # ------------------------------------------------------------------ http
@@ -236,13 +236,19 @@ class VLLMServerEngine:
         """NCCL broadcast into the server's GPUs (vLLM's weight-transfer engine). Not available here."""
         if not torch.cuda.is_available():
             raise RuntimeError(
-                "rollout.vllm_server.weight_sync='nccl' needs CUDA GPUs on the trainer and the server "
+                "rollout.vllm_server.weight_sync=nccl needs CUDA GPUs on the trainer and the server "
                 "(NCCL); on CPU use weight_sync='disk'"
             )
         raise NotImplementedError(
-            "rollout.vllm_server.weight_sync='nccl' is not implemented yet (vLLM 0.32 offers it through "
+            "rollout.vllm_server.weight_sync=nccl is not implemented yet (vLLM 0.32 offers it through "
             "/init_weight_transfer_engine and /update_weights); use weight_sync='disk'"
         )
+
+    def sleep(self) -> None:
+        """Nothing to free here: the server's memory is on its own machine or GPUs."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""
 
     def close(self) -> None:
         """Nothing to release: the server outlives the trainer."""

@@ -1,0 +1,167 @@
+"""Phase 1, collect: sample G completions per prompt and score them -> `ScoredBatch`.
+
+Every rank samples its own slice of the step's prompts; the rewards of the whole
+batch are gathered, since advantages (and DAPO's filter) need every group. Two
+ways to fill the batch, one result type:
+
+- plain: the next `train.prompts_per_step` prompts, once.
+- dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): keep only groups whose
+  rewards differ and draw more prompts until the batch holds
+  `train.prompts_per_step` of them, at most `loss.max_sampling_rounds` extra
+  rounds. Every rank sees the groups of all ranks (gathered as objects), so the
+  batch is refilled evenly. Groups beyond the batch are dropped, never carried
+  over: data from an older policy would make the next step silently off-policy.
+  If the bound is hit, degenerate groups (advantage 0, no gradient) fill the
+  batch and a warning says so.
+
+The phase reads `run.cfg`, `run.geometry`, `run.comm`, `run.engine`, `run.task`
+and `run.sampler`, nothing else, so tests call it with stand-ins for those.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .advantages import group_advantages
+from .metrics import PhaseTimer
+from .rewards import RewardBatch, reward_statistics
+from .rollout import Rollout
+
+logger = logging.getLogger("grpo_trainer")
+
+
+@dataclass
+class ScoredBatch:
+    """One step's completions on this rank, and the rewards of the whole batch (all ranks)."""
+
+    prompt_indices: list[int]  # this rank's prompts [P]
+    rollout: Rollout  # their completions [P * G], grouped by prompt
+    rewards: torch.Tensor  # [world * P * G] total reward of every completion, rank order; NaN: no opinion
+    reward_metrics: dict[str, float]  # per-reward mean/std over all ranks; the main process's counters, seconds
+    # Dynamic sampling only: `reward`, `reward_std`, `frac_reward_zero_std` of the first round (what the
+    # policy does, not the filtered batch), and how many rounds and groups it took.
+    sampling_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prompt_rows(self) -> list[int]:
+        """The prompt index of each of this rank's completions."""
+        g = len(self.rollout.completion_ids) // len(self.prompt_indices)
+        return [i for i in self.prompt_indices for _ in range(g)]
+
+
+def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
+    if run.cfg.loss.dynamic_sampling:
+        return _collect_dynamic(run, step, timer)
+    indices = _next_prompts(run)
+    rollout, scores = _sample_and_score(run, indices, step, 0, timer)
+    rewards = run.comm.gather(scores.total)  # [world * local_n]
+    # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
+    per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
+    return ScoredBatch(indices, rollout, rewards, {**scores.metrics, **reward_statistics(run.task.rewards, per_function)})
+
+
+def _next_prompts(run) -> list[int]:
+    """This rank's part of the next prompts_per_step prompts (every rank advances the same sampler)."""
+    return run.geometry.my_prompts(run.sampler.next_indices(run.cfg.train.prompts_per_step))
+
+
+def _sample_and_score(run, indices: list[int], step: int, draw: int, timer: PhaseTimer) -> tuple[Rollout, RewardBatch]:
+    g = run.geometry.group_size
+    with timer.phase("timing/rollout"):
+        seeds = None
+        if run.cfg.rollout.seed_per_prompt:  # a function of (seed, step, round, position in the global batch)
+            first = run.geometry.rank * run.geometry.prompts_per_rank
+            seeds = [mix_seed(run.cfg.seed, step, draw, first + j) for j in range(len(indices))]
+        rollout = run.engine.generate(run.task.prompt_ids(indices), g, seeds=seeds)
+    with timer.phase("timing/reward"):
+        scores = run.task.score([i for i in indices for _ in range(g)], rollout.completion_ids)
+    return rollout, scores
+
+
+def mix_seed(*parts: int) -> int:
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + part) % (2**63)
+    return value
+
+
+@dataclass
+class Group:
+    """One prompt's G completions and their rewards, as they travel between ranks under dynamic sampling."""
+
+    prompt_index: int
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    sampling_logprobs: list[list[float]] | None
+    rewards: list[float]  # total per completion (NaN = no opinion)
+    per_function: list[list[float]]  # [G, R]
+
+    @property
+    def informative(self) -> bool:
+        valid = [r for r in self.rewards if not math.isnan(r)]
+        return len(valid) >= 2 and max(valid) > min(valid)
+
+
+def _groups(indices: list[int], rollout: Rollout, scores: RewardBatch, g: int) -> list[Group]:
+    rows = lambda values, j: None if values is None else values[j * g : (j + 1) * g]  # noqa: E731
+    totals, per_function = scores.total.tolist(), scores.per_function.tolist()
+    return [
+        Group(p, rows(rollout.completion_ids, j), rows(rollout.truncated, j), rows(rollout.sampling_logprobs, j),
+              rows(totals, j), rows(per_function, j))
+        for j, p in enumerate(indices)
+    ]
+
+
+def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
+    target, g = run.cfg.train.prompts_per_step, run.geometry.group_size
+    kept: list[Group] = []
+    degenerate: list[Group] = []
+    first_round: list[Group] = []
+    generated = 0
+    for draw in range(run.cfg.loss.max_sampling_rounds + 1):
+        indices = _next_prompts(run)
+        rollout, scores = _sample_and_score(run, indices, step, draw, timer)
+        all_groups: list[Group] = run.comm.gather_objects(_groups(indices, rollout, scores, g))  # rank order
+        if draw == 0:
+            first_round, counters = all_groups, scores.metrics
+        generated += len(all_groups)
+        for grp in all_groups:
+            (kept if grp.informative else degenerate).append(grp)
+        if len(kept) >= target:
+            break
+    short = max(0, target - len(kept))
+    if short:
+        logger.warning(
+            "dynamic sampling: only %d of %d groups had differing rewards after %d extra rounds "
+            "(loss.max_sampling_rounds); %d degenerate groups fill the batch and add no gradient",
+            len(kept), target, draw, short,
+        )
+    batch = (kept + degenerate[:short])[:target]
+    mine = run.geometry.my_prompts(batch)
+    with_logprobs = mine[0].sampling_logprobs is not None
+    rollout = Rollout(
+        completion_ids=[c for grp in mine for c in grp.completion_ids],
+        truncated=[t for grp in mine for t in grp.truncated],
+        sampling_logprobs=[lp for grp in mine for lp in grp.sampling_logprobs] if with_logprobs else None,
+    )
+    first_rewards = torch.tensor([r for grp in first_round for r in grp.rewards])
+    first_per_function = torch.tensor([row for grp in first_round for row in grp.per_function])
+    _, first_stats = group_advantages(first_rewards, g, "none")
+    sampling_stats = {
+        **{k: first_stats[k] for k in ("reward", "reward_std", "frac_reward_zero_std")},
+        "dynamic_sampling/extra_rounds": float(draw),
+        "dynamic_sampling/generated_groups": float(generated),
+        "dynamic_sampling/kept_groups": float(min(len(kept), target)),
+        "dynamic_sampling/filled_degenerate_groups": float(short),
+    }
+    return ScoredBatch(
+        prompt_indices=[grp.prompt_index for grp in mine],
+        rollout=rollout,
+        rewards=torch.tensor([r for grp in batch for r in grp.rewards]),
+        reward_metrics={**counters, **reward_statistics(run.task.rewards, first_per_function)},
+        sampling_stats=sampling_stats,
+    )

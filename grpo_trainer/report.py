@@ -1,0 +1,124 @@
+"""Phase 7, report: one step's record (reduced over ranks), then metrics.jsonl, trackers, samples, progress.
+
+Metric names follow TRL's where TRL has one (`reward`, `reward_std`,
+`frac_reward_zero_std`, `completions/mean_length`, `kl`, `entropy`,
+`clip_ratio/...`). Only the main process writes; every rank takes part in the
+gathers that build the record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from .checkpoint import flatten
+from .config import Config
+
+logger = logging.getLogger("grpo_trainer")
+
+
+def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra: dict) -> dict:
+    """Every metric of the step; `stats` already reduced over ranks, `extra` (eval, timing) appended last."""
+    all_lengths = run.comm.gather(batch.lengths)
+    all_truncated = run.comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
+    step_metrics = stats.metrics(
+        batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.beta > 0,
+        with_sampler_gap=scored.rollout.sampling_logprobs is not None,
+    )
+    return {
+        "step": step,
+        **reward_stats,
+        "loss": step_metrics.pop("loss"),
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        "completions/mean_length": float(all_lengths.mean()),
+        "completions/max_length": float(all_lengths.max()),
+        "completions/clipped_ratio": float(all_truncated.mean()),
+        **length_by_outcome(all_lengths, scored.rewards),
+        **step_metrics,
+        **scored.reward_metrics,
+        **extra,
+    }
+
+
+def length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """Mean completion length of rewarded (total reward > 0) vs unrewarded completions: the length-bias monitor."""
+    valid = ~torch.isnan(rewards)
+    correct, incorrect = valid & (rewards > 0), valid & (rewards <= 0)
+    return {
+        "completions/mean_length_correct": float(lengths[correct].mean()) if correct.any() else math.nan,
+        "completions/mean_length_incorrect": float(lengths[incorrect].mean()) if incorrect.any() else math.nan,
+    }
+
+
+def report(run, step: int, record: dict, scored, advantages: torch.Tensor, log_this_step: bool) -> None:
+    """Write the record where it goes, sample completions when due, advance the progress bar."""
+    if log_this_step:
+        run.metrics.write(record)
+        if run.trackers:
+            run.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+    every = run.cfg.logging.completions_every
+    if every and step % every == 0 and run.is_main_process:
+        n = run.geometry.completions_per_rank
+        rows = scored.prompt_rows
+        rewards = run.geometry.my_completions(scored.rewards)
+        samples = [
+            {
+                "step": step,
+                "prompt": run.task.prompts.texts[rows[j]],
+                "completion": run.tokenizer.decode(scored.rollout.completion_ids[j], skip_special_tokens=True),
+                "reward": float(rewards[j]),
+                "advantage": float(advantages[j]),
+            }
+            for j in range(min(run.cfg.logging.num_completions, n))
+        ]
+        write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
+    run.progress.update(record)
+
+
+def write_completions(path: Path, samples: list[dict], echo: bool) -> None:
+    """Append samples to completions.jsonl; with `echo`, print them as a table too."""
+    with path.open("a") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+    if echo:
+        width = 48
+        cut = lambda text: (text.replace("\n", " ")[-width:]).ljust(width)  # noqa: E731 (prompt ends matter most)
+        lines = [f"{'prompt (end)':<{width}} | {'completion':<{width}} | reward | advantage"]
+        lines += [f"{cut(s['prompt'])} | {s['completion'].replace(chr(10), ' ')[:width]:<{width}} | {s['reward']:6.3f} | {s['advantage']:+.3f}" for s in samples]
+        logger.info("completions at step %d:\n%s", samples[0]["step"], "\n".join(lines))
+
+
+def flat_hparams(cfg: Config) -> dict:
+    """The config as flat scalars, which is what tensorboard's hparams accept."""
+    flat = flatten(cfg.model_dump(mode="json"))
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
+
+
+class ProgressBar:
+    """tqdm bar with step, reward and ETA on the main process; plain log lines when the bar is off."""
+
+    def __init__(self, cfg: Config, is_main: bool, start_step: int):
+        self.enabled = is_main
+        self.bar = None
+        if is_main and cfg.logging.progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        summary = {"reward": f"{record['reward']:.3f}", "loss": f"{record['loss']:.4f}", "len": f"{record['completions/mean_length']:.1f}"}
+        if self.bar is not None:
+            self.bar.set_postfix(summary, refresh=False)
+            self.bar.update(1)
+        else:
+            logger.info("step %d %s step_time=%.2fs", record["step"], " ".join(f"{k}={v}" for k, v in summary.items()), record["step_time"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

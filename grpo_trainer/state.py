@@ -1,0 +1,286 @@
+"""What lives for the whole run, built once: `build_run(cfg) -> Run`, then `resume(run)`, and `finish(run)`.
+
+Everything a step's phases read comes from the `Run`: the accelerator and its
+collectives, the batch geometry, the tokenizer, the policy (wrapped by
+Accelerate), the reference, the optimizer and schedule, the rollout engine, the
+task (prompts + rewards), the prompt sampler and the writers. Counters that
+change during the run and go into checkpoints (`start_step`,
+`nonfinite_in_a_row`) live here too.
+
+Order matters for exact resume and for "same seed, same run": every rank seeds
+identically before any model is loaded (so random inits agree), and only after
+the engine exists does each rank switch to its own random stream for sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from . import distributed
+from .config import Config
+from .data import PromptSampler
+from .errors import ConfigError, TrainingError
+from .evaluate import load_eval_task
+from .metrics import MetricsWriter
+from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
+from .report import ProgressBar, flat_hparams
+from .rollout import RolloutEngine, build_engine, sampling_settings
+from .task import Task, load_task
+
+logger = logging.getLogger("grpo_trainer")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one step's batch is laid out: prompts over ranks, G completions each, micro-batches per rank."""
+
+    world: int
+    rank: int
+    prompts_per_rank: int
+    group_size: int  # G
+    micro_batch_size: int
+
+    @property
+    def completions_per_rank(self) -> int:
+        return self.prompts_per_rank * self.group_size
+
+    @property
+    def total_completions(self) -> int:
+        return self.completions_per_rank * self.world
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per rank and optimizer step: Accelerate's gradient accumulation steps."""
+        return self.completions_per_rank // self.micro_batch_size
+
+    def my_prompts(self, batch: list) -> list:
+        """This rank's contiguous slice of a list with one item per prompt of the whole batch."""
+        return batch[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
+
+    def my_completions(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tensor with one row per completion of the whole batch."""
+        n = self.completions_per_rank
+        return values[self.rank * n : (self.rank + 1) * n]
+
+
+def batch_geometry(cfg: Config, world: int, rank: int = 0) -> Geometry:
+    """The geometry for `world` ranks, or a ConfigError saying what to change."""
+    if cfg.train.prompts_per_step % world:
+        raise ConfigError(
+            f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by the number of processes ({world})"
+        )
+    geometry = Geometry(world, rank, cfg.train.prompts_per_step // world, cfg.rollout.num_generations, cfg.train.micro_batch_size)
+    if geometry.completions_per_rank % geometry.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) must divide the completions per process "
+            f"({geometry.prompts_per_rank} prompts x {geometry.group_size} generations = {geometry.completions_per_rank})"
+        )
+    return geometry
+
+
+@dataclass
+class Run:
+    cfg: Config
+    accelerator: Any
+    comm: distributed.Collectives
+    geometry: Geometry
+    tokenizer: Any
+    policy: Any  # TokenLogprobs, as Accelerate prepared it (DDP / DeepSpeed engine / plain)
+    reference: TokenLogprobs | None  # None with beta = 0, and for LoRA (the adapter-disabled policy serves)
+    optimizer: Any
+    scheduler: Any  # stepped by us, not by Accelerate (its wrapper would step once per process)
+    engine: RolloutEngine
+    task: Task
+    sampler: PromptSampler
+    metrics: MetricsWriter
+    trackers: list[str]  # Accelerate trackers (tensorboard, wandb); jsonl is `metrics`, always on
+    eval_task: Task | None = None  # main process, when eval.every > 0
+    progress: ProgressBar | None = None
+    start_step: int = 0
+    nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def bare_lm(self) -> torch.nn.Module:
+        """The causal LM inside the wrappers (DDP, DeepSpeed, TokenLogprobs): what engines and saving need."""
+        return self.accelerator.unwrap_model(self.policy).lm
+
+
+def build_run(cfg: Config) -> Run:
+    """Accelerator, models, optimizer, engine, task and writers, identical on every rank up to the sampling seed."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    # The world size is needed before the Accelerator exists (it fixes gradient accumulation).
+    geometry = batch_geometry(cfg, distributed.partial_state().num_processes)
+    trackers = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
+    output_dir = Path(cfg.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=geometry.micro_batches,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "trackers")),
+    )
+    geometry = replace(geometry, rank=accelerator.process_index)
+    setup_logging(cfg, accelerator.is_main_process)
+    distributed.check_distributed_setup(accelerator)
+    logger.info(
+        "world_size=%d distributed_type=%s device=%s prompts_per_rank=%d completions_per_rank=%d grad_accum=%d",
+        geometry.world, accelerator.distributed_type.value, accelerator.device, geometry.prompts_per_rank,
+        geometry.completions_per_rank, geometry.micro_batches,
+    )
+
+    set_seed(cfg.seed)  # identical on every rank: same random inits
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    lm = load_causal_lm(cfg.model)
+    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm))
+    policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm)
+    reference = _reference(cfg, accelerator, lm)
+    engine = build_engine(
+        cfg,
+        sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
+        get_model=lambda: accelerator.unwrap_model(policy).lm,
+        pad_token_id=tokenizer.pad_token_id,
+        full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
+        rank=accelerator.process_index,
+        is_main_process=accelerator.is_main_process,
+    )
+    set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
+    eval_task = None
+    if cfg.eval.every and accelerator.is_main_process:  # evaluation runs on the main process only
+        eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
+    return Run(
+        cfg=cfg, accelerator=accelerator, comm=distributed.Collectives(accelerator), geometry=geometry,
+        tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
+        engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
+        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,
+    )
+
+
+def _policy_and_optimizer(cfg: Config, accelerator, lm):
+    from transformers import get_scheduler
+
+    if cfg.model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt)
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.train.learning_rate,
+        betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+        weight_decay=cfg.train.weight_decay,
+    )
+    scheduler = get_scheduler(
+        "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler,
+        optimizer,
+        num_warmup_steps=cfg.train.warmup_steps,
+        num_training_steps=cfg.train.max_steps * cfg.train.num_iterations,
+    )
+    distributed.fill_deepspeed_config(accelerator, cfg)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # unprepared: Accelerate's wrapper steps once per process
+    return policy, optimizer, scheduler
+
+
+def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
+    """A frozen copy for the KL term; none with beta = 0, and none for LoRA (the adapter-disabled policy is it)."""
+    if cfg.loss.beta == 0 or is_lora(lm):
+        return None
+    reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt)
+    return reference.to(accelerator.device).eval().requires_grad_(False)
+
+
+def resume(run: Run) -> None:
+    """Continue from the checkpoint `checkpoint.resume` picks (if any), then open the run's outputs."""
+    cfg, accelerator = run.cfg, run.accelerator
+    try:
+        found = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
+    except FileNotFoundError as exc:
+        raise TrainingError(str(exc)) from None
+    if found is not None:
+        saved = ckpt.read_trainer_state(found)
+        for note, harmless in ckpt.check_resume_compatible(
+            saved.get("config", {}), cfg.model_dump(mode="json"), saved.get("world_size"), run.geometry.world,
+            cfg.checkpoint.force_resume,
+        ):
+            (logger.info if harmless else logger.warning)("changed on resume: %s", note)
+        ckpt.load_checkpoint(accelerator, found)
+        run.sampler.load_state_dict(saved["sampler"])
+        run.start_step = int(saved["step"])
+        run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
+        run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
+        logger.info("resumed from %s at step %d", found, run.start_step)
+    else:
+        if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
+            logger.warning("starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
+                           run.output_dir, cfg.checkpoint.resume)
+        run.metrics.restore("")
+    if accelerator.is_main_process:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        ckpt.remove_incomplete(run.output_dir)
+    if run.trackers:
+        accelerator.init_trackers(cfg.logging.project, config=flat_hparams(cfg))
+    run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
+
+
+def save_checkpoint(run: Run, step: int, history: str) -> None:
+    """Every rank calls this (the save is collective); `history` is the metrics file as of this step."""
+    state = {
+        "sampler": run.sampler.state_dict(),
+        "nonfinite_in_a_row": run.nonfinite_in_a_row,
+        "world_size": run.geometry.world,
+        "config": run.cfg.model_dump(mode="json"),
+    }
+    ckpt.save_checkpoint(
+        run.accelerator, run.output_dir, step, state, run.cfg.checkpoint.keep_last, files={ckpt.METRICS_HISTORY: history}
+    )
+
+
+def finish(run: Run) -> None:
+    """Close the writers and the engine, save the final model (collective), end the trackers."""
+    run.progress.close()
+    run.metrics.close()
+    run.engine.close()
+    if run.cfg.checkpoint.save_final_model:
+        _save_final_model(run, run.output_dir / "model")
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
+
+
+def _save_final_model(run: Run, folder: Path) -> None:
+    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded).
+
+    LoRA runs write the adapter alone to `adapter/` beside it, and the merged model to `folder`.
+    """
+    state_dict = run.accelerator.get_state_dict(run.policy)  # collective under ZeRO-3 / FSDP
+    if run.is_main_process:
+        lm = run.bare_lm()
+        if is_lora(lm):
+            lm.save_pretrained(folder.parent / "adapter")
+            run.tokenizer.save_pretrained(folder.parent / "adapter")
+            plain_model(lm).save_pretrained(folder)
+        else:
+            lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
+        run.tokenizer.save_pretrained(folder)
+        logger.info("saved the final model to %s", folder)
+
+
+def setup_logging(cfg: Config, is_main: bool) -> None:
+    level = getattr(logging, cfg.logging.level.upper()) if is_main else logging.WARNING
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[grpo_trainer] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
