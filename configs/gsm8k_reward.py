@@ -4,7 +4,7 @@ A thin wrapper around the built-in `math_accuracy`, and an example of adapting a
 answer format in a reward rather than in a preprocessing step.
 """
 
-from rewards import math_accuracy
+from grpo_trainer.rewards import math_accuracy  # the built-in, by a path no local rewards.py can shadow
 
 
 def gsm8k_accuracy(prompts, completions, completion_ids=None, answer=None, **kwargs):

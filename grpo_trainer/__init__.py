@@ -8,11 +8,11 @@ from .config import Config, load_config
 __version__ = "0.1.0"
 
 
-def train(cfg: Config):
-    """Run training for a loaded config (see grpo_trainer.trainer.train)."""
+def train(cfg: Config, on_step_end=None):
+    """Run training for a loaded config; `on_step_end(step)` is called after each step (see grpo_trainer.trainer.train)."""
     from .trainer import train as _train
 
-    return _train(cfg)
+    return _train(cfg, on_step_end=on_step_end)
 
 
 __all__ = ["Config", "load_config", "train", "__version__"]

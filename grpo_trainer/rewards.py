@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +31,17 @@ import torch
 from .config import RewardConfig
 from .errors import RewardError
 
+# Built-in rewards: modules of the project's top-level `rewards/` folder. They are imported from that
+# folder under a private package name (`builtin_module`), never as the top-level name `rewards`: a user's
+# own `rewards.py` beside their config is first on sys.path and would stand in for it.
 BUILTIN_REWARDS = {
-    "math_accuracy": "rewards.math_answer:math_accuracy",
-    "think_format": "rewards.format:think_format",
-    "overlong_penalty": "rewards.format:overlong_penalty",
-    "code_tests": "rewards.code_tests:code_tests",
+    "math_accuracy": ("math_answer", "math_accuracy"),
+    "think_format": ("format", "think_format"),
+    "overlong_penalty": ("format", "overlong_penalty"),
+    "code_tests": ("code_tests", "code_tests"),
 }
+BUILTIN_PACKAGE = "grpo_trainer._builtin_rewards"
+BUILTIN_FOLDER = Path(__file__).resolve().parent.parent / "rewards"  # installed beside grpo_trainer/
 STANDARD_ARGS = ("prompts", "completions", "completion_ids")
 
 
@@ -92,10 +98,35 @@ def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
     return rewards
 
 
+def builtin_module(name: str):
+    """A module of the built-in `rewards/` folder (e.g. `math_answer`), imported as grpo_trainer._builtin_rewards.NAME."""
+    if BUILTIN_PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            BUILTIN_PACKAGE, BUILTIN_FOLDER / "__init__.py", submodule_search_locations=[str(BUILTIN_FOLDER)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[BUILTIN_PACKAGE] = package
+        try:
+            spec.loader.exec_module(package)
+        except BaseException:
+            del sys.modules[BUILTIN_PACKAGE]
+            raise
+    return importlib.import_module(f"{BUILTIN_PACKAGE}.{name}")
+
+
+def __getattr__(name: str):
+    """`from grpo_trainer.rewards import math_accuracy`: the built-ins, by an import path no user file can shadow."""
+    if name in BUILTIN_REWARDS:
+        module, attr = BUILTIN_REWARDS[name]
+        return getattr(builtin_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
     """`math_accuracy` | `path/to/file.py:fn` | `package.module:fn` -> the function."""
-    target = BUILTIN_REWARDS.get(spec, spec)
-    module_part, sep, attr = target.rpartition(":")
+    if spec in BUILTIN_REWARDS:
+        return __getattr__(spec)
+    module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise RewardError(
             f"{where}: {spec!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}) "

@@ -54,7 +54,7 @@ def main() -> int:
 
     from grpo_trainer.config import load_config
     from grpo_trainer.metrics import read_metrics
-    from grpo_trainer.trainer import train
+    from grpo_trainer import train
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from grpo_trainer.config import config_from_dict
-    from grpo_trainer.trainer import train
+    from grpo_trainer import train
 
     if args.steps < 3:
         p.error("--steps must be at least 3 (the first 2 are not profiled)")

@@ -45,3 +45,57 @@ def assert_same_update(base: dict, a: dict, b: dict, rel: float = 1e-3) -> None:
         assert update > 0, f"{name} did not change"
         assert (a[name] - b[name]).norm() <= rel * update, f"{name}: {(a[name] - b[name]).norm()} vs update {update}"
 
+
+
+class ThreadCollectives:
+    """`distributed.Collectives` for ranks that are threads of one process: phases that combine ranks run
+    for real, several ranks at once, without launching processes. Make one per rank with a shared `Exchange`."""
+
+    def __init__(self, exchange: "Exchange", rank: int):
+        self.exchange, self.rank, self.world = exchange, rank, exchange.world
+
+    def gather(self, tensor):
+        import torch
+
+        return torch.cat(self.exchange.all(self.rank, tensor), 0)
+
+    def gather_objects(self, items: list) -> list:
+        return [item for part in self.exchange.all(self.rank, list(items)) for item in part]
+
+    def sum(self, tensor):
+        import torch
+
+        return torch.stack(self.exchange.all(self.rank, tensor)).sum(0)
+
+    def max(self, tensor):
+        import torch
+
+        return torch.stack(self.exchange.all(self.rank, tensor)).amax(0)
+
+
+class Exchange:
+    """Every rank puts its value in, all wait, every rank gets all values in rank order."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.slots: list = [None] * world
+
+    def all(self, rank: int, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return values
+
+
+def run_ranks(world: int, fn) -> list:
+    """fn(rank, ThreadCollectives) on `world` threads at once; their results in rank order (errors re-raised)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    exchange = Exchange(world)
+    with ThreadPoolExecutor(world) as pool:
+        futures = [pool.submit(fn, rank, ThreadCollectives(exchange, rank)) for rank in range(world)]
+        return [f.result() for f in futures]

@@ -1,64 +1,114 @@
-"""DAPO dynamic sampling: refill the batch with groups whose rewards differ, within a bound, and say so."""
+"""The collect phase, called directly: plain and DAPO dynamic sampling, on one rank and on two (threads)."""
 
 from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from grpo_trainer.collect import ScoredBatch, collect
 from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
-from grpo_trainer.rewards import RewardBatch
+from grpo_trainer.metrics import PhaseTimer
+from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.trainer import _dynamic_sampling
+from grpo_trainer.state import batch_geometry
+from helpers import ThreadCollectives, Exchange, run_ranks
 
 G = 4
 
 
-def fake_world(informative_every: int, prompts_per_step=8):
-    """Prompt i yields differing rewards only if i % informative_every == 0; the rest all score 1."""
+class FakeEngine:
+    """Completion k of prompt p is [p, k]; the sampler's log-prob of each token is -(p + k / 10)."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def generate(self, prompt_ids, num_generations, seeds=None):
+        prompts = [ids[0] for ids in prompt_ids]
+        self.calls.append(prompts)
+        completions = [[p, k] for p in prompts for k in range(num_generations)]
+        logprobs = [[-(p + k / 10)] * 2 for p, k in completions]
+        return Rollout(completion_ids=completions, truncated=[False] * len(completions), sampling_logprobs=logprobs)
+
+
+class FakeTask:
+    """Prompt i's completions all score 1, except when i % informative_every == 0: then k % 2 (they differ)."""
+
+    def __init__(self, informative_every: int):
+        self.every = informative_every
+        self.rewards = [Reward(name="x", fn=lambda **_: None)]
+
+    def prompt_ids(self, indices):
+        return [[i] for i in indices]
+
+    def score(self, prompt_rows, completion_ids):
+        totals = [float(k % 2) if p % self.every == 0 else 1.0 for p, k in completion_ids]
+        total = torch.tensor(totals)
+        return RewardBatch(per_function=total[:, None], total=total, metrics={"rewards/x/fast_path": float(len(totals))})
+
+
+def fake_run(comm, informative_every: int, dynamic: bool = True, prompts_per_step: int = 8):
     cfg = load_config(None, [f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={G}",
-                             "train.micro_batch_size=4", "loss.dynamic_sampling=true", "loss.max_sampling_rounds=3"])
-    sampler = PromptSampler(size=1000, seed=0, shuffle=False)
-    calls = []
+                             "train.micro_batch_size=4", f"loss.dynamic_sampling={str(dynamic).lower()}",
+                             "loss.max_sampling_rounds=3"])
+    return SimpleNamespace(
+        cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=FakeEngine(),
+        task=FakeTask(informative_every), sampler=PromptSampler(size=1000, seed=0, shuffle=False),
+    )
 
-    def sample_and_score(local_indices):
-        calls.append(list(local_indices))
-        completions = [[i, k] for i in local_indices for k in range(G)]
-        totals = [float(k % 2) if i % informative_every == 0 else 1.0 for i in local_indices for k in range(G)]
-        return Rollout(completion_ids=completions, truncated=[False] * len(completions)), RewardBatch(
-            per_function=torch.tensor(totals)[:, None], total=torch.tensor(totals), metrics={"rewards/x/mean": 0.5}
-        )
 
-    accelerator = SimpleNamespace(process_index=0)
-    return cfg, sampler, calls, sample_and_score, accelerator
+def one_rank(informative_every: int, dynamic: bool = True):
+    return fake_run(ThreadCollectives(Exchange(1), 0), informative_every, dynamic)
 
 
 def test_fills_the_batch_with_informative_groups_when_most_are_degenerate():
-    cfg, sampler, calls, sample_and_score, accelerator = fake_world(informative_every=3)
-    indices, rollout, rewards, metrics, stats = _dynamic_sampling(
-        accelerator, sample_and_score, lambda: sampler.next_indices(8), cfg, local_prompts=8
-    )
+    run = one_rank(informative_every=3)
+    scored = collect(run, step=1, timer=PhaseTimer())
     # 8 prompts per round, a third of them informative: rounds of 0..7, 8..15, 16..23 give 3 + 2 + 3 = 8.
-    assert len(calls) == 3 and stats["dynamic_sampling/extra_rounds"] == 2
-    assert indices == [0, 3, 6, 9, 12, 15, 18, 21]
-    assert all(i % 3 == 0 for i in indices)
-    assert rollout.completion_ids[:G] == [[0, k] for k in range(G)]  # completions travel with their prompt
-    assert rewards.shape == (8 * G,) and rewards.view(8, G).std(1).min() > 0
-    assert stats["dynamic_sampling/generated_groups"] == 24 and stats["dynamic_sampling/filled_degenerate_groups"] == 0
-    assert abs(stats["frac_reward_zero_std"] - 5 / 8) < 1e-9  # of the first round: what the policy does
-    assert metrics == {"rewards/x/mean": 0.5}
+    assert len(run.engine.calls) == 3 and scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
+    assert scored.prompt_indices == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert scored.rollout.completion_ids[:G] == [[0, k] for k in range(G)]  # completions travel with their prompt
+    assert scored.rewards.shape == (8 * G,) and scored.rewards.view(8, G).std(1).min() > 0
+    assert scored.sampling_stats["dynamic_sampling/generated_groups"] == 24
+    assert scored.sampling_stats["dynamic_sampling/filled_degenerate_groups"] == 0
+    assert abs(scored.sampling_stats["frac_reward_zero_std"] - 5 / 8) < 1e-9  # of the first round: what the policy does
+    assert scored.reward_metrics["rewards/x/fast_path"] == 32  # the first round's counters
 
 
 def test_stops_at_the_bound_with_a_warning_and_a_full_batch(caplog):
-    cfg, sampler, calls, sample_and_score, accelerator = fake_world(informative_every=100)
+    run = one_rank(informative_every=100)
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
-        indices, rollout, rewards, _, stats = _dynamic_sampling(
-            accelerator, sample_and_score, lambda: sampler.next_indices(8), cfg, local_prompts=8
-        )
-    assert len(calls) == 4  # the first round + loss.max_sampling_rounds
-    assert len(indices) == 8 and len(rollout.completion_ids) == 8 * G
-    assert indices[0] == 0 and stats["dynamic_sampling/kept_groups"] == 1
-    assert stats["dynamic_sampling/filled_degenerate_groups"] == 7
+        scored = collect(run, step=1, timer=PhaseTimer())
+    assert len(run.engine.calls) == 4  # the first round + loss.max_sampling_rounds
+    assert len(scored.prompt_indices) == 8 and len(scored.rollout.completion_ids) == 8 * G
+    assert scored.prompt_indices[0] == 0 and scored.sampling_stats["dynamic_sampling/kept_groups"] == 1
+    assert scored.sampling_stats["dynamic_sampling/filled_degenerate_groups"] == 7
     assert "dynamic sampling: only 1 of 8 groups had differing rewards after 3 extra rounds" in caplog.text
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_two_ranks_split_one_batch_and_see_the_same_rewards(dynamic):
+    """Both paths, two ranks: each rank trains on its own half of one batch, every rank holds the rewards of the
+    whole batch, the sampler's log-probs travel with their completions, and per-reward statistics cover both
+    ranks (the dynamic path once reported the main process's own)."""
+
+    def rank_collects(rank, comm) -> ScoredBatch:
+        return collect(fake_run(comm, informative_every=3, dynamic=dynamic), step=1, timer=PhaseTimer())
+
+    first, second = run_ranks(2, rank_collects)
+    assert torch.equal(first.rewards, second.rewards)
+    both = first.prompt_indices + second.prompt_indices
+    assert both == ([0, 3, 6, 9, 12, 15, 18, 21] if dynamic else list(range(8)))
+    for scored in (first, second):
+        assert len(scored.prompt_indices) == 4
+        assert scored.rollout.completion_ids == [[p, k] for p in scored.prompt_indices for k in range(G)]
+        assert scored.rollout.sampling_logprobs == [[-(p + k / 10)] * 2 for p, k in scored.rollout.completion_ids]
+        # Round 0 over both ranks: prompts 0..7, of which 0, 3 and 6 average 0.5, the other five 1.
+        assert scored.reward_metrics["rewards/x/mean"] == pytest.approx((3 * 0.5 + 5 * 1.0) / 8)
+    # The rewards of the whole batch, in rank order: rank 0's completions first.
+    local_n = 4 * G
+    expected = [float(k % 2) if p % 3 == 0 else 1.0 for p in both for k in range(G)]
+    assert first.rewards.tolist() == expected and len(expected) == 2 * local_n

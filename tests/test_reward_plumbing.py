@@ -114,3 +114,35 @@ def test_load_errors(tmp_path):
         rewards_from(tmp_path, "def reward(completions):\n    return [0.0] * len(completions)\n", bogus=1)
     with pytest.raises(RewardError, match="two rewards are named 'math_accuracy'"):
         load_rewards([RewardConfig(name="math_accuracy"), RewardConfig(name="math_accuracy")])
+
+
+def test_a_users_own_rewards_py_does_not_shadow_the_built_ins(tmp_path, tiny_model_path):
+    """The most natural file name for a user's reward is rewards.py. Run from its folder (first on sys.path),
+    the built-ins must still resolve: they are never imported as the top-level name `rewards`."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, small_run_overrides
+
+    (tmp_path / "rewards.py").write_text("def my_reward(completions, **kwargs):\n    return [float(len(c) % 2) for c in completions]\n")
+    (tmp_path / "run.yaml").write_text(
+        (ROOT / "configs" / "demo_cpu.yaml").read_text().replace(
+            "  - name: math_accuracy\n", "  - name: math_accuracy\n  - name: rewards.py:my_reward\n    weight: 0.5\n"
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_trainer", "train", "run.yaml", *small_run_overrides(tmp_path / "out")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    from grpo_trainer.metrics import read_metrics
+
+    rows = read_metrics(tmp_path / "out")
+    assert len(rows) == 2 and all("rewards/math_accuracy/mean" in r and "rewards/my_reward/mean" in r for r in rows)
+
+
+def test_built_ins_import_by_a_path_no_local_file_shadows():
+    from grpo_trainer.rewards import math_accuracy
+
+    assert math_accuracy(["q"], ["\\boxed{4}"], answer=["4"]) == [1.0]
+    assert math_accuracy.__module__ == "grpo_trainer._builtin_rewards.math_answer"

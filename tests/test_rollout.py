@@ -8,7 +8,13 @@ import torch
 
 from grpo_trainer.config import ModelConfig
 from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_sequence_batch
-from grpo_trainer.rollout import build_engine
+from grpo_trainer.rollout import SamplingSettings
+from grpo_trainer.rollout.hf import HFEngine
+
+
+def hf_engine(lm, tokenizer, max_completion_length: int, share_prompt: bool, **sampling) -> HFEngine:
+    settings = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=max_completion_length, **sampling)
+    return HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=share_prompt)
 
 
 @pytest.mark.parametrize("share_prompt", [True, False], ids=["shared-prompt", "full"])
@@ -20,8 +26,7 @@ def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path, shar
         for q in ("What is 1+2?", "What is 13+4?")  # different lengths: left padding is exercised
     ]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_ids=[tokenizer.eos_token_id], max_completion_length=16, share_prompt=share_prompt)
+    engine = hf_engine(lm, tokenizer, 16, share_prompt)
     torch.manual_seed(0)
     rollout = engine.generate(prompt_ids, num_generations=3)
     assert len(rollout.completion_ids) == 6 and len(rollout.truncated) == 6
@@ -30,9 +35,7 @@ def test_hf_engine_groups_truncation_and_logprob_alignment(tiny_model_path, shar
         assert tokenizer.eos_token_id not in ids[:-1]
         assert len(ids) <= 16
 
-    short = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_ids=[tokenizer.eos_token_id], max_completion_length=3,
-                         share_prompt=share_prompt).generate(prompt_ids, 2)
+    short = hf_engine(lm, tokenizer, 3, share_prompt).generate(prompt_ids, 2)
     assert all(short.truncated) and all(len(c) == 3 for c in short.completion_ids)
 
     # The training forward (padded batch, explicit positions) scores each completion exactly as the
@@ -66,9 +69,7 @@ def test_own_decode_loop_draws_the_same_tokens_as_generate(tiny_model_path, samp
     prompt_ids = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+4?", "What is 7+75?", "What is 100+1?"])
     out = {}
     for share_prompt in (True, False):
-        engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_ids=[tokenizer.eos_token_id], max_completion_length=12,
-                              share_prompt=share_prompt, **sampling)
+        engine = hf_engine(lm, tokenizer, 12, share_prompt, **sampling)
         out[share_prompt] = engine.generate(prompt_ids * 3, 1, seeds=list(range(len(prompt_ids) * 3)))
     assert out[True].completion_ids == out[False].completion_ids
     assert out[True].truncated == out[False].truncated
@@ -128,8 +129,7 @@ def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_
     seeds = list(range(len(prompt_ids)))
 
     def sample(share_prompt):
-        engine = build_engine("hf", get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_ids=[tokenizer.eos_token_id], max_completion_length=12, share_prompt=share_prompt)
+        engine = hf_engine(lm, tokenizer, 12, share_prompt)
         return engine.generate(prompt_ids, 1, seeds=seeds).completion_ids
 
     clean = sample(True)

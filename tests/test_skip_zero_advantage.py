@@ -7,19 +7,19 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_trainer.metrics import read_metrics
-from grpo_trainer.trainer import _micro_batch_rows
+from grpo_trainer.batches import micro_batch_rows
 from helpers import assert_same_update, run_cli, small_run_overrides
 
 
 def test_micro_batch_rows_keep_the_count_and_spread_the_trainable_rows():
     lengths = torch.tensor([5.0, 3.0, 9.0, 1.0, 4.0, 7.0, 2.0, 8.0])
-    assert _micro_batch_rows(8, 3, None, lengths) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert micro_batch_rows(8, 3, None, lengths) == [[0, 1, 2], [3, 4, 5], [6, 7]]
     # 5 trainable rows over the same 3 micro-batches, in order, as evenly as possible.
-    assert _micro_batch_rows(8, 3, [0, 2, 4, 5, 7], lengths) == [[0, 2], [4, 5], [7]]
+    assert micro_batch_rows(8, 3, [0, 2, 4, 5, 7], lengths) == [[0, 2], [4, 5], [7]]
     # Fewer trainable rows than micro-batches: the empty ones get the shortest untrainable row (3: length 1).
-    assert _micro_batch_rows(8, 3, [5], lengths) == [[5], [3], [3]]
-    assert _micro_batch_rows(8, 3, [], lengths) == [[3], [3], [3]]
-    assert _micro_batch_rows(8, 4, list(range(8)), lengths) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert micro_batch_rows(8, 3, [5], lengths) == [[5], [3], [3]]
+    assert micro_batch_rows(8, 3, [], lengths) == [[3], [3], [3]]
+    assert micro_batch_rows(8, 4, list(range(8)), lengths) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

@@ -29,7 +29,9 @@ else:
 # One worker runs this whole file under pytest-xdist, so the module's vLLM engine and server start once.
 pytestmark = pytest.mark.xdist_group("vllm")
 
+from grpo_trainer.config import VLLMConfig, VLLMServerConfig  # noqa: E402
 from grpo_trainer.models import TokenLogprobs, make_sequence_batch  # noqa: E402
+from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
 from grpo_trainer.rollout.vllm_server import VLLMServerEngine  # noqa: E402
 from grpo_trainer.tiny import ensure_tiny_model  # noqa: E402
@@ -37,6 +39,7 @@ from grpo_trainer.tiny import ensure_tiny_model  # noqa: E402
 EOS = 2  # <|im_end|>, the tiny tokenizer's EOS
 MAX_LEN = 40
 TEMPERATURE = 0.8
+SERVER_SAMPLING = SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN)
 ATOL = 2e-4  # fp32 on both sides; different kernels (vLLM CPU attention vs eager)
 PROMPTS = [[1, 20, 30, 40], [1, 50, 60], [1, 70, 71, 72, 73, 74], [1, 90]]
 
@@ -115,8 +118,8 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     eng = VLLMColocateEngine(
-        str(model_dir), eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE,
-        seed=0, dtype="float32", max_model_len=256,
+        SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE),
+        VLLMConfig(dtype="float32", max_model_len=256), model_path=str(model_dir), seed=0,
     )
     yield eng
     eng.close()
@@ -232,8 +235,9 @@ def test_server_generate_and_disk_weight_push(server, model_dir, tmp_path):
         assert proc.poll() is None, "vllm server exited:\n" + Path(log).read_text()[-3000:]
         try:
             eng = VLLMServerEngine(
-                url, eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE, seed=0,
-                timeout=60, startup_timeout=5, weights_dir=str(tmp_path / "weights"),
+                SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE),
+                VLLMServerConfig(base_url=url, timeout=60, startup_timeout=5, weights_dir=str(tmp_path / "weights")),
+                seed=0,
             )
             break
         except ConnectionError:
@@ -263,7 +267,7 @@ def test_server_down_gives_clear_error_fast():
     port = free_port()  # nothing listens there any more
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*vllm serve"):
-        VLLMServerEngine(f"http://127.0.0.1:{port}", eos_token_ids=[EOS], startup_timeout=2.0)
+        VLLMServerEngine(SERVER_SAMPLING, VLLMServerConfig(base_url=f"http://127.0.0.1:{port}", startup_timeout=2.0))
     assert time.monotonic() - t0 < 5.0
 
 
@@ -274,7 +278,7 @@ def test_server_silent_gives_clear_error_within_timeout():
         port = s.getsockname()[1]
         t0 = time.monotonic()
         with pytest.raises(ConnectionError, match="no healthy vLLM server"):
-            VLLMServerEngine(f"http://127.0.0.1:{port}", eos_token_ids=[EOS], startup_timeout=2.0)
+            VLLMServerEngine(SERVER_SAMPLING, VLLMServerConfig(base_url=f"http://127.0.0.1:{port}", startup_timeout=2.0))
         assert time.monotonic() - t0 < 5.0
 
 
@@ -292,10 +296,13 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     out = tmp_path / "run"
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), "rollout.engine=vllm_colocate",
                       f"model.name_or_path={model}", f"rewards=[{{name: '{reward}:parity'}}]", "loss.tis_cap=2.0",
-                      "train.learning_rate=1e-2"])
+                      "train.learning_rate=1e-2", "loss.dynamic_sampling=true"])
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # Dynamic sampling rebuilds the batch from gathered groups: the sampler's log-probs travel with them
+    # (once they were dropped there, and truncated importance sampling silently switched off).
+    assert all("dynamic_sampling/kept_groups" in r for r in rows)
     print("sampling/logp_diff_mean per step:", [r["sampling/logp_diff_mean"] for r in rows])
     # vLLM samples with the weights the trainer just pushed: after large updates (lr 1e-2) its log-probs stay
     # as close to the trainer's as before any update. vLLM runs in the trainer's float32 (rollout.vllm.dtype
