@@ -279,6 +279,27 @@ def test_kl_k3_penalty(loss_type, expected):
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.1, 0.05]]) / scale, atol=1e-6, rtol=0)
 
 
+def test_importance_weight_scales_the_policy_term_and_not_the_kl():
+    # One token, r = 1, A = 1, ref - logp = ln 2: policy term -r*A = -1, k3 = 2 - ln2 - 1 = 0.306853, beta = 0.1.
+    # Weight w = 0.5 (truncated importance sampling): w * policy + beta * k3 = -0.5 + 0.0306853 = -0.4693147.
+    # Weighting after the KL was added (as once done here) would give 0.5 * (-1 + 0.0306853) = -0.4846574.
+    batch = make_batch(ratios=[[1.0]], logp=[[-1.0]], advantages=[1.0], width=1)
+    ref_logp = batch["logp"] + math.log(2)
+    loss, _ = token_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], "grpo", 0.2, 0.2,
+                         ref_logp=ref_logp, beta=0.1, policy_weight=torch.tensor([[0.5]]))
+    assert loss.item() == pytest.approx(-0.5 + 0.1 * (1 - math.log(2)), abs=1e-6)
+
+
+def test_the_variant_table_names_every_loss_type_and_drives_aggregation():
+    from grpo_trainer.config import LossConfig
+    from grpo_trainer.losses import LOSS_VARIANTS
+
+    assert set(LOSS_VARIANTS) == set(LOSS_TYPES) == set(LossConfig.model_fields["type"].annotation.__args__)
+    assert [v.name for v in LOSS_VARIANTS.values() if v.per_micro_batch] == ["bnpo"]
+    assert [v.name for v in LOSS_VARIANTS.values() if not v.exact_zero_advantage_skip] == ["bnpo"]
+    assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence"] == ["gspo"]
+
+
 def test_kl_k3_is_zero_only_at_equality_and_positive_elsewhere():
     logp = torch.tensor([-1.0, -1.0, -1.0, -1.0])
     ref = torch.tensor([-1.0, -3.0, 0.0, -1.5])
