@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from .config import Config
+from .losses import LOSS_VARIANTS
 
 REGENERATE = "python -m grpo_trainer.config_reference > docs/config_reference.md"
 REQUIRED = "(required)"
@@ -102,7 +103,24 @@ def render_config_reference() -> str:
             cells = [f"`{row.path}`", _code(row.type), default, row.description]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lines.append("")
+        if section.path == "loss":
+            lines += loss_variant_table()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def loss_variant_table() -> list[str]:
+    """`loss.type`'s values as `losses.LOSS_VARIANTS` defines them (the table the trainer reads too)."""
+    lines = [
+        "`loss.type` values (from `grpo_trainer/losses.py: LOSS_VARIANTS`; formulas in docs/loss_family.md):",
+        "",
+        "| `loss.type` | ratio | surrogate | aggregation | depends on micro-batching | zero-advantage skip exact | paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in LOSS_VARIANTS.values():
+        cells = [f"`{v.name}`", v.ratio, v.surrogate, v.aggregation, "yes" if v.per_micro_batch else "no",
+                 "yes" if v.exact_zero_advantage_skip else "no", v.paper]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------- types and defaults
