@@ -132,6 +132,12 @@ def test_checkpoint_and_saved_model_folders_load_the_trained_weights(trained_run
         assert torch.equal(state[key], trained[key]), folder
         assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])  # tied weights stay tied
 
+    # A training checkpoint loads with the config it carries, as `export` does: a config at hand that says
+    # LoRA (or another model) does not change what the checkpoint is.
+    lora_cfg = load_config("configs/demo_cpu.yaml", ["model.lora.r=4"])
+    lm, _ = load_for_eval(lora_cfg, trained_run / "checkpoints" / "step-000002")
+    assert torch.equal(lm.state_dict()[key], trained[key])
+
     out_ckpt = evaluate(cfg, trained_run / "checkpoints" / "step-000002", k=2, num_prompts=8, progress=False)
     out_model = evaluate(cfg, trained_run / "model", k=2, num_prompts=8, progress=False)
     assert out_ckpt == out_model  # the same weights and seed: the same samples
