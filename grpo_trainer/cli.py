@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
+            from .preflight import preflight
+
+            for warning in preflight(cfg):
+                print(f"warning: {warning}", file=sys.stderr)
             print(cfg.to_yaml(), end="")
             return 0
         if args.command == "eval":

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .losses import LOSS_TYPES
@@ -121,9 +121,21 @@ class VLLMServerConfig(_Section):
     base_url: str = Field("http://127.0.0.1:8000", description="The server's address.")
     timeout: float = Field(600.0, gt=0, description="Seconds per request before a clear error.")
     startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the server's health check.")
-    weight_sync: Literal["disk", "nccl", "none"] = Field(
-        "disk", description="Push weights through a shared folder (`disk`), NCCL (GPU), or not at all."
+    weight_sync: Literal["disk", "none"] = Field(
+        "disk",
+        description="Push weights to the server through a shared folder (`disk`), or not at all (`none`). "
+        "(NCCL pushes are not implemented.)",
     )
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _no_nccl(cls, value: Any) -> Any:
+        if value == "nccl":
+            raise ValueError(
+                "nccl is not implemented (no NCCL weight push has been built or tested here); use disk, with "
+                "weights_dir a folder both the trainer and the server can read"
+            )
+        return value
     weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
 
 
@@ -297,11 +309,6 @@ class Config(_Section):
             raise ValueError(
                 f"loss.delta ({self.loss.delta}) must be larger than 1 + epsilon_high ({1 + self.loss.epsilon_high_value}), "
                 "or the dual clip would cut into the clip range"
-            )
-        if self.train.warmup_steps >= self.train.max_steps * self.train.num_iterations and self.train.warmup_steps:
-            raise ValueError(
-                f"train.warmup_steps ({self.train.warmup_steps}) must be smaller than the number of optimizer steps "
-                f"({self.train.max_steps * self.train.num_iterations})"
             )
         return self
 

@@ -63,6 +63,17 @@ def fill_deepspeed_config(accelerator, cfg: Config) -> None:
     ds["gradient_clipping"] = cfg.train.max_grad_norm or 0.0
 
 
+def mixed_precision(accelerator) -> str:
+    """The precision training really runs in: DeepSpeed's own config decides under DeepSpeed (Accelerate refuses
+    `mixed_precision` beside a `deepspeed_config_file`), Accelerate's setting elsewhere."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        enabled = lambda key: str(ds.get(key, {}).get("enabled", False)).lower() == "true"  # noqa: E731
+        return "bf16" if enabled("bf16") else "fp16" if enabled("fp16") else "no"
+    return str(accelerator.mixed_precision)
+
+
 def zero_stage(accelerator) -> int:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return int(plugin.zero_stage) if plugin is not None else 0

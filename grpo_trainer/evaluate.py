@@ -21,12 +21,12 @@ Where the prompts come from: `data.eval_source` (None: `data.source`), split
 ignored there), the first `eval.num_samples` records. Other data settings
 (columns, chat template, system prompt) are those of training.
 
-Deliberately simple: evaluation runs on one process, with the `hf` engine
-(transformers generate). Called during training it must run on the main process
-of a run whose model is whole on that process (single process or DDP), not
-sharded (FSDP, ZeRO-3). It draws its randomness from a forked RNG seeded with
-`seed`, so results are reproducible and the training RNG stream is untouched
-(exact resume is not disturbed by periodic evaluation).
+Deliberately simple: evaluation uses the `hf` engine (transformers), whatever
+engine training samples with. During training every rank runs the same
+evaluation (see `trainer.periodic_eval`), so a ZeRO-3 model is gathered by all
+ranks together. It draws its randomness from a forked RNG seeded with `seed`,
+so results are reproducible and the training RNG stream is untouched (exact
+resume is not disturbed by periodic evaluation).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 
@@ -156,8 +157,12 @@ def evaluate_model(
     task: Task | None = None,
     num_prompts: int | None = None,
     progress: bool = True,
+    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
 ) -> dict[str, float]:
     """Evaluate an already-loaded causal LM (plain, unwrapped) on the eval prompts; see the module docstring.
+
+    `full_parameters(lm)` is the context in which a sharded model is whole (the trainer passes its ZeRO-3
+    gathering, entered by all ranks together); by default there is nothing to gather.
 
     Pass `task=load_eval_task(...)` to reuse the tokenized prompts across periodic evaluations
     (then `num_prompts`, which overrides eval.num_samples, is decided there).
@@ -167,7 +172,8 @@ def evaluate_model(
     if task is None:
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
-    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=cfg.model.share_prompt)
+    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
+                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters)
     device = next(lm.parameters()).device
     prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS

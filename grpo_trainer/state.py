@@ -28,6 +28,7 @@ from .data import PromptSampler
 from .errors import ConfigError, TrainingError
 from .evaluate import load_eval_task
 from .metrics import MetricsWriter
+from .preflight import run_preflight
 from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, build_engine, sampling_settings
@@ -100,7 +101,7 @@ class Run:
     sampler: PromptSampler
     metrics: MetricsWriter
     trackers: list[str]  # Accelerate trackers (tensorboard, wandb); jsonl is `metrics`, always on
-    eval_task: Task | None = None  # main process, when eval.every > 0
+    eval_task: Task | None = None  # when eval.every > 0
     progress: ProgressBar | None = None
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
@@ -135,10 +136,12 @@ def build_run(cfg: Config) -> Run:
     geometry = replace(geometry, rank=accelerator.process_index)
     setup_logging(cfg, accelerator.is_main_process)
     distributed.check_distributed_setup(accelerator)
+    run_preflight(cfg)  # what cannot work here stops now, before any model loads
     logger.info(
-        "world_size=%d distributed_type=%s device=%s prompts_per_rank=%d completions_per_rank=%d grad_accum=%d",
-        geometry.world, accelerator.distributed_type.value, accelerator.device, geometry.prompts_per_rank,
-        geometry.completions_per_rank, geometry.micro_batches,
+        "world_size=%d distributed_type=%s device=%s mixed_precision=%s prompts_per_rank=%d completions_per_rank=%d "
+        "grad_accum=%d", geometry.world, accelerator.distributed_type.value, accelerator.device,
+        distributed.mixed_precision(accelerator), geometry.prompts_per_rank, geometry.completions_per_rank,
+        geometry.micro_batches,
     )
 
     set_seed(cfg.seed)  # identical on every rank: same random inits
@@ -158,7 +161,7 @@ def build_run(cfg: Config) -> Run:
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
     eval_task = None
-    if cfg.eval.every and accelerator.is_main_process:  # evaluation runs on the main process only
+    if cfg.eval.every:  # every rank evaluates (see trainer.periodic_eval)
         eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
     return Run(
         cfg=cfg, accelerator=accelerator, comm=distributed.Collectives(accelerator), geometry=geometry,

@@ -20,8 +20,7 @@ loss of each micro-batch is scaled so that gradient accumulation and the
 cross-rank gradient average add up to exactly the batch loss `losses.aggregate`
 defines. The math lives in `losses` and `advantages`; the phases only move data.
 
-Deliberately simple: no sample packing; evaluation during training runs on the
-main process only. Backend-specific plumbing (DeepSpeed, ZeRO-3 gathering, CPU
+Deliberately simple: no sample packing. Backend-specific plumbing (DeepSpeed, ZeRO-3 gathering, CPU
 process groups) lives in `distributed`.
 """
 
@@ -118,12 +117,17 @@ def sync_weights(run: Run) -> None:
 
 
 def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
-    """eval/... metrics every eval.every steps, on the main process (a forked RNG: training's stream is untouched)."""
+    """eval/... metrics every eval.every steps (a forked RNG: training's random stream is untouched).
+
+    Every rank evaluates the same prompts with the same seed, in the same full-parameters context as sampling,
+    so a sharded model (ZeRO-3) is gathered by all ranks together and every rank makes the same forward calls;
+    the ranks would otherwise wait idle for the main process. The main process's results are logged.
+    """
     if not (run.cfg.eval.every and step % run.cfg.eval.every == 0):
         return {}
-    results: dict[str, float] = {}
     with timer.phase("timing/eval"):
-        if run.is_main_process:
-            results = evaluate_model(run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False)
-        run.accelerator.wait_for_everyone()
-    return results
+        results = evaluate_model(
+            run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False,
+            full_parameters=lambda _lm: distributed.zero3_sampling_context(run.accelerator, run.policy),
+        )
+    return results if run.is_main_process else {}

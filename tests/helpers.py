@@ -99,3 +99,30 @@ def run_ranks(world: int, fn) -> list:
     with ThreadPoolExecutor(world) as pool:
         futures = [pool.submit(fn, rank, ThreadCollectives(exchange, rank)) for rank in range(world)]
         return [f.result() for f in futures]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_launch_file(name: str, folder: Path, **changes) -> Path:
+    """The shipped `configs/accelerate/NAME.yaml` as it runs on this CPU machine: only `num_processes` (2) and
+    `use_cpu` (true) changed, plus `changes` where a test says so. Relative paths in it stay relative to ROOT,
+    where the tests launch from."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs" / "accelerate" / f"{name}.yaml").read_text())
+    config.update(num_processes=2, use_cpu=True, **changes)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"cpu_{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def accelerate_launch(config_file: Path, *flags: str) -> list[str]:
+    """`accelerate launch --config_file FILE FLAGS... -m` (run_cli appends `grpo_trainer ARGS`)."""
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file), *flags, "-m"]

@@ -86,7 +86,8 @@ def test_wrong_types_and_values_name_the_key(override, expected):
         (["train.micro_batch_size=5"], "train.micro_batch_size (5) must divide the completions per step"),
         (["train.micro_batch_size=1024"], "larger than the completions per step"),
         (["loss.delta=1.1"], "loss.delta (1.1) must be larger than 1 + epsilon_high"),
-        (["train.max_steps=3", "train.warmup_steps=3"], "train.warmup_steps (3) must be smaller"),
+        (["rollout.vllm_server.weight_sync=nccl"], "rollout.vllm_server.weight_sync: nccl is not implemented"),
+        (["rollout.vllm.base_url=http://x"], "rollout.vllm.base_url: moved to 'rollout.vllm_server.base_url'"),
         (["rewards=[]"], "rewards: at least one reward is needed"),
     ],
 )
@@ -133,3 +134,30 @@ def test_validate_command_prints_resolved_config_or_fails_clearly():
     assert bad.returncode == 2
     assert "did you mean 'train.max_steps'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["checkpoint.resume=/no/such/folder"], "error: checkpoint.resume: /no/such/folder does not exist"),
+        (["checkpoint.resume=configs"], "error: checkpoint.resume: configs is not a complete checkpoint"),
+        (["rollout.engine=vllm_colocate"], "error: rollout.engine: vLLM's CPU build cannot run 'builtin:tiny' (attention head size 24"),
+    ],
+)
+def test_validate_refuses_what_cannot_run_here_in_one_line(overrides, expected, tiny_model_path):
+    result = run_cli(["validate", "configs/demo_cpu.yaml", *overrides])
+    assert result.returncode == 2
+    assert expected in result.stderr and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_warmup_longer_than_the_run_is_a_warning_and_a_smoke_test_trains(tmp_path, tiny_model_path):
+    """The first thing a user tries: the demo with train.max_steps=2 (its warmup is 3 steps)."""
+    validated = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=2"])
+    assert validated.returncode == 0
+    assert "warning: train.warmup_steps (3) is not below the run's 2 optimizer steps" in validated.stderr
+    trained = run_cli(["train", "configs/demo_cpu.yaml", "train.max_steps=2", f"output_dir={tmp_path / 'run'}",
+                       "logging.progress_bar=false"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "train.warmup_steps (3) is not below" in trained.stderr
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()

@@ -25,9 +25,8 @@ against vLLM 0.32 and its OpenAI-compatible API (tested with the CPU build).
   server on a trusted network) and `--worker-extension-cls
   grpo_trainer.rollout.weight_sync.WorkerWeightSync` (grpo-trainer installed in
   the server's environment).
-- `weight_sync="nccl"`: vLLM 0.32's `/init_weight_transfer_engine` +
-  `/update_weights` (NCCL broadcast from the trainer's GPU). GPU-only and not
-  implemented/tested here: it raises a clear error.
+- NCCL pushes (vLLM 0.32's `/init_weight_transfer_engine` + `/update_weights`)
+  are not implemented; the config refuses `weight_sync: nccl` at load.
 - With several trainer ranks, only the main process pushes weights
   (`is_main_process`); the trainer must put a barrier after `sync_weights` so
   no rank samples before the push is done.
@@ -215,10 +214,7 @@ class VLLMServerEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         if not self.is_main_process or self.weight_sync == "none":
             return
-        if self.weight_sync == "nccl":
-            self.push_weights_nccl(model)
-        else:
-            self.push_weights_disk(model)
+        self.push_weights_disk(model)
 
     def push_weights_disk(self, model: torch.nn.Module) -> None:
         """Write merged weights to `weights_dir` and have the server reload them in place."""
@@ -231,18 +227,6 @@ class VLLMServerEngine:
             "POST", "/collective_rpc", {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(Path(folder).resolve())}}
         )
         self._request("POST", "/reset_prefix_cache")
-
-    def push_weights_nccl(self, model: torch.nn.Module) -> None:
-        """NCCL broadcast into the server's GPUs (vLLM's weight-transfer engine). Not available here."""
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "rollout.vllm_server.weight_sync=nccl needs CUDA GPUs on the trainer and the server "
-                "(NCCL); on CPU use weight_sync='disk'"
-            )
-        raise NotImplementedError(
-            "rollout.vllm_server.weight_sync=nccl is not implemented yet (vLLM 0.32 offers it through "
-            "/init_weight_transfer_engine and /update_weights); use weight_sync='disk'"
-        )
 
     def sleep(self) -> None:
         """Nothing to free here: the server's memory is on its own machine or GPUs."""

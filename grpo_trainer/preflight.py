@@ -1,0 +1,103 @@
+"""Checks of a config against the files and the machine it will run on, before any model loads.
+
+The schema (`config.py`) judges what a config says on its own. This judges it against the world: a
+resume path that must exist, a model the chosen engine can run here, and settings that are legal but
+rarely meant (returned as warnings). `validate` prints both; `train` runs the same checks first, so a
+run that cannot work stops in seconds with one line naming the key, not after loading a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .config import Config
+from .errors import ConfigError
+
+logger = logging.getLogger("grpo_trainer")
+
+# vLLM 0.32's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes),
+# used when vLLM itself cannot be asked.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def preflight(cfg: Config) -> list[str]:
+    """Raise ConfigError for a setting that cannot work here; return warnings for ones that probably do not
+    do what was meant."""
+    _check_resume_path(cfg)
+    if cfg.rollout.engine == "vllm_colocate":
+        _check_vllm_can_run(cfg)
+    warnings = []
+    optimizer_steps = cfg.train.max_steps * cfg.train.num_iterations
+    if cfg.train.warmup_steps >= optimizer_steps > 0 and cfg.train.warmup_steps:
+        warnings.append(
+            f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "
+            "the learning rate never reaches train.learning_rate"
+        )
+    return warnings
+
+
+def run_preflight(cfg: Config) -> None:
+    """`preflight`, with its warnings logged (what `train` does before anything loads)."""
+    for warning in preflight(cfg):
+        logger.warning("%s", warning)
+
+
+def _check_resume_path(cfg: Config) -> None:
+    from .checkpoint import TRAINER_STATE
+
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "never"):
+        return
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint.resume: {path} does not exist (use auto, never, or OUTPUT_DIR/checkpoints/step-N)")
+    if not (path / TRAINER_STATE).is_file():
+        raise ConfigError(
+            f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE}); "
+            "use auto, never, or OUTPUT_DIR/checkpoints/step-N"
+        )
+
+
+def _check_vllm_can_run(cfg: Config) -> None:
+    """vLLM's CPU build supports a fixed set of attention head sizes; say so before it starts, not from deep
+    inside its engine. (On GPUs vLLM chooses among several backends itself.)"""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    head_dim = model_head_dim(cfg)
+    if head_dim is None:
+        return
+    supported = _vllm_cpu_head_sizes()
+    if head_dim not in supported:
+        raise ConfigError(
+            f"rollout.engine: vLLM's CPU build cannot run {cfg.model.name_or_path!r} (attention head size {head_dim}; "
+            f"it supports {', '.join(map(str, supported))}); use rollout.engine=hf on this machine"
+        )
+
+
+def model_head_dim(cfg: Config) -> int | None:
+    """The model's attention head size from its config.json, or None when the config cannot be read here."""
+    from .tiny import resolve_model_path
+
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:  # a hub id offline, a missing folder: loading the model will say what is wrong
+        return None
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
+
+
+def _vllm_cpu_head_sizes() -> tuple[int, ...]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # vLLM absent (the engine will say so) or moved: the list of the tested version
+        return VLLM_CPU_HEAD_SIZES

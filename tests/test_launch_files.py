@@ -1,0 +1,111 @@
+"""Every shipped GPU launch file in configs/accelerate/, launched as users launch it, on this CPU machine.
+
+Each test takes the shipped file and changes only `num_processes` (to 2) and `use_cpu` (to true)
+(`helpers.cpu_launch_file`), then trains 2 steps of the demo. DeepSpeed files are launched without
+ACCELERATE_USE_CPU (it turns DeepSpeed off), DDP with it. FSDP cannot run on CPU (Accelerate 1.15 enables it
+on GPUs only): its file must still parse as Accelerate parses it, and the trainer must refuse clearly.
+The multi-node test runs the README's two-node command, both "nodes" on this machine over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo_trainer.metrics import read_metrics
+from helpers import ROOT, accelerate_launch, cpu_launch_file, free_port, run_cli, small_run_overrides
+
+LAUNCH_DIR = ROOT / "configs" / "accelerate"
+DEEPSPEED_FILES = ["zero2", "zero3", "zero3_offload"]
+
+
+def train_two_steps(launch_file, out, env=None, extra=()):
+    return run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2), *extra],
+                   launcher=accelerate_launch(launch_file, "--main_process_port", str(free_port())), env=env)
+
+
+# Periodic evaluation in the same runs: under ZeRO-3 every rank must take part in gathering the model.
+EVAL = ["eval.every=2", "eval.num_samples=4", "eval.num_generations=2"]
+
+
+@pytest.mark.parametrize("name", ["ddp", *DEEPSPEED_FILES])
+def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_path):
+    deepspeed = name != "ddp"
+    if deepspeed:
+        pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=None if deepspeed else {"ACCELERATE_USE_CPU": "1"},
+                             extra=EVAL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # bf16 for DeepSpeed comes from the JSON, where DeepSpeed reads it; DDP runs in the model's dtype.
+    expected = "DEEPSPEED device=cpu mixed_precision=bf16" if deepspeed else "MULTI_CPU device=cpu:0 mixed_precision=no"
+    assert f"world_size=2 distributed_type={expected}" in result.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "eval/reward/mean@2" not in rows[0] and 0 <= rows[1]["eval/reward/mean@2"] <= 1
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", DEEPSPEED_FILES)
+def test_deepspeed_precision_lives_in_the_json_only(name):
+    """Accelerate refuses `mixed_precision` beside `deepspeed_config_file` (the crash this guards against)."""
+    launch = yaml.safe_load((LAUNCH_DIR / f"{name}.yaml").read_text())
+    assert "mixed_precision" not in launch
+    ds = json.loads((ROOT / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+
+
+def test_the_cpu_ddp_file_is_the_shipped_ddp_file_on_cpu(tmp_path):
+    """configs/accelerate/cpu_ddp.yaml (the README's CPU command) may not drift from ddp.yaml."""
+    derived = yaml.safe_load(cpu_launch_file("ddp", tmp_path).read_text())
+    assert yaml.safe_load((LAUNCH_DIR / "cpu_ddp.yaml").read_text()) == derived
+
+
+def test_fsdp_file_parses_as_accelerate_parses_it_and_is_refused_on_cpu(tmp_path, tiny_model_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    parsed = load_config_from_file(str(LAUNCH_DIR / "fsdp.yaml"))
+    assert parsed.distributed_type.value == "FSDP" and parsed.mixed_precision == "bf16"
+    assert parsed.fsdp_config["fsdp_version"] == 2
+    result = train_two_steps(cpu_launch_file("fsdp", tmp_path), tmp_path / "run")
+    assert result.returncode != 0
+    assert "the Accelerate config asks for FSDP but Accelerate set up NO (Accelerate enables FSDP on GPUs only" in result.stderr
+    assert "Traceback" not in result.stderr.split("error: the Accelerate config")[0][-2000:]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_two_nodes_over_loopback_train_two_steps(name, tmp_path, tiny_model_path):
+    """The README's multi-node command: one launch per node, each `--num_machines 2 --machine_rank R` with the
+    main node's address, here both on this machine, one process each, sharing an output folder as a cluster
+    shares a file system."""
+    if name.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    launch_file, port, out = cpu_launch_file(name, tmp_path), free_port(), tmp_path / "run"
+    env = {"ACCELERATE_USE_CPU": "1"} if name == "ddp" else {}
+    nodes = []
+    for rank in (0, 1):
+        command = accelerate_launch(launch_file, "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                                    "--main_process_ip", "127.0.0.1", "--main_process_port", str(port))
+        command += ["grpo_trainer", "train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2)]
+        nodes.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=_env(env)))
+    logs = []
+    for node in nodes:
+        try:
+            logs.append(node.communicate(timeout=600)[0])
+        finally:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    assert "world_size=2" in logs[0] and "prompts_per_rank=2" in logs[0]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def _env(extra: dict) -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+            "PATH": f"{sys.executable.rsplit('/', 1)[0]}:{os.environ.get('PATH', '')}", **extra}
