@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed
 # pyproject.toml stays open to any recent torch: users bring their own CUDA build.
 TORCH  ?= torch==2.13.0
 EXTRAS ?= dev
+# The one tested set of versions, for the demo, the tests and CI alike (how to regenerate it: its header).
+CONSTRAINTS := .ci/constraints.txt
 CONFIG ?= configs/demo_cpu.yaml
 
 # vLLM's CPU build, so the vLLM engine tests run for real in `make test`. It needs exactly torch
@@ -22,20 +24,24 @@ PYTEST_WORKERS ?= 2
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Installs go through uv (from PyPI, into the venv): measured here on a fresh venv, demo + test dependencies
+# took 55 s with uv (cold cache) against 138 s with pip (warm cache). pip only bootstraps torch and uv.
+UV := $(PY) -m uv pip install -q --python $(PY) -c $(CONSTRAINTS)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q "$(TORCH)" uv
+	$(UV) -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m grpo_trainer train $(CONFIG) $(ARGS)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q "$(VLLM)"
+	$(UV) "$(VLLM)"
 	# PyPI's torchvision/torchaudio/torchcodec, pulled in by vLLM, break `import torch` beside the CPU build.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	@touch $@
 
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
@@ -45,7 +51,7 @@ test-vllm: $(VLLM_STAMP)
 	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e ".[$(EXTRAS),bench]"
+	$(UV) -e ".[$(EXTRAS),bench]"
 	$(PY) scripts/bench.py $(ARGS)
 
 clean:

@@ -1,24 +1,45 @@
-"""Checkpoints: atomic saves under OUTPUT_DIR/checkpoints, and finding the one to resume.
+"""Checkpoints: atomic, verified saves under OUTPUT_DIR/checkpoints, and finding the one to resume.
 
 Layout: `checkpoints/step-000020/` holds Accelerate's state (model, optimizer,
-scheduler, every rank's RNG) plus `trainer_state.json` (counters, sampler
-position). It is written as `checkpoints/.tmp-step-000020/` and renamed into
-place only when complete; `checkpoints/latest` is updated last. A crash mid-save
-therefore leaves the previous checkpoint intact and `latest` pointing at it.
+scheduler, every rank's RNG), `trainer_state.json` (counters, sampler position),
+the metrics history, and `manifest.json` (every file's size and SHA-256). It is
+written as `checkpoints/.tmp-step-000020/`: files, then fsync, then the manifest
+(written last), then the rename into place, then `checkpoints/latest`. So:
+
+- a crash or SIGKILL mid-save leaves the previous checkpoint intact and `latest`
+  pointing at it;
+- a save that fails (full disk, quota, permissions) removes its partial folder,
+  leaves `latest` alone and stops the run with one line naming the folder and
+  the free space (`CheckpointError`);
+- a checkpoint damaged after it was written (a truncated file, a bit flip) is
+  found by `verify`: resume falls back to the newest intact one and says so.
+
+Not covered: a file system that acknowledges an fsync it did not perform.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from .errors import TrainingError
+
+logger = logging.getLogger("grpo_trainer")
+
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS = "model.safetensors"  # Accelerate's name for the first prepared model's weights (the policy)
 METRICS_HISTORY = "metrics.jsonl"  # the run's metrics up to the checkpoint's step
+MANIFEST = "manifest.json"  # {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last
 LATEST = "latest"
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint could not be written, or none that could be read is intact."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -33,33 +54,125 @@ def save_checkpoint(
     keep_last: int = 0,
     files: dict[str, str] | None = None,
 ) -> Path:
-    """Every rank calls this (Accelerate's save is collective); the main process renames and prunes.
+    """Every rank calls this (Accelerate's save is collective); the main process publishes and prunes.
 
-    `files` are extra text files written into the checkpoint (the metrics history so far).
+    `files` are extra text files written into the checkpoint (the metrics history so far). Any rank's
+    failure stops every rank with the same CheckpointError, after the partial folder is removed.
     """
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
     staging = root / f".tmp-step-{step:06d}"
+    error = None
     if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
+        error = _attempt(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)))
+    error = _first_error(accelerator, error)
+    if error is None:
+        error = _first_error(accelerator, _attempt(lambda: accelerator.save_state(str(staging))))
     _pause_for_fault_injection()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        for name, text in (files or {}).items():
-            (staging / name).write_text(text)
-        # trainer_state.json is what marks a checkpoint complete: written last, inside the staging folder.
-        _write_atomic(staging / TRAINER_STATE, json.dumps({**trainer_state, "step": step}, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        _write_atomic(root / LATEST, final.name)
-        if keep_last > 0:
+    if error is None and accelerator.is_main_process:
+        error = _attempt(lambda: _publish(staging, final, root, {**trainer_state, "step": step}, files or {}))
+        if error is None and keep_last > 0:
             for old in sorted(complete_checkpoints(output_dir))[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    error = _first_error(accelerator, error)
+    if error is not None:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(_save_failed_message(staging, root, step, error))
     return final
+
+
+def _publish(staging: Path, final: Path, root: Path, trainer_state: dict, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (staging / name).write_text(text)
+    (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+    manifest = {"files": {}}
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        _fsync(path)
+        manifest["files"][path.relative_to(staging).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1))
+    shutil.rmtree(final, ignore_errors=True)  # a damaged checkpoint of the same step, resumed from before it
+    os.replace(staging, final)
+    _fsync(root)
+    _write_durably(root / LATEST, final.name)
+
+
+def _attempt(action) -> str | None:
+    """Run `action`; the failure as one line (None on success). Broad on purpose: torch.save reports a full
+    disk as a RuntimeError, safetensors as its own error type."""
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return None
+
+
+def _first_error(accelerator, error: str | None) -> str | None:
+    """The first rank's error, the same on every rank (a collective), or None when all succeeded."""
+    if accelerator.num_processes == 1:
+        return error
+    from accelerate.utils import gather_object
+
+    return next((e for e in gather_object([error]) if e), None)
+
+
+def _save_failed_message(staging: Path, root: Path, step: int, error: str) -> str:
+    try:
+        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    latest = root / LATEST
+    previous = latest.read_text().strip() if latest.is_file() else None
+    kept = f"the previous checkpoint ({previous}) is intact" if previous else "no earlier checkpoint exists"
+    return (f"checkpoint: saving step {step} to {staging} failed ({error}); {free}; {kept}. "
+            "Free space (or fix permissions), then rerun with checkpoint.resume=auto")
+
+
+def verify(folder: str | Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (one line naming the file), or None when its manifest
+    matches. A checkpoint written before manifests existed is accepted unverified."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    try:
+        listed = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, OSError) as exc:
+        return f"{manifest_path}: unreadable ({type(exc).__name__})"
+    for name, expected in listed.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path}: missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{path}: {size} bytes, {expected['size']} written"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path}: contents differ from what was written (SHA-256 mismatch)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write to a temporary name, fsync, rename over `path`, fsync the folder: all or nothing, on disk."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def remove_incomplete(output_dir: str | Path) -> list[Path]:
@@ -78,22 +191,42 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file())
 
 
-def find_resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
-    """`never` -> None; `auto` -> newest complete checkpoint or None; else the given path (must be complete)."""
+def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from, and notes to log about damaged ones passed over.
+
+    `never` -> None; `auto` -> the newest intact checkpoint (`latest` first), None when there is none at all;
+    a path -> that checkpoint, which must be complete and intact. Raises CheckpointError when checkpoints
+    exist but none is intact, naming the damaged file of each.
+    """
     if resume == "never":
-        return None
-    if resume == "auto":
-        latest = checkpoint_root(output_dir) / LATEST
-        if latest.is_file():
-            candidate = checkpoint_root(output_dir) / latest.read_text().strip()
-            if (candidate / TRAINER_STATE).is_file():
-                return candidate
-        found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / TRAINER_STATE).is_file():
-        raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE})")
-    return path
+        return None, []
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / TRAINER_STATE).is_file():
+            raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE})")
+        problem = verify(path)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume: {path} is damaged: {problem}; resume from another checkpoint")
+        return path, []
+    candidates = sorted(complete_checkpoints(output_dir), reverse=True)
+    latest = checkpoint_root(output_dir) / LATEST
+    if latest.is_file():
+        pointed = checkpoint_root(output_dir) / latest.read_text().strip()
+        if pointed in candidates:
+            candidates.remove(pointed)
+            candidates.insert(0, pointed)
+    notes = []
+    for candidate in candidates:
+        problem = verify(candidate)
+        if problem is None:
+            return candidate, notes
+        notes.append(f"checkpoint {candidate.name} is damaged ({problem}); trying an older one")
+    if candidates:
+        raise CheckpointError(
+            f"no intact checkpoint in {checkpoint_root(output_dir)}: " + "; ".join(notes)
+            + ". Start over with checkpoint.resume=never (or a new output_dir)"
+        )
+    return None, notes
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
@@ -123,6 +256,9 @@ def load_checkpoint_model(checkpoint: str | Path):
             f"checkpoint: {checkpoint} has no {WEIGHTS}: a sharded FSDP/DeepSpeed checkpoint must be merged first "
             "(`accelerate merge-weights`, or DeepSpeed's zero_to_fp32.py), or use OUTPUT_DIR/model"
         )
+    problem = verify(checkpoint)
+    if problem:
+        raise CheckpointError(f"checkpoint: {checkpoint} is damaged: {problem}")
     cfg = config_from_dict(read_trainer_state(checkpoint)["config"], source=str(checkpoint / TRAINER_STATE))
     lm = load_causal_lm(cfg.model)
     load_policy_weights(lm, checkpoint / WEIGHTS, cfg.model.name_or_path)
@@ -167,8 +303,6 @@ def check_resume_compatible(
     harmless nor refused, e.g. the learning rate, deserves a warning); raises TrainingError listing
     the changes that would break the run's meaning, unless `force`.
     """
-    from .errors import TrainingError
-
     old, new = flatten(saved), flatten(current)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     refused = [k for k in changed if k in MEANING_KEYS or any(k.startswith(m + ".") for m in MEANING_KEYS)]
@@ -202,9 +336,3 @@ def _pause_for_fault_injection() -> None:
         import time
 
         time.sleep(seconds)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

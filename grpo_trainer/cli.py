@@ -1,9 +1,10 @@
 """Command line: `python -m grpo_trainer {train,validate,eval} CONFIG [key.sub=value ...]`, `plot OUTPUT_DIR`,
 `export CHECKPOINT OUT`.
 
-Works the same under `accelerate launch -m grpo_trainer ...`. Problems the user
-can fix (config, data, rewards) print one clear message and exit with status 2;
-anything else is a bug and keeps its traceback.
+Works the same under `accelerate launch -m grpo_trainer ...`. Exit status: 0 done; 2 a problem the
+user can fix (config, data, rewards, a failed checkpoint save), printed as one clear message; 75 stopped
+by a preemption signal after saving a checkpoint (resume with checkpoint.resume=auto); anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             from .trainer import train
 
             result = train(cfg)
+            if result.preempted_by:
+                from .preemption import PREEMPTED_EXIT_CODE
+
+                return PREEMPTED_EXIT_CODE
             if result.is_main_process:
                 print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
             return 0

@@ -89,6 +89,11 @@ class DataConfig(_Section):
     num_samples: int | None = Field(
         None, gt=0, description="Use only the first N records (after loading, before shuffling)."
     )
+    skip_invalid_rows: bool = Field(
+        False,
+        description="Records with no value in a column a reward reads (e.g. the answer) are an error at load time; "
+        "true: leave them out and say how many.",
+    )
     eval_source: str | None = Field(None, description="Where evaluation prompts come from (None: data.source).")
     eval_split: str | None = Field(None, description="Split for evaluation (None: `test`).")
 
@@ -172,6 +177,14 @@ class RewardConfig(_Section):
     weight: float = Field(1.0, description="Weight of this reward in the sum that forms the scalar reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward on every call.")
     alias: str | None = Field(None, description="Name used in metrics (default: the function's name).")
+    timeout: float | None = Field(
+        None, gt=0, description="Seconds one call on a batch may take (None: no limit; built-ins keep their own per-sample limits)."
+    )
+    on_timeout: Literal["error", "none"] = Field(
+        "error",
+        description="A call over `timeout`: `error` stops the run naming the reward and the sample; `none` scores "
+        "that batch None (no opinion) and counts it in rewards/<name>/timed_out_batches.",
+    )
 
 
 class LossConfig(_Section):
@@ -256,6 +269,21 @@ class CheckpointConfig(_Section):
         False, description="Resume even if settings that change the run's meaning differ from the checkpoint's."
     )
     save_final_model: bool = Field(True, description="Write the trained model with save_pretrained to OUTPUT_DIR/model.")
+    save_on_signals: list[str] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        description="Signals that stop the run at the end of the current step with a checkpoint, exit code 75 "
+        "(preemption: SLURM, Kubernetes). Empty: signals act as usual.",
+    )
+
+    @field_validator("save_on_signals")
+    @classmethod
+    def _known_signals(cls, names: list[str]) -> list[str]:
+        import signal
+
+        for name in names:
+            if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"{name!r} is not a signal that can be caught (e.g. SIGTERM, SIGUSR1, SIGINT)")
+        return names
 
 
 class LoggingConfig(_Section):

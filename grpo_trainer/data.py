@@ -11,6 +11,7 @@ its own contiguous slice.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ def _load_with_datasets(source: str, subset: str | None, split: str) -> list[dic
         if suffix in LOCAL_FORMATS:
             if not path.is_file():
                 raise DataError(f"data.source: file not found: {source}")
+            if LOCAL_FORMATS[suffix] == "json":
+                return read_json_records(path)
             # A local file is one split; its name in `datasets` is always "train".
             ds = datasets.load_dataset(LOCAL_FORMATS[suffix], data_files=str(path), split="train")
         elif path.is_dir():
@@ -63,9 +66,41 @@ def _load_with_datasets(source: str, subset: str | None, split: str) -> list[dic
             ds = datasets.load_dataset(source, subset, split=split)
     except DataError:
         raise
+    except DataError:
+        raise
     except Exception as exc:  # datasets raises many types; the user needs the source and the reason
         raise DataError(f"data.source: could not load {source!r} (split {split!r}): {type(exc).__name__}: {exc}") from None
     return ds.to_list()
+
+
+def read_json_records(path: Path) -> list[dict[str, Any]]:
+    """A .jsonl file (one object per line) or a .json file (an array of objects, or JSON lines).
+
+    Read here rather than by `datasets`, so that a malformed record is reported with its file and line
+    number. Every record gets every column, as `datasets` would give them: a column a record lacks is None.
+    """
+    text = path.read_text()
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"data.source: {path}, line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})") from None
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"data.source: {path}, line {number}: not valid JSON ({exc.msg}, column {exc.colno}): {line.strip()[:80]!r}"
+                ) from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"data.source: {path}: record {i} is a JSON {type(row).__name__}, not an object of columns")
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return [{key: row.get(key) for key in columns} for row in rows]
 
 
 @dataclass

@@ -11,6 +11,11 @@ counters, logged as `rewards/<name>/<metric>`.
 
 Everything a reward can get wrong (import, signature, exception, wrong length,
 non-numbers) stops the run with a RewardError naming the reward and the sample.
+A reward with a `timeout` that does not return in time stops the run the same
+way (naming the sample that hangs on its own), or with `on_timeout: none` its
+batch is scored None and counted. A hung call cannot be killed (it is Python in
+this process); it is left running in a daemon thread. Async rewards must await,
+not block, for their timeout to act.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +57,9 @@ class Reward:
     fn: Callable[..., Any]
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None  # seconds per call on a batch (None: no limit)
+    on_timeout: str = "error"  # or "none": the batch gets no opinion
+    where: str = "rewards"  # its config path, for messages (rewards.N)
 
     @property
     def is_async(self) -> bool:
@@ -90,7 +99,8 @@ def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
                 raise RewardError(f"rewards.{i}.kwargs.{key}: '{key}' is passed by the trainer and cannot be set")
             if not takes_any and key not in params:
                 raise RewardError(f"rewards.{i}.kwargs.{key}: reward '{name}' has no parameter '{key}'")
-        rewards.append(Reward(name=name, fn=fn, weight=cfg.weight, kwargs=dict(cfg.kwargs)))
+        rewards.append(Reward(name=name, fn=fn, weight=cfg.weight, kwargs=dict(cfg.kwargs), timeout=cfg.timeout,
+                              on_timeout=cfg.on_timeout, where=f"rewards.{i}"))
     names = [r.name for r in rewards]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
@@ -203,10 +213,27 @@ def compute_rewards(
         offered["log_metric"] = log_metric if rows is None else (lambda key, value: None)
         return reward.fn(**reward.arguments(offered))
 
+    def timed_out(reward: Reward, hung_sample: int | None) -> list[None]:
+        """A call over reward.timeout: the batch gets no opinion, or the run stops naming the sample."""
+        if reward.on_timeout == "none":
+            metrics[f"rewards/{reward.name}/timed_out_batches"] = 1.0
+            return [None] * n
+        where = f"on sample {hung_sample} (prompt: {_short(prompts[hung_sample])})" if hung_sample is not None else (
+            f"on a batch of {n} completions (no single sample hung on its own)")
+        raise RewardError(
+            f"reward '{reward.name}' did not return within {reward.timeout:g} s ({reward.where}.timeout) {where}; "
+            f"raise the timeout, or set {reward.where}.on_timeout=none to score such batches None"
+        )
+
     async def run_async(batch: list[Reward]):
         async def one(reward):
             start = time.perf_counter()
-            out = await _guard(reward, lambda: call(reward), prompts)
+            if reward.timeout is not None:
+                metrics[f"rewards/{reward.name}/timed_out_batches"] = 0.0
+            try:
+                out = await asyncio.wait_for(_guard(reward, lambda: call(reward), prompts), reward.timeout)
+            except asyncio.TimeoutError:
+                out = timed_out(reward, None if reward.on_timeout == "none" else await _hung_async(reward, call, n))
             return reward, out, time.perf_counter() - start
 
         return await asyncio.gather(*(one(r) for r in batch))
@@ -215,7 +242,13 @@ def compute_rewards(
         if reward.is_async:
             continue
         start = time.perf_counter()
-        values[reward.name] = _check(reward, _call_sync(reward, call, prompts), n, prompts)
+        if reward.timeout is not None:
+            metrics[f"rewards/{reward.name}/timed_out_batches"] = 0.0
+        try:
+            out = _call_sync(reward, call, prompts)
+        except _Timeout:
+            out = timed_out(reward, None if reward.on_timeout == "none" else _hung_sync(reward, call, n))
+        values[reward.name] = _check(reward, out, n, prompts)
         metrics[f"rewards/{reward.name}/seconds"] = time.perf_counter() - start
     async_rewards = [r for r in rewards if r.is_async]
     if async_rewards:
@@ -246,10 +279,69 @@ def reward_statistics(rewards: list[Reward], per_function: torch.Tensor) -> dict
     return stats
 
 
+class _Timeout(Exception):
+    """A reward call outlived its `timeout`."""
+
+
+def _within(timeout: float | None, thunk: Callable[[], Any]) -> Any:
+    """thunk(), or _Timeout after `timeout` seconds. The call runs in a daemon thread, which cannot be killed:
+    a hung call keeps running in the background, but no longer holds up the run (nor its exit)."""
+    if timeout is None:
+        return thunk()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = thunk()
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="grpo-reward-call")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _Timeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _hung_sync(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
+    """The first sample that, alone, does not return within the timeout (all probed at once)."""
+    threads = [threading.Thread(target=lambda i=i: _ignore_errors(lambda: call(reward, rows=[i])), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + reward.timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return next((i for i, thread in enumerate(threads) if thread.is_alive()), None)
+
+
+async def _hung_async(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
+    async def probe(i: int) -> bool:
+        try:
+            await asyncio.wait_for(call(reward, rows=[i]), reward.timeout)
+        except asyncio.TimeoutError:
+            return True
+        except Exception:  # noqa: BLE001 (only hanging matters here)
+            pass
+        return False
+
+    hung = await asyncio.gather(*(probe(i) for i in range(n)))
+    return next((i for i, h in enumerate(hung) if h), None)
+
+
+def _ignore_errors(thunk: Callable[[], Any]) -> None:
+    try:
+        thunk()
+    except Exception:  # noqa: BLE001 (a probe for hanging, not for errors)
+        pass
+
+
 def _call_sync(reward: Reward, call: Callable[..., Any], prompts: list[Any]) -> Any:
     try:
-        return call(reward)
-    except RewardError:
+        return _within(reward.timeout, lambda: call(reward))
+    except (RewardError, _Timeout):
         raise
     except Exception as exc:
         # Find the sample that breaks it, so the message can point at real data.

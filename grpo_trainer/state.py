@@ -25,7 +25,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
-from .errors import ConfigError, TrainingError
+from .errors import ConfigError
 from .evaluate import load_eval_task
 from .metrics import MetricsWriter
 from .preflight import run_preflight
@@ -206,10 +206,9 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
 def resume(run: Run) -> None:
     """Continue from the checkpoint `checkpoint.resume` picks (if any), then open the run's outputs."""
     cfg, accelerator = run.cfg, run.accelerator
-    try:
-        found = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
-    except FileNotFoundError as exc:
-        raise TrainingError(str(exc)) from None
+    found, damaged = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
+    for note in damaged if accelerator.is_main_process else []:
+        logger.warning("%s", note)
     if found is not None:
         saved = ckpt.read_trainer_state(found)
         for note, harmless in ckpt.check_resume_compatible(
@@ -251,12 +250,17 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
 
 
 def finish(run: Run) -> None:
-    """Close the writers and the engine, save the final model (collective), end the trackers."""
+    """The run is done: save the final model (collective) and stop."""
+    if run.cfg.checkpoint.save_final_model:
+        _save_final_model(run, run.output_dir / "model")
+    stop_run(run)
+
+
+def stop_run(run: Run) -> None:
+    """Close the writers and the engine, end the trackers (after the last step, or a preemption)."""
     run.progress.close()
     run.metrics.close()
     run.engine.close()
-    if run.cfg.checkpoint.save_final_model:
-        _save_final_model(run, run.output_dir / "model")
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 

@@ -8,12 +8,17 @@ messages for conversational data, every dataset column as a keyword list).
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from .config import DataConfig, RewardConfig
 from .data import PromptSet, build_prompt_set, is_conversational, load_records
-from .rewards import Reward, RewardBatch, compute_rewards, load_rewards
+from .errors import DataError
+from .rewards import STANDARD_ARGS, Reward, RewardBatch, compute_rewards, load_rewards
+
+logger = logging.getLogger("grpo_trainer")
 
 
 @dataclass
@@ -48,11 +53,60 @@ def load_task(
 ) -> Task:
     """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training."""
     records = load_records(data, split=split)
+    reward_fns = load_rewards(rewards)
+    records = rows_every_reward_can_score(records, reward_fns, data)
     return Task(
         prompts=build_prompt_set(data, tokenizer, records, max_context),
-        rewards=load_rewards(rewards),
+        rewards=reward_fns,
         tokenizer=tokenizer,
         prompt_column=data.prompt_column,
         answer_column=data.answer_column,
         conversational=is_conversational(records, data.prompt_column),
     )
+
+
+def rows_every_reward_can_score(records: list[dict[str, Any]], rewards: list[Reward], data: DataConfig) -> list[dict[str, Any]]:
+    """The records, after checking that each has a value in every column a reward reads.
+
+    A record without its answer can never be rewarded: training on it silently wastes its samples. So such
+    records are an error naming the column, the reward and the first record, unless `data.skip_invalid_rows`,
+    which leaves them out and says how many.
+    """
+    invalid: dict[int, tuple[str, Reward]] = {}
+    for reward in rewards:
+        for column in columns_read(reward, records[0].keys(), data.answer_column):
+            for i, record in enumerate(records):
+                if i not in invalid and record.get(column) in (None, ""):
+                    invalid[i] = (column, reward)
+    if not invalid:
+        return records
+    first = min(invalid)
+    column, reward = invalid[first]
+    if not data.skip_invalid_rows:
+        raise DataError(
+            f"data: {len(invalid)} of {len(records)} records (the first: record {first}) have no value in column "
+            f"{column!r}, which reward '{reward.name}' ({reward.where}) reads; fix the data, or set "
+            "data.skip_invalid_rows=true to leave them out"
+        )
+    kept = [record for i, record in enumerate(records) if i not in invalid]
+    if not kept:
+        raise DataError(f"data: every record lacks a value in column {column!r}, which reward '{reward.name}' reads")
+    logger.warning("data: left out %d of %d records with no value in a column a reward reads (the first: record %d, "
+                   "column %r; data.skip_invalid_rows)", len(invalid), len(records), first, column)
+    return kept
+
+
+def columns_read(reward: Reward, columns, answer_column: str) -> list[str]:
+    """The dataset columns a reward reads, as far as its signature tells: parameters named after a column (or
+    `answer`, which the trainer fills from data.answer_column), and built-ins' `*_column` settings
+    (math_accuracy's `answer_column`, code_tests' `tests_column`). A `**kwargs` catch-all tells nothing."""
+    params = inspect.signature(reward.fn).parameters
+    names = []
+    for name, param in params.items():
+        if param.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) or name in STANDARD_ARGS:
+            continue
+        if name.endswith("_column") and isinstance(reward.kwargs.get(name, param.default), str):
+            names.append(reward.kwargs.get(name, param.default))
+        elif name not in reward.kwargs and (name in columns or name == "answer"):
+            names.append(name)
+    return [answer_column if name == "answer" and "answer" not in columns else name for name in dict.fromkeys(names)]

@@ -10,8 +10,9 @@ One step, as named phases (each a function with a typed input and output):
     4. log-probs    (update.py)   old (num_iterations > 1), reference (beta > 0)    -> into the TrainBatch
     5. update       (update.py)   num_iterations x micro-batches: loss, backward, step -> StepStats
     6. weight sync                the engine gets the new weights, if it keeps its own copy
-    7. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
-    8. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
+    7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
+    8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
+    then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
 
 What lives for the whole run is one `state.Run`, built once by `state.build_run`.
 Distribution is Accelerate's: every rank samples its own slice of the prompts,
@@ -26,6 +27,7 @@ process groups) lives in `distributed`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +44,11 @@ from .evaluate import evaluate_model
 from .losses import loss_variant
 from .metrics import PhaseTimer
 from .report import report, step_record
-from .state import Run, build_run, finish, resume, save_checkpoint
+from .preemption import StopRequests
+from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
 from .update import add_logprobs, update
+
+logger = logging.getLogger("grpo_trainer")
 
 
 @dataclass
@@ -52,19 +57,38 @@ class TrainResult:
     steps_done: int
     last_metrics: dict
     is_main_process: bool
+    preempted_by: str | None = None  # the signal's name when a signal stopped the run (exit code 75)
 
 
 def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> TrainResult:
     """Train as `cfg` says. `on_step_end(step)` is called after every step (a profiler's step(), a test's probe)."""
-    run = build_run(cfg)
-    resume(run)
-    last: dict = {}
-    for step in range(run.start_step + 1, cfg.train.max_steps + 1):
-        last = train_step(run, step)
-        if on_step_end is not None:
-            on_step_end(step)
-    finish(run)
+    with StopRequests(cfg.checkpoint.save_on_signals) as stop:
+        run = build_run(cfg)
+        resume(run)
+        last: dict = {}
+        for step in range(run.start_step + 1, cfg.train.max_steps + 1):
+            last = train_step(run, step)
+            if on_step_end is not None:
+                on_step_end(step)
+            if step < cfg.train.max_steps and stop.agreed(run.comm):
+                return preempt(run, step, last, stop.received)
+        finish(run)
     return TrainResult(run.output_dir, cfg.train.max_steps - run.start_step, last, run.is_main_process)
+
+
+def preempt(run: Run, step: int, last: dict, received) -> TrainResult:
+    """Stop after `step`: its checkpoint (unless one was just saved), writers and engine closed, no final model."""
+    if not checkpoint_due(run.cfg, step):
+        save_checkpoint(run, step, run.metrics.history_with(None))  # the step's record is in the file already
+    stop_run(run)
+    name = received.name if received is not None else "a signal on another rank"
+    logger.warning("stopped by %s after step %d: checkpoint saved in %s; resume with checkpoint.resume=auto",
+                   name, step, run.output_dir / "checkpoints")
+    return TrainResult(run.output_dir, step - run.start_step, last, run.is_main_process, preempted_by=name)
+
+
+def checkpoint_due(cfg: Config, step: int) -> bool:
+    return bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or step == cfg.train.max_steps
 
 
 def train_step(run: Run, step: int) -> dict:
@@ -92,7 +116,7 @@ def train_step(run: Run, step: int) -> dict:
     record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm), {**eval_metrics, **timer.seconds})
     record["step_time"] = time.perf_counter() - started
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
-    if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 or step == cfg.train.max_steps:
+    if checkpoint_due(cfg, step):
         tick = time.perf_counter()
         save_checkpoint(run, step, run.metrics.history_with(record if log_this_step else None))
         record["timing/checkpoint"] = time.perf_counter() - tick

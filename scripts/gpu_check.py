@@ -6,7 +6,7 @@ embeddings, QKV bias) as a Llama config with random weights, and the tokenizer i
 embedded character tokenizer. Rewards are therefore ~0: this measures speed and memory,
 not learning. Prints median step time, completion tokens/s, and peak GPU memory.
 
-    bash scripts/gpu_check.sh                 # on the GPU machine
+    bash scripts/gpu_check.sh                 # on the GPU machine: every GPU-only check, this one among them
     python scripts/gpu_check.py --small       # a CPU smoke test of the script itself
 """
 
@@ -47,6 +47,8 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="a tiny shape, for a CPU smoke test")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--engine", default="hf")
+    parser.add_argument("--sleep-mode", action="store_true", help="vllm_colocate: rollout.vllm.enable_sleep_mode")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="vllm_colocate: rollout.vllm.tensor_parallel_size")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args()
 
@@ -67,6 +69,8 @@ def main() -> int:
             "train.prompts_per_step=16", "train.micro_batch_size=32", f"train.max_steps={args.steps}",
             "train.learning_rate=1e-6", "checkpoint.save_final_model=false", "checkpoint.save_every=0",
             "checkpoint.resume=never", "logging.progress_bar=false",
+            f"rollout.vllm.enable_sleep_mode={str(args.sleep_mode).lower()}",
+            f"rollout.vllm.tensor_parallel_size={args.tensor_parallel}",
         ])
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -84,6 +88,7 @@ def main() -> int:
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
     print(json.dumps(result, indent=2))
+    print("RESULT " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

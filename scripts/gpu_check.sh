@@ -1,12 +1,58 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (see scripts/gpu_check.py): installs the package, then runs a few GRPO
-# steps of a random-init Qwen2.5-0.5B-shaped model with the hf engine (and vLLM colocate when vLLM
-# is installed), printing step time, tokens/s and peak GPU memory. Writes JSON to ${OUT:-.}.
-set -euo pipefail
+# Every GPU-only path, one command, one line per check, on the day a GPU is lent:
+#
+#   bash scripts/gpu_check.sh            # writes JSON details to ${OUT:-.}; about 5-8 minutes on one H200
+#
+# What CPU tests cannot reach, each check with its own time limit:
+#   hf_bf16           a random-init Qwen2.5-0.5B-shaped model (gpu_check.py), bf16, the hf engine
+#   vllm_sleep        the same with rollout.engine=vllm_colocate and rollout.vllm.enable_sleep_mode (sleep/wake
+#                     around each update, weight push into a woken engine); needs vllm installed
+#   deepspeed_bf16    the shipped zero3.yaml on 1 GPU: bf16 from its JSON, ZeRO-3 gathering for sampling and eval
+#   fsdp              the shipped fsdp.yaml on 1 GPU (FSDP v2, bf16)
+#   vllm_tp2          vLLM colocate with tensor_parallel_size 2; skipped with fewer than 2 GPUs
+# Not here because not built: NCCL weight pushes to a vLLM server (the config refuses weight_sync: nccl).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e . >/dev/null
 out="${OUT:-.}"
-python3 scripts/gpu_check.py --engine hf --json "$out/gpu_check_hf.json"
+mkdir -p "$out"
+python3 -m pip install -q -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "gpu_check: ${gpus} GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+failed=0
+
+check() {  # check NAME SECONDS COMMAND...: one line, PASS/FAIL with the time and the log's last line on failure
+  local name=$1 limit=$2; shift 2
+  local log="$out/gpu_check_${name}.log" start=$SECONDS
+  if timeout "$limit" "$@" >"$log" 2>&1; then
+    echo "PASS ${name} ($((SECONDS - start)) s) $(grep -h '^RESULT' "$log" | tail -1 | cut -c8-)"
+  else
+    failed=$((failed + 1))
+    echo "FAIL ${name} ($((SECONDS - start)) s, exit $?): $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-200)"
+  fi
+}
+skip() { echo "SKIP $1: $2"; }
+
+demo_steps=(configs/demo_cpu.yaml train.max_steps=3 train.warmup_steps=0 logging.progress_bar=false
+            checkpoint.resume=never eval.every=3 eval.num_samples=8)
+
+check hf_bf16 180 python3 scripts/gpu_check.py --engine hf --json "$out/gpu_check_hf.json"
 if python3 -c "import vllm" 2>/dev/null; then
-  python3 scripts/gpu_check.py --engine vllm_colocate --json "$out/gpu_check_vllm.json" || echo "vllm_colocate check failed"
+  check vllm_sleep 240 python3 scripts/gpu_check.py --engine vllm_colocate --sleep-mode --json "$out/gpu_check_vllm.json"
+else
+  skip vllm_sleep "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
+if python3 -c "import deepspeed" 2>/dev/null; then
+  check deepspeed_bf16 180 accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 1 \
+    -m grpo_trainer train "${demo_steps[@]}" output_dir="$out/run_zero3"
+else
+  skip deepspeed_bf16 "deepspeed is not installed (pip install 'grpo-trainer[deepspeed]')"
+fi
+check fsdp 180 accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 1 \
+  -m grpo_trainer train "${demo_steps[@]}" output_dir="$out/run_fsdp"
+if [ "$gpus" -ge 2 ] && python3 -c "import vllm" 2>/dev/null; then
+  check vllm_tp2 240 python3 scripts/gpu_check.py --engine vllm_colocate --tensor-parallel 2 --json "$out/gpu_check_tp2.json"
+else
+  skip vllm_tp2 "needs 2 GPUs and vllm (found ${gpus} GPU(s))"
+fi
+echo "gpu_check: ${failed} failed"
+exit $((failed > 0))
