@@ -72,3 +72,198 @@ def test_a_reward_within_its_timeout_is_unaffected(tmp_path):
     rewards = slow_rewards(tmp_path, "def reward(prompts, **kw):\n    return [0.5] * len(prompts)\n", timeout=5)
     batch = score(rewards)
     assert batch.total.tolist() == [0.5] * 3 and batch.metrics["rewards/reward/timed_out_batches"] == 0.0
+
+
+# ----------------------------------------------------------------------------- preemption
+
+def metrics_without_timing(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not (k.startswith("timing/") or k == "step_time" or k.endswith("/seconds"))}
+            for r in rows]
+
+
+def assert_same_run(a, b):
+    from safetensors.torch import load_file
+
+    import torch
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == [], "weights differ"
+    assert metrics_without_timing(a) == metrics_without_timing(b)
+
+
+def overrides(out, steps, resume="never", *extra):
+    return [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")] + [
+        f"checkpoint.resume={resume}", *extra]
+
+
+def start(args, launcher=None, env=None):
+    command = (launcher or [sys.executable, "-m"]) + ["grpo_trainer", *args]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def wait_for(condition, proc, what: str, timeout: float = 300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def steps_logged(out) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_bit_identical(tmp_path, tiny_model_path):
+    """SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 75. A second SIGTERM arrives during that
+    save (slowed by the test hook) and changes nothing. Resumed, the run equals one never interrupted."""
+    from grpo_trainer.checkpoint import verify
+
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(straight, 12)]).returncode == 0
+    proc = start(["train", "configs/demo_cpu.yaml", *overrides(preempted, 12)], env={"GRPO_TRAINER_PAUSE_IN_SAVE": "2"})
+    try:
+        wait_for(lambda: steps_logged(preempted) >= 3, proc, "step 3")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: any((preempted / "checkpoints").glob(".tmp-step-*")), proc, "the save")
+        proc.send_signal(signal.SIGTERM)  # during the save
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr and "stopped by SIGTERM after step" in stderr
+    step = steps_logged(preempted)
+    assert 3 <= step < 12
+    checkpoint = preempted / "checkpoints" / f"step-{step:06d}"
+    assert (preempted / "checkpoints" / "latest").read_text() == checkpoint.name and verify(checkpoint) is None
+    assert not (preempted / "model").exists()  # the run is not done: no final model
+
+    resumed = run_cli(["train", "configs/demo_cpu.yaml", *overrides(preempted, 12, "auto")])
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr
+    assert_same_run(straight, preempted)
+
+
+def test_two_ranks_under_accelerate_launch_stop_together_and_resume_exactly(tmp_path, tiny_model_path):
+    """SIGTERM to `accelerate launch`, which forwards it to both ranks: both stop at one step with one checkpoint."""
+    from helpers import accelerate_launch, cpu_launch_file, free_port
+
+    launch_file, env = cpu_launch_file("ddp", tmp_path), {"ACCELERATE_USE_CPU": "1"}
+    launcher = lambda: accelerate_launch(launch_file, "--main_process_port", str(free_port()))  # noqa: E731
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    done = run_cli(["train", "configs/demo_cpu.yaml", *overrides(straight, 10)], launcher=launcher(), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = start(["train", "configs/demo_cpu.yaml", *overrides(preempted, 10)], launcher=launcher(), env=env)
+    try:
+        wait_for(lambda: steps_logged(preempted) >= 2, proc, "step 2")
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "stopped by SIGTERM after step" in stderr, stderr[-3000:]
+    step = steps_logged(preempted)
+    assert (preempted / "checkpoints" / "latest").read_text() == f"step-{step:06d}"
+    resumed = run_cli(["train", "configs/demo_cpu.yaml", *overrides(preempted, 10, "auto")], launcher=launcher(), env=env)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.stderr[-3000:]
+    assert_same_run(straight, preempted)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+def test_a_truncated_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path, tiny_model_path):
+    straight, damaged = tmp_path / "straight", tmp_path / "damaged"
+    assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(straight, 6, "never", "checkpoint.save_every=2")]).returncode == 0
+    assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(damaged, 4, "never", "checkpoint.save_every=2")]).returncode == 0
+    weights = damaged / "checkpoints" / "step-000004" / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size // 2)  # written back incompletely, after the save had completed
+    result = run_cli(["train", "configs/demo_cpu.yaml", *overrides(damaged, 6, "auto", "checkpoint.save_every=2")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(notes) == 1 and f"{weights}: {size // 2} bytes, {size} written" in notes[0]
+    assert "at step 2" in result.stderr and "Traceback" not in result.stderr
+    assert_same_run(straight, damaged)
+
+
+def test_no_intact_checkpoint_stops_resume_export_and_eval_naming_the_file(tmp_path, tiny_model_path):
+    out = tmp_path / "run"
+    assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(out, 2)]).returncode == 0
+    checkpoint = out / "checkpoints" / "step-000002"
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit pattern, same size
+    weights.write_bytes(bytes(data))
+    expected = f"{weights}: contents differ from what was written (SHA-256 mismatch)"
+    for args in (["train", "configs/demo_cpu.yaml", *overrides(out, 4, "auto")],
+                 ["export", str(checkpoint), str(tmp_path / "exported")],
+                 ["eval", str(out / "config.yaml"), "--checkpoint", str(checkpoint), "eval.num_samples=2"]):
+        result = run_cli(args)
+        assert result.returncode == 2, (args[0], result.stderr[-2000:])
+        assert expected in result.stderr and "Traceback" not in result.stderr, (args[0], result.stderr[-2000:])
+
+
+# ----------------------------------------------------------------------------- full disk
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_clearly(tmp_path, tiny_model_path):
+    """The output folder on a 4 MiB tmpfs in a private mount namespace: step 1's checkpoint (2.6 MB) fits,
+    step 2's does not."""
+    from grpo_trainer.checkpoint import verify
+
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("mount namespaces are not available here (unshare --mount)")
+    mount, kept = tmp_path / "small_disk", tmp_path / "kept"
+    mount.mkdir()
+    train = " ".join([sys.executable, "-m", "grpo_trainer", "train", "configs/demo_cpu.yaml",
+                      *overrides(mount / "run", 3, "never", "checkpoint.save_every=1")])
+    script = (f"mount -t tmpfs -o size=4m tmpfs {mount} && {{ {train}; echo exit=$?; }}; "
+              f"ls -a {mount}/run/checkpoints; cp -r {mount}/run {kept}")
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "exit=2" in result.stdout, result.stdout + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert f"saving step 2 to {mount}/run/checkpoints/.tmp-step-000002 failed" in errors[0]
+    assert "MiB free there; the previous checkpoint (step-000001) is intact" in errors[0]
+    listing = result.stdout.split()
+    assert "step-000001" in listing and not any(name.startswith(".tmp") for name in listing)  # partial folder removed
+    assert (kept / "checkpoints" / "latest").read_text() == "step-000001"
+    assert verify(kept / "checkpoints" / "step-000001") is None
+
+
+# ----------------------------------------------------------------------------- bad data
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_records_no_reward_can_score_are_refused_or_skipped_and_counted(tmp_path, tiny_model_path):
+    rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(6)]
+    rows[2] = {"prompt": "What is 9+9?"}  # no answer: math_accuracy can never reward it
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    args = ["train", "configs/demo_cpu.yaml", *overrides(tmp_path / "run", 1), f"data.source={data}"]
+    refused = run_cli(args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert ("data: 1 of 6 records (the first: record 2) have no value in column 'answer', which reward "
+            "'math_accuracy' (rewards.0) reads") in refused.stderr
+    skipped = run_cli([*args, "data.skip_invalid_rows=true"])
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "left out 1 of 6 records with no value in a column a reward reads (the first: record 2" in skipped.stderr
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", "has no records"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "c", answer: 3}\n',
+     "data.jsonl, line 3: not valid JSON (Expecting property name enclosed in double quotes, column 17)"),
+    ('{"prompt": "a", "answer": "1"}\n["not", "an", "object"]\n', "data.jsonl: record 1 is a JSON list, not an object of columns"),
+], ids=["empty", "malformed-line", "not-an-object"])
+def test_bad_data_files_are_one_line_naming_the_file_and_line(tmp_path, content, expected, tiny_model_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content)
+    result = run_cli(["train", "configs/demo_cpu.yaml", *overrides(tmp_path / "run", 1), f"data.source={data}"])
+    assert result.returncode == 2
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
