@@ -213,18 +213,6 @@ def compute_rewards(
         offered["log_metric"] = log_metric if rows is None else (lambda key, value: None)
         return reward.fn(**reward.arguments(offered))
 
-    def timed_out(reward: Reward, hung_sample: int | None) -> list[None]:
-        """A call over reward.timeout: the batch gets no opinion, or the run stops naming the sample."""
-        if reward.on_timeout == "none":
-            metrics[f"rewards/{reward.name}/timed_out_batches"] = 1.0
-            return [None] * n
-        where = f"on sample {hung_sample} (prompt: {_short(prompts[hung_sample])})" if hung_sample is not None else (
-            f"on a batch of {n} completions (no single sample hung on its own)")
-        raise RewardError(
-            f"reward '{reward.name}' did not return within {reward.timeout:g} s ({reward.where}.timeout) {where}; "
-            f"raise the timeout, or set {reward.where}.on_timeout=none to score such batches None"
-        )
-
     async def run_async(batch: list[Reward]):
         async def one(reward):
             start = time.perf_counter()
@@ -233,7 +221,8 @@ def compute_rewards(
             try:
                 out = await asyncio.wait_for(_guard(reward, lambda: call(reward), prompts), reward.timeout)
             except asyncio.TimeoutError:
-                out = timed_out(reward, None if reward.on_timeout == "none" else await _hung_async(reward, call, n))
+                hung = None if reward.on_timeout == "none" else await _hung_async(reward, call, n)
+                out = _timed_out(reward, hung, prompts, metrics)
             return reward, out, time.perf_counter() - start
 
         return await asyncio.gather(*(one(r) for r in batch))
@@ -247,7 +236,8 @@ def compute_rewards(
         try:
             out = _call_sync(reward, call, prompts)
         except _Timeout:
-            out = timed_out(reward, None if reward.on_timeout == "none" else _hung_sync(reward, call, n))
+            hung = None if reward.on_timeout == "none" else _hung_sync(reward, call, n)
+            out = _timed_out(reward, hung, prompts, metrics)
         values[reward.name] = _check(reward, out, n, prompts)
         metrics[f"rewards/{reward.name}/seconds"] = time.perf_counter() - start
     async_rewards = [r for r in rewards if r.is_async]
@@ -277,6 +267,19 @@ def reward_statistics(rewards: list[Reward], per_function: torch.Tensor) -> dict
         stats[f"rewards/{reward.name}/mean"] = float(column.mean()) if column.numel() else math.nan
         stats[f"rewards/{reward.name}/std"] = float(column.std(unbiased=False)) if column.numel() else math.nan
     return stats
+
+
+def _timed_out(reward: Reward, hung_sample: int | None, prompts: list[Any], metrics: dict[str, float]) -> list[None]:
+    """A call over reward.timeout: the batch gets no opinion (counted), or the run stops naming the sample."""
+    if reward.on_timeout == "none":
+        metrics[f"rewards/{reward.name}/timed_out_batches"] = 1.0
+        return [None] * len(prompts)
+    where = f"on sample {hung_sample} (prompt: {_short(prompts[hung_sample])})" if hung_sample is not None else (
+        f"on a batch of {len(prompts)} completions (no single sample hung on its own)")
+    raise RewardError(
+        f"reward '{reward.name}' did not return within {reward.timeout:g} s ({reward.where}.timeout) {where}; "
+        f"raise the timeout, or set {reward.where}.on_timeout=none to score such batches None"
+    )
 
 
 class _Timeout(Exception):
