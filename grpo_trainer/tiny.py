@@ -57,13 +57,21 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map `builtin:tiny` to its built folder (building it if needed); pass anything else through."""
+    """Map `builtin:tiny` and `builtin:smollm2-135m-instruct` to their cached folders (building or fetching
+    them if needed); pass anything else through."""
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]
-    if name != TINY_NAME:
-        raise ValueError(f"model.name_or_path: unknown built-in model {name_or_path!r}; the only one is 'builtin:tiny'")
-    return str(ensure_tiny_model())
+    if name == TINY_NAME:
+        return str(ensure_tiny_model())
+    from . import smollm2
+
+    if name == smollm2.NAME:
+        return str(smollm2.ensure_smollm2(cache_dir()))
+    raise ValueError(
+        f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-ins are 'builtin:{TINY_NAME}' "
+        f"and 'builtin:{smollm2.NAME}'"
+    )
 
 
 # ----------------------------------------------------------------------------- the bundled task

