@@ -60,13 +60,15 @@ def main() -> int:
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
+    prompts, generations, micro = (4, 4, 16) if args.small else (16, 8, 32)  # --small: a smoke test of the script
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, SMALL if args.small else QWEN25_05B, dtype)
         cfg = load_config(None, [
             f"output_dir={tmp}/run", f"model.name_or_path={model_dir}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
-            f"rollout.engine={args.engine}", "rollout.num_generations=8", "rollout.max_completion_length=256",
-            "train.prompts_per_step=16", "train.micro_batch_size=32", f"train.max_steps={args.steps}",
+            f"rollout.engine={args.engine}", f"rollout.num_generations={generations}",
+            f"rollout.max_completion_length={32 if args.small else 256}", f"train.prompts_per_step={prompts}",
+            f"train.micro_batch_size={micro}", f"train.max_steps={args.steps}",
             "train.learning_rate=1e-6", "checkpoint.save_final_model=false", "checkpoint.save_every=0",
             "checkpoint.resume=never", "logging.progress_bar=false",
             f"rollout.vllm.enable_sleep_mode={str(args.sleep_mode).lower()}",
@@ -77,7 +79,7 @@ def main() -> int:
         train(cfg)
         rows = read_metrics(f"{tmp}/run")
     timed = rows[1:] or rows  # the first step pays for warm-up
-    tokens = [r["completions/mean_length"] * 16 * 8 for r in timed]
+    tokens = [r["completions/mean_length"] * prompts * generations for r in timed]
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "model": "random-init Qwen2.5-0.5B shape" if not args.small else "small smoke shape",

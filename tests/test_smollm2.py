@@ -39,18 +39,24 @@ def test_the_chat_template_carries_our_system_prompt_and_ends_ready_for_the_answ
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.vocab_size == 49152
 
 
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
     cfg, tokenizer, lm = smol
     eos = eos_token_ids(tokenizer, lm)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
     task = load_task(cfg.data, cfg.rewards, tokenizer, 8192)
-    engine = HFEngine(SamplingSettings(eos_token_ids=eos, max_completion_length=48), get_model=lambda: lm,
+    engine = HFEngine(SamplingSettings(eos_token_ids=eos, max_completion_length=32), get_model=lambda: lm,
                       pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    rollout = engine.generate(task.prompt_ids([0, 1]), num_generations=4)
+    questions = ["Reply with one word: what colour is the sky?", "Say hello."]
+    rollout = engine.generate([chat_prompt(tokenizer, q) for q in questions], num_generations=4)
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert (ids[-1] in eos) != truncated and not set(ids[:-1]) & set(eos)
-    assert not all(rollout.truncated)  # the instruct model does finish its answers
+    assert not all(rollout.truncated)  # the instruct model does finish short answers
     seen = []
     task.rewards[0].fn, original = (lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)), task.rewards[0].fn
     try:
@@ -63,9 +69,7 @@ def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
 
 def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
     cfg, tokenizer, lm = smol
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ("What is 12+7?", "Name a colour.")]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [chat_prompt(tokenizer, q) for q in ("What is 12+7?", "Name a colour.")]
     completions = [tokenizer("12 + 7 = 19.<|im_end|>", add_special_tokens=False)["input_ids"],
                    tokenizer("It is 19", add_special_tokens=False)["input_ids"],
                    tokenizer("Blue, the colour of the sky.<|im_end|>", add_special_tokens=False)["input_ids"]]
@@ -79,12 +83,15 @@ def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
     assert torch.isfinite(entropy).all()
 
 
-def test_lora_trains_two_steps_on_the_real_model_and_exports(tmp_path):
+def test_lora_trains_on_the_real_model_and_exports(tmp_path):
     """The recipe shrunk to seconds, with LoRA: the adapter moves, the merged model reloads with transformers."""
     out = tmp_path / "run"
-    result = run_cli(["train", "configs/smollm2_cpu.yaml", f"output_dir={out}", "train.max_steps=2",
+    reward = tmp_path / "parity.py"  # token-sum parity: differs within a group (lengths alone may all hit the limit)
+    reward.write_text("def parity(completions, completion_ids, **kwargs):\n    return [float(sum(c) % 2) for c in completion_ids]\n")
+    result = run_cli(["train", "configs/smollm2_cpu.yaml", f"output_dir={out}", "train.max_steps=1",
+                      f"rewards=[{{name: '{reward}:parity'}}]", "train.warmup_steps=0",
                       "train.prompts_per_step=2", "rollout.num_generations=4", "train.micro_batch_size=8",
-                      "rollout.max_completion_length=24", "model.lora.r=8", "train.learning_rate=1e-3",
+                      "rollout.max_completion_length=16", "model.lora.r=8", "train.learning_rate=1e-3",
                       "logging.progress_bar=false", "checkpoint.resume=never", "logging.completions_every=0"])
     assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoModelForCausalLM
