@@ -3,7 +3,6 @@ was saved, and where the run continues, continues exactly (docs/troubleshooting.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
