@@ -191,6 +191,19 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file())
 
 
+def require_complete(resume: str) -> Path:
+    """`checkpoint.resume: PATH` as a complete checkpoint folder, or a CheckpointError saying what it is instead."""
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint.resume: {path} does not exist (use auto, never, or OUTPUT_DIR/checkpoints/step-N)")
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(
+            f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE}); "
+            "use auto, never, or OUTPUT_DIR/checkpoints/step-N"
+        )
+    return path
+
+
 def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, and notes to log about damaged ones passed over.
 
@@ -201,9 +214,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
     if resume == "never":
         return None, []
     if resume != "auto":
-        path = Path(resume)
-        if not (path / TRAINER_STATE).is_file():
-            raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE})")
+        path = require_complete(resume)
         problem = verify(path)
         if problem:
             raise CheckpointError(f"checkpoint.resume: {path} is damaged: {problem}; resume from another checkpoint")

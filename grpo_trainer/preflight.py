@@ -9,8 +9,8 @@ run that cannot work stops in seconds with one line naming the key, not after lo
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
+from .checkpoint import require_complete
 from .config import Config
 from .errors import ConfigError
 
@@ -24,12 +24,13 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def preflight(cfg: Config) -> list[str]:
     """Raise ConfigError for a setting that cannot work here; return warnings for ones that probably do not
     do what was meant."""
-    _check_resume_path(cfg)
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        require_complete(cfg.checkpoint.resume)
     if cfg.rollout.engine == "vllm_colocate":
         _check_vllm_can_run(cfg)
     warnings = []
     optimizer_steps = cfg.train.max_steps * cfg.train.num_iterations
-    if cfg.train.warmup_steps >= optimizer_steps > 0 and cfg.train.warmup_steps:
+    if cfg.train.warmup_steps >= optimizer_steps:
         warnings.append(
             f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "
             "the learning rate never reaches train.learning_rate"
@@ -41,22 +42,6 @@ def run_preflight(cfg: Config) -> None:
     """`preflight`, with its warnings logged (what `train` does before anything loads)."""
     for warning in preflight(cfg):
         logger.warning("%s", warning)
-
-
-def _check_resume_path(cfg: Config) -> None:
-    from .checkpoint import TRAINER_STATE
-
-    resume = cfg.checkpoint.resume
-    if resume in ("auto", "never"):
-        return
-    path = Path(resume)
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint.resume: {path} does not exist (use auto, never, or OUTPUT_DIR/checkpoints/step-N)")
-    if not (path / TRAINER_STATE).is_file():
-        raise ConfigError(
-            f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE}); "
-            "use auto, never, or OUTPUT_DIR/checkpoints/step-N"
-        )
 
 
 def _check_vllm_can_run(cfg: Config) -> None:

@@ -189,3 +189,22 @@ def cpu_launch_file(name: str, folder: Path, **changes) -> Path:
 def accelerate_launch(config_file: Path, *flags: str) -> list[str]:
     """`accelerate launch --config_file FILE FLAGS... -m` (run_cli appends `grpo_trainer ARGS`)."""
     return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file), *flags, "-m"]
+
+
+def without_timing(record: dict) -> dict:
+    """A metrics record without its wall-clock keys (`timing/*`, `step_time`, each reward's `seconds`)."""
+    return {k: v for k, v in record.items() if not (k.startswith("timing/") or k == "step_time" or k.endswith("/seconds"))}
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two runs' final weights are bit-identical and their metrics.jsonl equal apart from timings."""
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_trainer.metrics import read_metrics
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"weights differ: {different[:3]}"
+    assert [without_timing(r) for r in read_metrics(a)] == [without_timing(r) for r in read_metrics(b)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,23 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, run_cli, small_run_overrides
-
-TIMING = ("timing/", "step_time", "/seconds")
-
-
-def metrics_without_timing(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
-
-
-def assert_same_run(a, b):
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"weights differ after resume: {different[:3]}"
-    assert metrics_without_timing(a) == metrics_without_timing(b)
-
+from grpo_trainer.metrics import read_metrics
+from helpers import ROOT, assert_same_run, run_cli, small_run_overrides
 
 def train(out, steps, *extra, launcher=None, env=None, resume="never"):
     overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
@@ -87,7 +71,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model
     log = train(out, 6, "checkpoint.save_every=2", resume="auto").stderr
     assert "at step 2" in log
     assert not staging.exists()  # the half-written save was cleaned up
-    assert [r["step"] for r in metrics_without_timing(out)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert (out / "checkpoints" / "latest").read_text() == "step-000006"
 
 

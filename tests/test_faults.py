@@ -15,7 +15,7 @@ import pytest
 from grpo_trainer.config import RewardConfig
 from grpo_trainer.errors import RewardError
 from grpo_trainer.rewards import compute_rewards, load_rewards
-from helpers import ROOT, run_cli, small_run_overrides
+from helpers import ROOT, assert_same_run, run_cli, small_run_overrides
 
 PROMPTS = ["What is 1+1?", "What is 2+2?", "What is 3+3?"]
 
@@ -74,22 +74,6 @@ def test_a_reward_within_its_timeout_is_unaffected(tmp_path):
 
 
 # ----------------------------------------------------------------------------- preemption
-
-def metrics_without_timing(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.startswith("timing/") or k == "step_time" or k.endswith("/seconds"))}
-            for r in rows]
-
-
-def assert_same_run(a, b):
-    from safetensors.torch import load_file
-
-    import torch
-
-    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
-    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == [], "weights differ"
-    assert metrics_without_timing(a) == metrics_without_timing(b)
-
 
 def overrides(out, steps, resume="never", *extra):
     return [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")] + [

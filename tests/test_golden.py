@@ -16,22 +16,17 @@ import sys
 from pathlib import Path
 
 from grpo_trainer.metrics import read_metrics
-from helpers import run_cli
+from helpers import run_cli, without_timing
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_cpu_first5.json"
 STEPS = 5
-
-
-def non_timing(record: dict) -> dict:
-    """Wall-clock keys vary from run to run: `timing/*`, `step_time` and each reward's `seconds`."""
-    return {k: v for k, v in record.items() if not (k.startswith("timing/") or k == "step_time" or k.endswith("/seconds"))}
 
 
 def run_demo_steps(output_dir: Path) -> list[dict]:
     result = run_cli(["train", "configs/demo_cpu.yaml", f"output_dir={output_dir}", f"train.max_steps={STEPS}",
                       "logging.progress_bar=false", "checkpoint.save_final_model=false"])
     assert result.returncode == 0, result.stderr[-3000:]
-    return [non_timing(r) for r in read_metrics(output_dir)]
+    return [without_timing(r) for r in read_metrics(output_dir)]
 
 
 def test_demo_metrics_match_the_golden_file(tmp_path, tiny_model_path):
