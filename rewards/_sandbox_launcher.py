@@ -220,7 +220,7 @@ import types  # noqa: E402
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x08000000, 0x20000000, 0x40000000
 MS_REC, MS_PRIVATE = 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
-RUN_FDS = ("stdin", "stdout", "stderr", "nonce", "kill")  # passed with each request, in this order
+RUN_FDS = ("request", "stdin", "stdout", "stderr", "nonce", "kill")  # passed with each request, in this order
 # Imported once here so that programs find them warm (HumanEval-style code imports typing and friends).
 PRELOAD = ("typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
            "dataclasses", "fractions", "decimal", "statistics", "json", "copy", "operator", "random")
@@ -245,26 +245,24 @@ def _enter_server_namespaces() -> None:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
-
-
-def _recv_request(sock: socket.socket) -> tuple[dict, dict]:
-    """A length-prefixed JSON request, with the run's file descriptors attached to its first bytes."""
-    head, fds, _, _ = socket.recv_fds(sock, 8, len(RUN_FDS))
-    if not head:
+def _recv_fds(sock: socket.socket) -> dict:
+    """One request: a marker byte with the run's file descriptors attached."""
+    marker, fds, _, _ = socket.recv_fds(sock, 1, len(RUN_FDS))
+    if not marker:
         raise EOFError
-    head += _recv_exact(sock, 8 - len(head))
-    request = json.loads(_recv_exact(sock, struct.unpack("!Q", head)[0]))
     if len(fds) != len(RUN_FDS):
         raise ValueError(f"expected {len(RUN_FDS)} file descriptors, got {len(fds)}")
-    return request, dict(zip(RUN_FDS, fds))
+    return dict(zip(RUN_FDS, fds))
+
+
+def _read_request(fd: int) -> dict:
+    """The run's JSON (files, limits), read by the supervisor from its own pipe: the server never holds
+    a run's code or tests, so no later fork of it inherits them."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))
 
 
 def _fresh_workdir(workdir: str, tmpfs_bytes: int, files: dict, uid: int, gid: int) -> None:
@@ -293,9 +291,10 @@ def _wait_or_kill(pid: int, kill_fd: int, wall_seconds: float) -> int:
             return TIMEOUT_EXIT
 
 
-def _supervise(request: dict, fds: dict, workdir: str) -> int:
+def _supervise(fds: dict, workdir: str) -> int:
     """The supervisor: namespaces and files for one run, then wait for it."""
     _die_with_parent()
+    request = _read_request(fds.pop("request"))
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
     _fresh_workdir(workdir, request["tmpfs_bytes"], request["files"], request["uid"], request["gid"])
     pid = os.fork()
@@ -363,6 +362,8 @@ def _run_program(request: dict, fds: dict, workdir: str) -> None:
 
 def _harness(token: bytes) -> int:
     """The same contract as sandbox._HARNESS: the nonce only after the code and the tests ran."""
+    if "random" in sys.modules:  # preloaded (statistics imports it): reseed, as a fresh interpreter would
+        sys.modules["random"].seed()
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
@@ -408,14 +409,14 @@ def _finish(code: int) -> int:
 
 
 def _serve_one(sock: socket.socket, workdir: str) -> None:
-    request, fds = _recv_request(sock)
+    fds = _recv_fds(sock)
     try:
         pid = os.fork()
         if pid == 0:
             code = SETUP_FAILED_EXIT
             try:
                 sock.close()
-                code = _supervise(request, fds, workdir)
+                code = _supervise(fds, workdir)
             except BaseException as exc:  # noqa: BLE001
                 os.write(fds["stderr"], f"sandbox supervisor: {exc}\n".encode())
             os._exit(code)

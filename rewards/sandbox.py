@@ -398,12 +398,10 @@ class _ForkServer:
             self.close()
             raise OSError("sandbox fork server did not start (see its stderr)")
 
-    def start(self, request: dict, fds: list[int]) -> None:
-        payload = json.dumps(request).encode()
-        head = struct.pack("!Q", len(payload))
-        self.sock.settimeout(None)
-        socket.send_fds(self.sock, [head], fds)
-        self.sock.sendall(payload)
+    def start(self, fds: list[int]) -> None:
+        """Hand over the run's pipe ends (``_sandbox_launcher.RUN_FDS``); the request follows on the first."""
+        self.sock.settimeout(10.0)
+        socket.send_fds(self.sock, [b"r"], fds)
 
     def result(self, timeout: float) -> int:
         """The run's exit status (as ``_sandbox_launcher`` reports it)."""
@@ -437,8 +435,11 @@ class _ForkServerPool:
 
     def acquire(self) -> _ForkServer:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                server = self._idle.pop()
+                if server.process.poll() is None:
+                    return server
+                server.close()  # killed while idle (the OOM killer, an operator)
             if self._workdir is None:
                 # Only a mount point: each run mounts its own tmpfs over it, in its own mount namespace.
                 self._workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
@@ -471,36 +472,53 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
     """One run through a warm fork server. The trainer keeps the pipes: it feeds stdin, reads the capped
     output, and asks for a kill through the kill pipe (closing it, as a dying trainer does, kills too)."""
     uid, gid = _nobody()
-    request = {
+    request = json.dumps({
         "files": {"solution.py": code, "tests.py": tests},
         "wall_seconds": limits.wall_seconds,
         "tmpfs_bytes": limits.disk_bytes,
         "uid": uid,
         "gid": gid,
         "rlimits": _rlimits(limits),
-    }
-    pipes = {name: os.pipe() for name in ("stdin", "stdout", "stderr", "nonce", "kill")}
-    theirs = [pipes["stdin"][0], pipes["stdout"][1], pipes["stderr"][1], pipes["nonce"][0], pipes["kill"][0]]
-    ours = [pipes["stdin"][1], pipes["stdout"][0], pipes["stderr"][0]]
-    os.write(pipes["nonce"][1], nonce)
-    os.close(pipes["nonce"][1])
-    kill_write = pipes["kill"][1]
+    }).encode()
+    pipes = {name: os.pipe() for name in ("request", "stdin", "stdout", "stderr", "nonce", "kill")}
+    theirs = [pipes["request"][0], pipes["stdin"][0], pipes["stdout"][1], pipes["stderr"][1],
+              pipes["nonce"][0], pipes["kill"][0]]
+    ours = {name: pipes[name][0 if name in ("stdout", "stderr") else 1] for name in pipes}
+    os.write(ours.pop("nonce"), nonce)  # 32 bytes: fits the pipe
     server, healthy = _POOL.acquire(), False
     try:
-        server.start(request, theirs)
-        for fd in theirs:
-            os.close(fd)
-        theirs = []
-        files = [open(fd, mode, buffering=0) for fd, mode in zip(ours, ("wb", "rb", "rb"))]
-        ours = []
-        out = _communicate(*files, stdin, limits, kill=lambda: os.write(kill_write, b"k"))
+        server.start(theirs)
+        _close(theirs)
+        _write_all(ours.pop("request"), request)
+        files = [open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))]
+        out = _communicate(*files, stdin, limits, kill=lambda: os.write(ours["kill"], b"k"))
         returncode = server.result(timeout=limits.wall_seconds + 10.0)
         healthy = True
         return (returncode, *out)
     finally:
-        for fd in theirs + ours + [kill_write]:
-            os.close(fd)
+        _close(theirs + list(ours.values()))
         _POOL.release(server, healthy)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write and close; the supervisor reads concurrently. A supervisor that died closes the pipe: EPIPE."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass  # its status tells
+    finally:
+        os.close(fd)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _communicate(stdin_file, stdout_file, stderr_file, stdin: bytes, limits: Limits, kill) -> tuple[bytes, bytes, bool, bool]:
