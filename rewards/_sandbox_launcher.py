@@ -1,4 +1,7 @@
-"""Trusted first process of every sandbox run (see ``rewards/sandbox.py``).
+"""Trusted processes of the sandbox (see ``rewards/sandbox.py``): a launcher per run, or a fork server.
+
+The fork server (``--serve``, ``namespaces`` mode) is described at ``serve`` below. The launcher
+(every other mode) is the first process of one run.
 
 Run as ``python -I -S <this file> <config json>``, inside fresh PID, network
 and mount namespaces when the sandbox mode allows (then this process is PID 1

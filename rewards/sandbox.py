@@ -1,35 +1,41 @@
 """Run untrusted Python (model-generated code) in a separate, limited process.
 
 What every run gets
-  * A fresh process in its own session and process group, started by a trusted
-    launcher (``_sandbox_launcher.py``), in a fresh temporary directory, with a
+  * A fresh process in its own session, in a fresh work directory, with a
     clean environment (no variable of the trainer's is passed: no tokens, no
     secrets), stdin from us, ``python -I`` (no user site, no PYTHON* variables).
   * setrlimit in the child: CPU seconds, address space, file size, open files,
     number of processes, no core dumps.
-  * A wall-clock timeout after which the launcher (and, as a backstop, the
-    trainer) kills the whole process tree.
+  * A wall-clock timeout after which a trusted process outside the program
+    (and, as a backstop, the trainer) kills the whole process tree.
   * stdout and stderr read with a cap: a run that prints more than
     ``output_bytes`` is killed at once and fails; nothing is buffered beyond the cap.
   * A verdict the program cannot forge by printing or exiting: ``run_python``
     reports ``completed`` only if the exit status is 0 *and* the harness wrote
     a per-run random nonce after the code and its tests ran. The nonce reaches
-    the harness through an inherited pipe that is drained and closed before
-    any untrusted code runs, so ``print("PASSED")``, ``sys.exit(0)``,
-    ``os._exit(0)`` or an atexit hook before the tests do not pass.
+    the harness through a pipe that is drained and closed before any untrusted
+    code runs, so ``print("PASSED")``, ``sys.exit(0)``, ``os._exit(0)`` or an
+    atexit hook before the tests do not pass.
 
 Isolation modes, strongest available first (``sandbox_mode()`` says which one
 is active, and it is logged once at INFO on first use):
-  ``namespaces``       root + ``unshare``: new PID, network and mount
-                       namespaces; every mount read-only, the work directory a
-                       private tmpfs of ``disk_bytes``; the program runs as
-                       ``nobody`` (so RLIMIT_NPROC applies: root ignores it).
-                       No network interface but a down loopback. When the
-                       launcher (PID 1) exits, the kernel kills everything left.
-  ``user-namespaces``  the same without root (``unshare --user``), but the
-                       program keeps our uid (mapped to root inside) and the
-                       trainer's files stay writable to it where the
-                       filesystem is not read-only-remounted.
+  ``namespaces``       root: runs go through warm fork servers
+                       (``_sandbox_launcher.py --serve``, one per concurrent
+                       caller, root, in a network namespace with only a down
+                       loopback and a mount namespace where every mount is
+                       read-only). Per run the server forks: new PID, mount and
+                       IPC namespaces; the work directory a fresh tmpfs of
+                       ``disk_bytes``; a fresh /proc; the program as ``nobody``
+                       (so RLIMIT_NPROC applies: root ignores it), PID 2 under
+                       a trusted PID 1; when PID 1 exits the kernel kills
+                       everything left. The program is a fork of the warm
+                       interpreter, not a new one: ~10x cheaper, and nothing a
+                       run does reaches the server or the next run.
+  ``user-namespaces``  not root (``unshare --user``), one launcher per run:
+                       new PID, network and mount namespaces, but the program
+                       keeps our uid (mapped to root inside) and the trainer's
+                       files stay writable to it where the filesystem is not
+                       read-only-remounted.
   ``setuid``           root without namespaces: runs as ``nobody``; sockets
                        blocked in-process; the launcher is a child subreaper
                        and kills all descendants at the end.
@@ -49,6 +55,11 @@ What is NOT covered
     always True) can pass ``assert`` tests: these are reward-hacking issues
     of in-process test harnesses, not process-isolation ones.
   * Kernel exploits, CPU side channels, and timing attacks are out of scope.
+  * ``namespaces`` runs of one fork server share its network namespace, one
+    after another (never at the same time; nothing in it outlives a run, and
+    ``nobody`` cannot configure it), and its string-hash seed (a fork inherits
+    it; a fresh interpreter would draw one), so set and dict orders of strings
+    repeat across runs. ``random`` is reseeded per run.
   * RLIMIT_NPROC counts all processes of ``nobody`` on the machine, so
     concurrent runs share it.
 """
@@ -80,7 +91,6 @@ logger = logging.getLogger(__name__)
 MODES = ("namespaces", "user-namespaces", "setuid", "rlimits")
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launcher.py")
 _TIMEOUT_EXIT = 124  # _sandbox_launcher.TIMEOUT_EXIT
-_UNSHARE_ROOT = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
 _UNSHARE_USER = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
@@ -258,7 +268,7 @@ def _rlimits(limits: Limits) -> dict[str, int]:
 
 
 def _launcher_config(mode: str, workdir: str, limits: Limits) -> dict:
-    drop_uid, drop_gid = _nobody() if mode in ("namespaces", "setuid") else (None, None)
+    drop_uid, drop_gid = _nobody() if mode == "setuid" else (None, None)
     return {
         "namespaces": mode in ("namespaces", "user-namespaces"),
         "workdir": workdir,
@@ -343,7 +353,7 @@ def _run_launched(code: str, tests: str, stdin: bytes, limits: Limits, mode: str
         os.write(nonce_write, nonce)
         os.close(nonce_write)
         nonce_write = -1
-        prefix = {"namespaces": _UNSHARE_ROOT, "user-namespaces": _UNSHARE_USER}.get(mode, [])
+        prefix = _UNSHARE_USER if mode == "user-namespaces" else []
         argv = prefix + [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(cfg)]
         process = subprocess.Popen(
             argv,
