@@ -45,6 +45,7 @@ class ScoredBatch:
     # Dynamic sampling only: `reward`, `reward_std`, `frac_reward_zero_std` of the first round (what the
     # policy does, not the filtered batch), and how many rounds and groups it took.
     sampling_stats: dict[str, float] = field(default_factory=dict)
+    per_function: torch.Tensor | None = None  # [world * P * G, R] each reward's value (loss.reward_aggregation)
 
     @property
     def prompt_rows(self) -> list[int]:
@@ -61,7 +62,8 @@ def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
     rewards = run.comm.gather(scores.total)  # [world * local_n]
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
     per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
-    return ScoredBatch(indices, rollout, rewards, {**scores.metrics, **reward_statistics(run.task.rewards, per_function)})
+    return ScoredBatch(indices, rollout, rewards, {**scores.metrics, **reward_statistics(run.task.rewards, per_function)},
+                       per_function=per_function)
 
 
 def _next_prompts(run) -> list[int]:
@@ -164,4 +166,5 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
         rewards=torch.tensor([r for grp in batch for r in grp.rewards]),
         reward_metrics={**counters, **reward_statistics(run.task.rewards, first_per_function)},
         sampling_stats=sampling_stats,
+        per_function=torch.tensor([row for grp in batch for row in grp.per_function]),
     )

@@ -20,10 +20,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
-from .losses import LOSS_TYPES
+from .advantages import ESTIMATORS
+from .losses import IS_MODES, LOSS_TYPES
 
 LossType = Literal[LOSS_TYPES]  # the names of losses.LOSS_VARIANTS, the one table of loss variants
 ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
+ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
 
 
 class _Section(BaseModel):
@@ -205,8 +208,29 @@ class LossConfig(_Section):
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM)."
     )
+    tis_mode: ImportanceSamplingMode = Field(
+        "token_truncate",
+        description="With tis_cap: the ratio pi_old/pi_sampler per token (`token_*`) or its product over the "
+        "completion (`sequence_*`), capped at tis_cap (`*_truncate`) or zeroed above it (`*_mask`); TRL's "
+        "vllm_importance_sampling_mode. Logged: sampling/is_truncated_fraction or sampling/is_masked_fraction.",
+    )
+    advantage: AdvantageEstimator = Field(
+        "grpo",
+        description="Baseline: `grpo` (group mean), `rloo` (mean of the other G-1 rewards), `reinforce_pp` (group "
+        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).",
+    )
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
+    )
+    reward_aggregation: Literal["sum", "normalize_then_sum"] = Field(
+        "sum",
+        description="`sum`: the weighted sum of the rewards; `normalize_then_sum`: normalise each reward within its "
+        "group first, then the weighted sum (GDPO; TRL's multi_objective_aggregation). Logged rewards stay the plain sum.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0, ge=0, le=1,
+        description="rho: only the top-rho highest-entropy completion tokens of the batch (entropy under the sampling "
+        "policy) carry policy gradient (\"Beyond the 80/20 Rule\", 0.2 there); 1: all. Logged: entropy/masked_fraction.",
     )
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill."
@@ -234,6 +258,11 @@ class TrainConfig(_Section):
         16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
     )
     num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
+    mini_batches: int = Field(
+        1, ge=1,
+        description="Optimizer steps per pass over a generation batch (PPO mini-batches, whole groups each): "
+        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.",
+    )
     skip_zero_advantage: bool = Field(
         True,
         description="With loss.beta = 0, leave completions whose advantage is 0 (or whose tokens are all masked) out "
@@ -334,6 +363,18 @@ class Config(_Section):
             raise ValueError(
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide the completions per step "
                 f"(train.prompts_per_step x rollout.num_generations = {completions})"
+            )
+        groups_per_mini_batch, rest = divmod(self.train.prompts_per_step, self.train.mini_batches)
+        if rest or (groups_per_mini_batch * self.rollout.num_generations) % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
+                f"({self.train.prompts_per_step}: whole groups per mini-batch), and train.micro_batch_size "
+                f"({self.train.micro_batch_size}) the completions of one mini-batch"
+            )
+        if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
+            raise ValueError(
+                "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "
+                f"set loss.scale_rewards to batch (got {self.loss.scale_rewards})"
             )
         if self.loss.delta is not None and self.loss.delta <= 1 + self.loss.epsilon_high_value:
             raise ValueError(

@@ -15,6 +15,7 @@ Deliberately not here: no config objects, no model calls, no distributed code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -177,9 +178,45 @@ def aggregate(
     return masked_sum(loss, mask) / max(total_tokens, 1)  # batch_token_mean
 
 
-def truncated_importance_weight(old_logp: torch.Tensor, sampling_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Per-token weight min(pi_old / pi_sampler, cap), detached: corrects for the sampler (e.g. vLLM) scoring
-    tokens slightly differently from the trainer (truncated importance sampling, Yao et al. 2025,
-    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). Pass it to `token_loss` as
-    `policy_weight`."""
-    return torch.exp(old_logp - sampling_logp).clamp(max=cap).detach()
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weight(
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float, mode: str = "token_truncate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout correction for a sampler (e.g. vLLM) that scores tokens slightly differently from the trainer:
+    per-token weight [B, T] (detached) for `token_loss`'s `policy_weight`, and which real tokens went over
+    the cap [B, T] (bool).
+
+    The ratio is pi_old / pi_sampler per token (`token_*`), or its product over the completion's tokens,
+    exp(sum_t log pi_old - log pi_sampler), shared by every token of it (`sequence_*`). `*_truncate` caps it,
+    min(ratio, cap) (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"); `*_mask` drops what goes over the cap, ratio if ratio <= cap else 0
+    (masked importance sampling, as TRL's `vllm_importance_sampling_mode`). Masking discards a token (or a
+    completion) whose sampler probability is far off instead of keeping it at weight `cap`.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of {IS_MODES}")
+    log_ratio = old_logp - sampling_logp  # [B, T]
+    if mode.startswith("sequence"):
+        log_ratio = masked_sum(log_ratio, mask, dim=1)[:, None].expand_as(old_logp)  # log of the product over tokens
+    ratio = torch.exp(log_ratio)
+    over = ratio > cap
+    weight = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(over, torch.zeros_like(ratio), ratio)
+    return weight.detach(), over & (mask > 0)
+
+
+def entropy_threshold(entropies: torch.Tensor, rho: float) -> float:
+    """The (1 - rho) quantile of token entropies (linear interpolation between order statistics, as
+    torch.quantile, without its input-size limit): tokens at or above it are the top-rho highest-entropy
+    "forking" tokens that alone carry policy gradient (Wang et al. 2025, "Beyond the 80/20 Rule:
+    High-Entropy Minority Tokens Drive Effective RL for LLM Reasoning", sec. 5). rho = 0 keeps only the
+    maximum; no tokens at all gives +inf (nothing is kept, and nothing had a gradient to keep)."""
+    values = entropies.flatten().double().sort().values
+    n = values.numel()
+    if n == 0:
+        return math.inf
+    position = (1 - rho) * (n - 1)
+    low = int(math.floor(position))
+    high = min(low + 1, n - 1)
+    return float(values[low] + (position - low) * (values[high] - values[low]))

@@ -25,9 +25,11 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
     """Every metric of the step; `stats` already reduced over ranks, `extra` (eval, timing) appended last."""
     all_lengths = run.comm.gather(batch.lengths)
     all_truncated = run.comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
+    with_sampler_gap = scored.rollout.sampling_logprobs is not None
+    corrected = with_sampler_gap and run.cfg.loss.tis_cap is not None
     step_metrics = stats.metrics(
         batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.beta > 0,
-        with_sampler_gap=scored.rollout.sampling_logprobs is not None,
+        with_sampler_gap=with_sampler_gap, tis_mode=run.cfg.loss.tis_mode if corrected else None,
     )
     return {
         "step": step,
@@ -39,6 +41,7 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
         "completions/clipped_ratio": float(all_truncated.mean()),
         **length_by_outcome(all_lengths, scored.rewards),
         **step_metrics,
+        **batch.metrics,
         **scored.reward_metrics,
         **extra,
     }

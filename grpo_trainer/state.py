@@ -39,13 +39,15 @@ logger = logging.getLogger("grpo_trainer")
 
 @dataclass(frozen=True)
 class Geometry:
-    """How one step's batch is laid out: prompts over ranks, G completions each, micro-batches per rank."""
+    """How one step's batch is laid out: prompts over ranks, G completions each, mini-batches (optimizer steps
+    per pass), micro-batches per rank and mini-batch."""
 
     world: int
     rank: int
     prompts_per_rank: int
     group_size: int  # G
     micro_batch_size: int
+    mini_batches: int = 1
 
     @property
     def completions_per_rank(self) -> int:
@@ -57,8 +59,8 @@ class Geometry:
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches per rank and optimizer step: Accelerate's gradient accumulation steps."""
-        return self.completions_per_rank // self.micro_batch_size
+        """Micro-batches per rank and optimizer step (one mini-batch): Accelerate's gradient accumulation steps."""
+        return self.completions_per_rank // self.mini_batches // self.micro_batch_size
 
     def my_prompts(self, batch: list) -> list:
         """This rank's contiguous slice of a list with one item per prompt of the whole batch."""
@@ -76,11 +78,19 @@ def batch_geometry(cfg: Config, world: int, rank: int = 0) -> Geometry:
         raise ConfigError(
             f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by the number of processes ({world})"
         )
-    geometry = Geometry(world, rank, cfg.train.prompts_per_step // world, cfg.rollout.num_generations, cfg.train.micro_batch_size)
+    geometry = Geometry(world, rank, cfg.train.prompts_per_step // world, cfg.rollout.num_generations,
+                        cfg.train.micro_batch_size, cfg.train.mini_batches)
     if geometry.completions_per_rank % geometry.micro_batch_size:
         raise ConfigError(
             f"train.micro_batch_size ({cfg.train.micro_batch_size}) must divide the completions per process "
             f"({geometry.prompts_per_rank} prompts x {geometry.group_size} generations = {geometry.completions_per_rank})"
+        )
+    per_mini, rest = divmod(geometry.prompts_per_rank, geometry.mini_batches)
+    if rest or (per_mini * geometry.group_size) % geometry.micro_batch_size:
+        raise ConfigError(
+            f"train.mini_batches ({geometry.mini_batches}) must divide the prompts per process ({geometry.prompts_per_rank}: "
+            f"every rank takes whole groups into every mini-batch), and train.micro_batch_size ({geometry.micro_batch_size}) "
+            f"the completions of one mini-batch on one process ({per_mini} x {geometry.group_size})"
         )
     return geometry
 
@@ -187,7 +197,7 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm):
         "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler,
         optimizer,
         num_warmup_steps=cfg.train.warmup_steps,
-        num_training_steps=cfg.train.max_steps * cfg.train.num_iterations,
+        num_training_steps=cfg.train.max_steps * cfg.train.num_iterations * cfg.train.mini_batches,
     )
     distributed.fill_deepspeed_config(accelerator, cfg)
     policy, optimizer = accelerator.prepare(policy, optimizer)

@@ -7,8 +7,10 @@ One step, as named phases (each a function with a typed input and output):
                     engine.sleep()                 the sampler frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU)  -> TrainBatch
-    4. log-probs    (update.py)   old (num_iterations > 1), reference (beta > 0)    -> into the TrainBatch
-    5. update       (update.py)   num_iterations x micro-batches: loss, backward, step -> StepStats
+    4. log-probs    (update.py)   old (num_iterations or mini_batches > 1), entropy selection
+                                  (top_entropy_quantile < 1), reference (beta > 0)   -> into the TrainBatch
+    5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss, backward,
+                                  a step per mini-batch                               -> StepStats
     6. weight sync                the engine gets the new weights, if it keeps its own copy
     7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
@@ -36,7 +38,7 @@ from typing import Callable
 import torch
 
 from . import distributed
-from .advantages import group_advantages
+from .advantages import batch_advantages
 from .batches import build_train_batch
 from .collect import collect
 from .config import Config
@@ -96,7 +98,7 @@ def train_step(run: Run, step: int) -> dict:
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     scored = collect(run, step, timer)
     run.engine.sleep()
-    all_advantages, reward_stats = group_advantages(scored.rewards, geometry.group_size, cfg.loss.scale_rewards)
+    all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
     advantages = geometry.my_completions(all_advantages)  # [local_n]
     with timer.phase("timing/logprobs"):
@@ -105,8 +107,10 @@ def train_step(run: Run, step: int) -> dict:
             micro_batch_size=cfg.train.micro_batch_size,
             mask_truncated=cfg.loss.mask_truncated_completions,
             skip_zero_advantage=skips_zero_advantage(cfg),
+            group_size=geometry.group_size,
+            mini_batches=geometry.mini_batches,
         ).to(run.accelerator.device)
-        batch.total_tokens = float(run.comm.sum(torch.tensor([batch.local_tokens]))[0])
+        batch.count_tokens(run.comm)
         add_logprobs(run, batch)
     with timer.phase("timing/update"):
         stats = update(run, batch, step)
@@ -122,6 +126,16 @@ def train_step(run: Run, step: int) -> dict:
         record["timing/checkpoint"] = time.perf_counter() - tick
     report(run, step, record, scored, advantages, log_this_step)
     return record
+
+
+def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
+    """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
+    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
+    loss = run.cfg.loss
+    per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
+    weights = torch.tensor([reward.weight for reward in run.task.rewards])
+    return batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
+                            scale=loss.scale_rewards, per_function=per_function, weights=weights)
 
 
 def skips_zero_advantage(cfg: Config) -> bool:

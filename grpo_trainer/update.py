@@ -1,4 +1,4 @@
-"""Phases 4 and 5: the extra log-prob passes, then `num_iterations` optimizer steps -> `StepStats`.
+"""Phases 4 and 5: the extra log-prob passes, then `num_iterations` x `mini_batches` optimizer steps -> `StepStats`.
 
 Each micro-batch's loss is scaled so that gradient accumulation (Accelerate
 divides by the accumulation steps) and the cross-rank gradient average add up to
@@ -23,13 +23,40 @@ logger = logging.getLogger("grpo_trainer")
 
 @torch.no_grad()
 def add_logprobs(run, batch: TrainBatch) -> None:
-    """Old log-probs (only when a batch is reused: with mu = 1 the old policy *is* the current one) and
-    reference log-probs (only when beta > 0), per micro-batch."""
+    """Per micro-batch, before any update: old log-probs (only when the sampling-time policy differs from the
+    one being trained by some step, i.e. num_iterations > 1 or mini_batches > 1: otherwise the old policy
+    *is* the current one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only
+    when beta > 0)."""
+    cfg = run.cfg
+    needs_old = cfg.train.num_iterations > 1 or cfg.train.mini_batches > 1
+    rho = cfg.loss.top_entropy_quantile
+    entropies = []
     for mb in batch.micro_batches:
-        if run.cfg.train.num_iterations > 1:
-            mb.old_logp, _ = run.policy(**mb.sequences)
-        if run.cfg.loss.beta > 0:
+        if needs_old or rho < 1:
+            logp, entropy = run.policy(**mb.sequences, with_entropy=rho < 1)
+            mb.old_logp = logp if needs_old else None
+            entropies.append(entropy)
+        if cfg.loss.beta > 0:
             mb.ref_logp = _reference_logprobs(run, mb.sequences)
+    if rho < 1:
+        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho))
+
+
+def select_high_entropy_tokens(comm, batch: TrainBatch, entropies: list[torch.Tensor], rho: float) -> dict[str, float]:
+    """Set each micro-batch's `entropy_mask`: 1 on the top-rho highest-entropy tokens of the whole batch (all
+    ranks), ranked among the tokens that can carry policy gradient (kept, of a completion with advantage != 0:
+    the same set whether or not zero-advantage completions skip the passes). One threshold for the batch, from
+    the sampling-time policy, so the selection does not depend on micro-batches, mini-batches or ranks."""
+    ranked = [(mb.mask > 0) & (mb.advantages[:, None] != 0) for mb in batch.micro_batches]
+    local = torch.cat([e[r].double().cpu() for e, r in zip(entropies, ranked)] + [torch.zeros(0, dtype=torch.float64)])
+    everything = torch.cat(comm.gather_objects([local]))
+    threshold = losses.entropy_threshold(everything, rho)
+    for mb, entropy in zip(batch.micro_batches, entropies):
+        mb.entropy_mask = (entropy.double() >= threshold).to(mb.mask.dtype)
+    if everything.numel() == 0:  # no token had a policy gradient to keep
+        return {"entropy/threshold": math.nan, "entropy/masked_fraction": 0.0}
+    kept = int((everything >= threshold).sum())
+    return {"entropy/threshold": threshold, "entropy/masked_fraction": 1 - kept / everything.numel()}
 
 
 def _reference_logprobs(run, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -54,6 +81,7 @@ class StepStats:
     entropy: torch.Tensor  # first iteration, over trained tokens
     logp_gap: torch.Tensor  # sum of |trainer - sampler| log-prob over trained tokens (engines that report them)
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
+    is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio went over loss.tis_cap (first iteration)
     trained_tokens: torch.Tensor
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
@@ -71,7 +99,10 @@ class StepStats:
         sums = comm.sum(torch.stack([getattr(self, n) for n in names]))
         return replace(self, **dict(zip(names, sums)), logp_gap_max=comm.max(self.logp_gap_max.reshape(1))[0])
 
-    def metrics(self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool) -> dict:
+    def metrics(
+        self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None
+    ) -> dict:
+        """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric)."""
         tokens, trained = max(total_tokens, 1), max(float(self.trained_tokens), 1)
         out = {
             "loss": float(self.loss),
@@ -88,13 +119,17 @@ class StepStats:
         if with_sampler_gap:
             out["sampling/logp_diff_mean"] = float(self.logp_gap) / trained
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
+        if tis_mode is not None:
+            out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = float(self.is_capped) / trained
         return out
 
 
 def update(run, batch: TrainBatch, step: int) -> StepStats:
-    """`train.num_iterations` passes over the micro-batches, an optimizer step per pass."""
+    """`train.num_iterations` passes over the micro-batches, an optimizer step per mini-batch of each pass (the
+    micro-batches come ordered by mini-batch, and Accelerate steps after `geometry.micro_batches` of them)."""
     cfg, geometry, accelerator = run.cfg, run.geometry, run.accelerator
     iterations = cfg.train.num_iterations
+    steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
     for iteration in range(iterations):
@@ -110,13 +145,15 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                     _optimizer_step(run, stats, step, window_loss)
                     window_loss = torch.zeros_like(window_loss)
                 run.optimizer.zero_grad(set_to_none=True)
-            # Averaged over iterations: clipping only happens once the batch is reused (iteration > 0).
-            stats.loss += share.detach() / iterations
+            # Averaged over iterations: clipping only happens once the policy has moved (a later iteration or
+            # mini-batch). Clip and KL sums cover every token once per pass.
+            stats.loss += share.detach() / steps
             stats.clip_low += parts["clip_low"] / iterations
             stats.clip_high += parts["clip_high"] / iterations
             stats.clip_region += parts["clip_region"] / iterations
             stats.kl += torch.as_tensor(parts.get("kl", 0.0), device=stats.kl.device) / iterations
             if iteration == 0:
+                stats.is_capped += parts.get("is_capped", 0.0)
                 stats.entropy += (entropy * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
                 if mb.sampling_logp is not None:
@@ -127,23 +164,28 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
 
 
 def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """This micro-batch's share of the batch loss, and the clipping/KL sums of `losses.token_loss`."""
-    cfg = run.cfg
+    """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
+    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens over the rollout-correction cap)."""
+    cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    weight = None
+    weight, capped = None, None
     if mb.sampling_logp is not None and cfg.loss.tis_cap is not None:
-        weight = losses.truncated_importance_weight(old, mb.sampling_logp, cfg.loss.tis_cap)
+        weight, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode)
+    if mb.entropy_mask is not None:  # like the rollout correction, it gates the policy term, not the KL term
+        weight = mb.entropy_mask if weight is None else weight * mb.entropy_mask
     token_loss, parts = losses.token_loss(
         logp, old, mb.advantages, mb.mask, cfg.loss.type,
         epsilon_low=cfg.loss.epsilon_low, epsilon_high=cfg.loss.epsilon_high_value, delta=cfg.loss.delta,
         ref_logp=mb.ref_logp, beta=cfg.loss.beta, policy_weight=weight,
     )
+    if capped is not None:
+        parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
     share = losses.aggregate(
         token_loss, mb.mask, cfg.loss.type,
-        total_sequences=run.geometry.total_completions,
-        total_tokens=batch.total_tokens,
+        total_sequences=geometry.total_completions // geometry.mini_batches,
+        total_tokens=batch.mini_batch_totals[mb.mini_batch],
         max_completion_length=cfg.rollout.max_completion_length,
-        total_micro_batches=len(batch.micro_batches) * run.geometry.world,
+        total_micro_batches=len(batch.micro_batches) // geometry.mini_batches * geometry.world,
     )
     return share, parts
 

@@ -22,7 +22,11 @@ def train(out, steps, *extra, launcher=None, env=None, resume="never"):
     return result
 
 
-@pytest.mark.parametrize("extra", [[], ["train.num_iterations=2"]], ids=["mu1", "mu2"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["train.num_iterations=2"], ["train.mini_batches=2", "loss.top_entropy_quantile=0.5", "loss.advantage=rloo"]],
+    ids=["mu1", "mu2", "mini_batches"],
+)
 def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model_path, extra):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, 4, *extra)

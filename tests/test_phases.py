@@ -19,6 +19,7 @@ from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
 
 PAD = 0
+ONE_RANK = SimpleNamespace(sum=lambda t: t)  # the collectives of a single process
 
 
 def four_completions(advantages, truncated=(False, False, False, True)):
@@ -101,7 +102,7 @@ def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_fac
     prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    batch.total_tokens = batch.local_tokens
+    batch.count_tokens(ONE_RANK)
     w0 = run.policy.w.detach().clone()
     w = w0.clone().requires_grad_(True)
     logp_all = w.log_softmax(-1)
@@ -121,7 +122,7 @@ def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(ac
     prompts, rollout, advantages = four_completions([3e38, 3e38, 0.5, -0.5], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    batch.total_tokens = batch.local_tokens
+    batch.count_tokens(ONE_RANK)
     w0 = run.policy.w.detach().clone()
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
         stats = update(run, batch, step=7)
