@@ -222,7 +222,7 @@ import types  # noqa: E402
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x08000000, 0x20000000, 0x40000000
 MS_REC, MS_PRIVATE = 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 RUN_FDS = ("request", "stdin", "stdout", "stderr", "nonce", "kill")  # passed with each request, in this order
 # Imported once here so that programs find them warm (HumanEval-style code imports typing and friends).
 PRELOAD = ("typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
@@ -347,6 +347,7 @@ def _become_program(request: dict, fds: dict, workdir: str) -> None:
     os.setgid(request["gid"])
     os.setuid(request["uid"])
     _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(DUMPABLE)")  # as after an execve: /proc/self is ours
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")  # no setuid binary gives root back
     _die_with_parent()  # cleared by setuid; init's death kills the namespace anyway
 
 

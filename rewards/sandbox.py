@@ -501,13 +501,20 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
         _close(theirs)
         _write_all(ours.pop("request"), request)
         files = [open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))]
-        out = _communicate(*files, stdin, limits, kill=lambda: os.write(ours["kill"], b"k"))
+        out = _communicate(*files, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
         returncode = server.result(timeout=limits.wall_seconds + 10.0)
         healthy = True
         return (returncode, *out)
     finally:
         _close(theirs + list(ours.values()))
         _POOL.release(server, healthy)
+
+
+def _ask_to_kill(kill_fd: int) -> None:
+    try:
+        os.write(kill_fd, b"k")
+    except BrokenPipeError:
+        pass  # the supervisor is gone: so is the run
 
 
 def _write_all(fd: int, data: bytes) -> None:

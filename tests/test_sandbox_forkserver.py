@@ -140,6 +140,11 @@ def test_runs_are_visible_to_the_census_as_nobody(pool):
     assert seen
 
 
+def test_setuid_binaries_cannot_give_privileges_back(pool):
+    result = run_python("print([l for l in open('/proc/self/status') if l.startswith(('NoNewPrivs', 'CapEff'))])")
+    assert b"NoNewPrivs:\\t1" in result.stdout and b"CapEff:\\t0000000000000000" in result.stdout, result.stdout
+
+
 def test_exit_status_and_traceback_as_in_a_fresh_interpreter(pool):
     assert run_python("import sys\nsys.exit(3)").returncode == 3
     assert run_python("raise SystemExit('bye')").returncode == 1
