@@ -140,7 +140,7 @@ def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_p
     if s.source == cfg.data.source and (s.split == cfg.data.split or one_split):
         logger.warning("eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split", s.source, s.split)
     try:
-        return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split)
+        return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split, policy_dtype=cfg.model.dtype)
     except DataError as exc:
         raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
 

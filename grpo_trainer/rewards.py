@@ -4,7 +4,8 @@ A reward is a plain function with TRL's signature,
 `fn(prompts, completions, completion_ids=None, **columns) -> list[float | None]`,
 so a reward written for TRL works here unchanged. It is named in YAML as a
 built-in (`math_accuracy`), `path/to/file.py:function` or
-`package.module:function`, with `kwargs` passed on every call. A function that
+`package.module:function`, with `kwargs` passed on every call; an entry with
+`model: PATH` is a learned reward model instead (reward_model.py). A function that
 takes no `**kwargs` is given only the arguments it names. `async def` rewards
 run concurrently. Built-ins may also accept `log_metric(name, value)` to report
 counters, logged as `rewards/<name>/<metric>`.
@@ -87,11 +88,18 @@ class Reward:
         return chosen
 
 
-def load_rewards(configs: list[RewardConfig]) -> list[Reward]:
+def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", device: Any = None) -> list[Reward]:
+    """The configured rewards, resolved and checked. Reward models (`model`) are loaded here, in the policy's
+    dtype unless they set their own, on `device` (None: the trainer's); see reward_model.py."""
     rewards = []
     for i, cfg in enumerate(configs):
-        fn = resolve_reward(cfg.name, where=f"rewards.{i}.name")
-        name = cfg.alias or (cfg.name if cfg.name in BUILTIN_REWARDS else getattr(fn, "__name__", cfg.name))
+        if cfg.model is not None:
+            from .reward_model import load_reward_model
+
+            fn = load_reward_model(cfg.model, where=f"rewards.{i}.model", policy_dtype=policy_dtype, device=device)
+        else:
+            fn = resolve_reward(cfg.name, where=f"rewards.{i}.name")
+        name = cfg.alias or (cfg.name if cfg.name in BUILTIN_REWARDS or cfg.model else getattr(fn, "__name__", cfg.name))
         params = inspect.signature(fn).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         for key in cfg.kwargs:

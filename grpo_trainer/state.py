@@ -157,7 +157,7 @@ def build_run(cfg: Config) -> Run:
     set_seed(cfg.seed)  # identical on every rank: same random inits
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     lm = load_causal_lm(cfg.model)
-    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm))
+    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm)
     reference = _reference(cfg, accelerator, lm)
     engine = build_engine(

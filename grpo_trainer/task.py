@@ -49,11 +49,15 @@ class Task:
 
 
 def load_task(
-    data: DataConfig, rewards: list[RewardConfig], tokenizer, max_context: int | None, split: str | None = None
+    data: DataConfig, rewards: list[RewardConfig], tokenizer, max_context: int | None, split: str | None = None,
+    policy_dtype: str = "float32",
 ) -> Task:
-    """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training."""
+    """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training.
+
+    `policy_dtype` (the policy's model.dtype) is the dtype of reward models whose own `dtype` is `auto`.
+    """
     records = load_records(data, split=split)
-    reward_fns = load_rewards(rewards)
+    reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)
     records = rows_every_reward_can_score(records, reward_fns, data)
     return Task(
         prompts=build_prompt_set(data, tokenizer, records, max_context),
