@@ -134,9 +134,10 @@ def load_reward_model(cfg: RewardModelConfig, where: str, policy_dtype: str, dev
         device = partial_state().device
     dtype = policy_dtype if cfg.dtype == "auto" else cfg.dtype
     local = Path(cfg.path).expanduser()
-    key = (str(local.resolve()) if local.exists() else cfg.path, dtype, str(torch.device(device)))
+    source = str(local.resolve()) if local.exists() else cfg.path  # a folder (relative to the launch directory), or a hub id
+    key = (source, dtype, str(torch.device(device)))
     if key not in _LOADED:
-        _LOADED[key] = _load(cfg.path, where, DTYPES[dtype], device)
+        _LOADED[key] = _load(source, where, DTYPES[dtype], device)
         model = _LOADED[key][0]
         logger.info("%s: reward model %s (%s, %s parameters, %s on %s)", where, cfg.path, type(model).__name__,
                     f"{sum(p.numel() for p in model.parameters()):,}", dtype, device)

@@ -181,6 +181,10 @@ def test_demo_trains_with_the_reward_model_weighted_beside_math_accuracy(tmp_pat
         assert row["reward"] == pytest.approx(math_mean + 0.5 * rm_mean, abs=1e-5)  # every sample scored by both
         assert row["rewards/reward_model/std"] > 0 and not math.isnan(rm_mean)
         assert row["rewards/reward_model/truncated"] == 0
+    # The run's saved config loads back with the reward model, and `eval` scores with it.
+    evaluated = run_cli(["eval", str(out / "config.yaml"), "eval.num_samples=4", "--k", "2"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "eval/reward_model/mean@2" in evaluated.stdout and "eval/math_accuracy/mean@2" in evaluated.stdout
 
 
 def test_each_rank_scores_its_own_completions_under_zero3(tmp_path, rm_path, tiny_model_path):
