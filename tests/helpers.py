@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -208,3 +209,35 @@ def assert_same_run(a: Path, b: Path) -> None:
     different = [k for k in wa if not torch.equal(wa[k], wb[k])]
     assert not different, f"weights differ: {different[:3]}"
     assert [without_timing(r) for r in read_metrics(a)] == [without_timing(r) for r in read_metrics(b)]
+
+
+def decode_logits(model, prompts: list[list[int]], continuations: list[list[int]], pad_token_id: int,
+                  in_place: bool, drop_row_after: int | None = None) -> list:
+    """Logits [rows, V] at each step of feeding `continuations` (equal lengths) after left-padded `prompts`,
+    through transformers' own decode (`in_place=False`: DynamicCache + its SDPA) or the hf engine's
+    (reserved cache room + grouped-query attention). With `drop_row_after`, row 0 leaves the batch after
+    that step, as a finished completion does in the engine's loop."""
+    import torch
+
+    from grpo_trainer.models import left_padded, positions
+    from grpo_trainer.rollout.decode import decode_attention, reserve_room
+
+    ids, mask = left_padded(prompts, pad_token_id)
+    steps = torch.tensor(continuations)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    cache, rows, position = out.past_key_values, torch.arange(len(prompts)), mask.sum(-1)
+    if in_place:
+        assert reserve_room(cache, steps.shape[1])
+    seen = []
+    with decode_attention(model) if in_place else contextlib.nullcontext():
+        for step in range(steps.shape[1]):
+            if drop_row_after is not None and step == drop_row_after + 1:
+                keep = torch.arange(1, len(rows))
+                cache.reorder_cache(keep)
+                rows, mask, position = rows[keep], mask[keep], position[keep]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+            logits = model(input_ids=steps[rows, step][:, None], attention_mask=mask, position_ids=position[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+            seen.append(logits)
+            position = position + 1
+    return seen

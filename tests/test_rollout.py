@@ -136,3 +136,23 @@ def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_
     lm.generation_config.update(top_k=2, repetition_penalty=3.0, temperature=0.3, top_p=0.5, no_repeat_ngram_size=1)
     assert sample(True) == clean
     assert sample(False) == clean
+
+
+@pytest.mark.parametrize("drop_row_after", [None, 1], ids=["all-rows", "a-row-finishes"])
+def test_decode_loop_cache_and_attention_equal_transformers_own(tiny_model_path, drop_row_after):
+    """The decode loop's reserved KV room and grouped-query attention (the tiny model has 4 query heads on 2
+    key/value heads) give transformers' own decode logits, padding and a row leaving the batch included."""
+    from helpers import decode_logits
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_path)))
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    assert lm.config.num_attention_heads > lm.config.num_key_value_heads
+    prompts = [tokenizer("12+7=", add_special_tokens=False)["input_ids"], tokenizer("3*45-6=", add_special_tokens=False)["input_ids"]]
+    continuations = [tokenizer("19 done", add_special_tokens=False)["input_ids"],
+                     tokenizer("129 yes", add_special_tokens=False)["input_ids"]]
+    with torch.no_grad():
+        plain = decode_logits(lm, prompts, continuations, tokenizer.pad_token_id, False, drop_row_after)
+        in_place = decode_logits(lm, prompts, continuations, tokenizer.pad_token_id, True, drop_row_after)
+    assert lm.config._attn_implementation == "sdpa"  # switched back after the loop
+    for a, b in zip(plain, in_place):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

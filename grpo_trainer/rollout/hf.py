@@ -25,6 +25,7 @@ import torch
 
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
+from .decode import decode_attention, reserve_room
 
 
 class HFEngine:
@@ -97,12 +98,20 @@ class HFEngine:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
         rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
         cache = out.past_key_values
+        reserve_room(cache, self.max_completion_length)  # new tokens are written in place, not concatenated
         cache.reorder_cache(rows)
-        logits, mask = out.logits[rows, -1], mask[rows]
+        with decode_attention(model):
+            tokens = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows])
+        eos_set = set(self.eos_token_ids)
+        truncated = [not t or t[-1] not in eos_set for t in tokens]
+        return tokens, truncated
+
+    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+        """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch."""
         next_position = mask.sum(-1)  # [B]
-        eos = torch.tensor(self.eos_token_ids, device=ids.device)
-        tokens: list[list[int]] = [[] for _ in range(len(rows))]
-        live = torch.arange(len(rows), device=ids.device)  # completion index of each row still in the batch
+        eos = torch.tensor(self.eos_token_ids, device=logits.device)
+        tokens: list[list[int]] = [[] for _ in range(len(logits))]
+        live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
         for step in range(self.max_completion_length):
             nxt = sample_next_token(logits, **self.sampling)  # [live]
             for row, token in zip(live.tolist(), nxt.tolist()):
@@ -118,9 +127,7 @@ class HFEngine:
             logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
             next_position = next_position + 1
-        eos_set = set(self.eos_token_ids)
-        truncated = [not t or t[-1] not in eos_set for t in tokens]
-        return tokens, truncated
+        return tokens
 
     def _generate_batch(self, model, prompts: list[list[int]], g: int):
         from transformers import GenerationConfig
