@@ -299,7 +299,9 @@ MEANING_KEYS = (
     "data.num_samples",
     "rollout.num_generations",
     "loss.type",
+    "loss.advantage",
     "train.prompts_per_step",
+    "train.mini_batches",
 )
 # Settings that only say how long to run and what to record: changing them is harmless.
 HARMLESS_PREFIXES = ("output_dir", "train.max_steps", "logging.", "checkpoint.", "eval.")

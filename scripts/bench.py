@@ -2,6 +2,7 @@
 
     python scripts/bench.py                      # tiny model, both trainers, 3 alternating reps each (~3-5 min on 2 cores)
     python scripts/bench.py --model large        # ~25M-parameter random-init Llama: compute-bound, not overhead-bound
+    python scripts/bench.py --model smollm2      # the real SmolLM2-135M-Instruct on word problems (~15 min with TRL)
     python scripts/bench.py --model large --engine vllm   # both trainers generate with vLLM (colocated; CPU build works)
     python scripts/bench.py --trainers ours      # this trainer only (no TRL needed)
     python scripts/bench.py --json bench.json    # also write the numbers as JSON
@@ -59,6 +60,15 @@ PRESETS = {
     # outright, which says nothing about speed. It is off for this model, so both trainers do the full passes.
     "large": dict(prompts_per_step=4, num_generations=8, max_completion_length=32, micro_batch_size=16,
                   steps=5, warmup=1, reps=2, learning_rate=1e-5, skip_zero_advantage=False),
+    # The real pretrained model (builtin:smollm2-135m-instruct) on its recipe's task, the issue's configuration:
+    # fp32, 4 prompts x G 4, 64 new tokens, dr_grpo, beta 0. One TRL step is ~40 s here: 2 reps x 5 steps.
+    "smollm2": dict(prompts_per_step=4, num_generations=4, max_completion_length=64, micro_batch_size=16,
+                    steps=5, warmup=1, reps=2, learning_rate=1e-6, loss_type="dr_grpo", task="word_problems"),
+}
+# What each task's prompts look like to both trainers: the bundled records, with this system prompt (if any).
+TASKS = {
+    "arithmetic": None,
+    "word_problems": "Solve the problem. Give the final answer as a number in \\boxed{}.",
 }
 LARGE_ARCH = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=8, max_position_embeddings=512)
@@ -98,20 +108,29 @@ def large_model_dir(root: Path) -> Path:
 
 
 def model_path(name: str, root: Path) -> str:
-    from grpo_trainer.tiny import ensure_tiny_model
+    from grpo_trainer.smollm2 import ensure_smollm2
+    from grpo_trainer.tiny import cache_dir, ensure_tiny_model
 
+    if name == "smollm2":
+        return str(ensure_smollm2(cache_dir()))
     return str(ensure_tiny_model() if name == "tiny" else large_model_dir(root))
 
 
-def prompt_tokens(path: str) -> float:
+def chat_records(task: str) -> list[dict]:
+    """The task's train split as conversational records (TRL's format): `prompt` messages and `answer`."""
+    from grpo_trainer.data import BUILTIN_TASKS
+
+    system = [{"role": "system", "content": TASKS[task]}] if TASKS[task] else []
+    return [{"prompt": system + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in BUILTIN_TASKS[task]("train")]
+
+
+def prompt_tokens(path: str, task: str) -> float:
     """Mean chat-templated prompt length of the train split, in tokens (what both trainers feed the model)."""
     from transformers import AutoTokenizer
 
-    from grpo_trainer.tiny import arithmetic_records
-
     tok = AutoTokenizer.from_pretrained(path)
-    texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
-             for r in arithmetic_records("train")]
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in chat_records(task)]
     lens = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     return sum(lens) / len(lens)
 
@@ -126,12 +145,13 @@ def ours_config(spec: dict, output_dir: Path) -> dict:
         "seed": spec["seed"],
         "model": {"name_or_path": spec["model_path"], "dtype": "float32", "gradient_checkpointing": False,
                   "share_prompt": spec.get("share_prompt", True)},
-        "data": {"source": "builtin:arithmetic", "split": "train"},
+        "data": {"source": f"builtin:{spec.get('task', 'arithmetic')}", "split": "train",
+                 "system_prompt": TASKS[spec.get("task", "arithmetic")]},
         "rollout": {"engine": "vllm_colocate" if spec.get("engine") == "vllm" else "hf",
                     "num_generations": spec["num_generations"],
                     "max_completion_length": spec["max_completion_length"], "temperature": 1.0},
         "rewards": [{"name": "math_accuracy"}],
-        "loss": {"type": "grpo", "beta": 0.0, "scale_rewards": "group"},
+        "loss": {"type": spec.get("loss_type", "grpo"), "beta": 0.0, "scale_rewards": "group"},
         "train": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts_per_step"],
                   "micro_batch_size": spec["micro_batch_size"], "learning_rate": spec["learning_rate"],
                   "warmup_steps": 0, "lr_scheduler": "constant", "adam_beta2": 0.99, "max_grad_norm": 1.0,
@@ -171,14 +191,10 @@ def run_trl(spec: dict, out: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_trainer.tiny import arithmetic_records
     from rewards import math_accuracy
 
     n = spec["prompts_per_step"] * spec["num_generations"]
-    records = arithmetic_records("train")
-    dataset = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in records]
-    )
+    dataset = Dataset.from_list(chat_records(spec.get("task", "arithmetic")))
     args = GRPOConfig(
         output_dir=str(out / "run"),
         seed=spec["seed"],
@@ -193,7 +209,7 @@ def run_trl(spec: dict, out: Path) -> None:
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.1,  # on CPU: the share of RAM vLLM reserves
         vllm_max_model_length=512,
-        loss_type="grpo",
+        loss_type=spec.get("loss_type", "grpo"),
         beta=0.0,
         num_iterations=1,
         scale_rewards="group",
@@ -408,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
                                           "micro_batch_size", "steps", "learning_rate")},
                 "seed": args.seed, "model_path": path, "engine": args.engine,
-                "skip_zero_advantage": preset.get("skip_zero_advantage", True)}
-        plen = prompt_tokens(path)
+                "skip_zero_advantage": preset.get("skip_zero_advantage", True),
+                "loss_type": preset.get("loss_type", "grpo"), "task": preset.get("task", "arithmetic")}
+        plen = prompt_tokens(path, spec["task"])
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
         runs: dict[str, list[dict]] = {t: [] for t in trainers}
         for rep in range(preset["reps"]):
@@ -438,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "config": {**{k: v for k, v in spec.items() if k != "model_path"}, "warmup": preset["warmup"], "reps": preset["reps"],
                    "threads": args.threads,
-                   "completions_per_step": n, "mean_prompt_tokens": plen, "loss_type": "grpo", "beta": 0.0,
+                   "completions_per_step": n, "mean_prompt_tokens": plen, "beta": 0.0,
                    "temperature": 1.0, "generation": args.engine},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "cuda": torch.cuda.is_available()},
         "versions": versions,

@@ -138,3 +138,16 @@ def test_lora_run_trains_only_adapters_and_exports_adapter_and_merged(tmp_path, 
     # the merged weights moved away from the base: the adapters were not a no-op
     merged_weights = merged.state_dict()
     assert any(not torch.equal(base[k], merged_weights[k]) for k in base if k in merged_weights)
+
+
+def test_settings_that_change_what_a_step_means_are_refused_on_resume():
+    """The baseline and the optimizer steps per batch redefine the run, as the loss type does."""
+    from grpo_trainer.checkpoint import check_resume_compatible
+    from grpo_trainer.errors import TrainingError
+
+    saved = {"loss": {"type": "grpo", "advantage": "grpo", "beta": 0.0}, "train": {"mini_batches": 1, "max_steps": 5}}
+    for change in ({"loss": {**saved["loss"], "advantage": "rloo"}}, {"train": {**saved["train"], "mini_batches": 2}}):
+        with pytest.raises(TrainingError, match="change what the run means"):
+            check_resume_compatible(saved, {**saved, **change}, 1, 1, force=False)
+    harmless = check_resume_compatible(saved, {**saved, "train": {**saved["train"], "max_steps": 9}}, 1, 1, force=False)
+    assert harmless == [("train.max_steps: 5 -> 9", True)]

@@ -83,6 +83,22 @@ def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
     assert torch.isfinite(entropy).all()
 
 
+def test_decode_loop_cache_and_attention_equal_transformers_own(smol):
+    """9 query heads on 3 key/value heads: the decode loop's in-place cache and grouped-query attention give
+    transformers' own decode logits, across two prompt lengths (left padding) and a row leaving the batch."""
+    from helpers import decode_logits
+
+    cfg, tokenizer, lm = smol
+    prompts = [chat_prompt(tokenizer, q) for q in ("What is 12+7?", "Name a colour of the sky at noon.")]
+    continuations = [tokenizer("12 + 7 = 19", add_special_tokens=False)["input_ids"][:5],
+                     tokenizer("Blue, mostly blue sky", add_special_tokens=False)["input_ids"][:5]]
+    with torch.no_grad():
+        plain = decode_logits(lm, prompts, continuations, tokenizer.pad_token_id, False, drop_row_after=2)
+        in_place = decode_logits(lm, prompts, continuations, tokenizer.pad_token_id, True, drop_row_after=2)
+    for a, b in zip(plain, in_place):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=0)
+
+
 def test_lora_trains_on_the_real_model_and_exports(tmp_path):
     """The recipe shrunk to seconds, with LoRA: the adapter moves, the merged model reloads with transformers."""
     out = tmp_path / "run"
