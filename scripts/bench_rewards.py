@@ -1,6 +1,9 @@
 """Throughput of the built-in rewards and the sandbox's per-run overhead.
 
-    python scripts/bench_rewards.py [--workers N] [--quick]
+    python scripts/bench_rewards.py [--workers N] [--quick] [--reps N] [--reference] [--only humaneval]
+
+``PYTHONPATH=DIR`` benchmarks the ``rewards`` package in DIR instead of this
+checkout's (an older commit's, say: ``git archive COMMIT rewards | tar -x -C DIR``).
 
 Prints samples/s for math_accuracy (plain-integer fast path and the
 math-verify worker path, warm workers) and code_tests (HumanEval-style: 164
@@ -17,8 +20,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from rewards import code_tests, math_accuracy  # noqa: E402
 from rewards.sandbox import run_python, sandbox_mode, sandbox_python  # noqa: E402
@@ -118,13 +121,19 @@ def main():
     parser.add_argument("--reps", type=int, default=5, help="passes over the HumanEval-style programs")
     parser.add_argument("--reference", action="store_true",
                         help="also time the HumanEval-style programs under a minimal isolation (root only)")
+    parser.add_argument("--only", choices=["humaneval"], help="only the HumanEval-style code_tests benchmark")
     args = parser.parse_args()
     scale = 1 if args.quick else 4
-    print(f"cpus: {os.cpu_count()}  sandbox mode: {sandbox_mode()}  python: {sys.version.split()[0]}")
-    bench_math(64 * scale, args.workers)
-    bench_humaneval(args.workers, 1 if args.quick else args.reps)
+    reps = 1 if args.quick else args.reps
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["rewards"].__file__)))
+    print(f"cpus: {os.cpu_count()}  sandbox mode: {sandbox_mode()}  python: {sys.version.split()[0]}  "
+          f"rewards from: {checkout}  load average: {os.getloadavg()[0]:.1f}")
+    bench_humaneval(args.workers, reps)
     if args.reference:
-        bench_minimal_isolation(args.workers, 1 if args.quick else args.reps)
+        bench_minimal_isolation(args.workers, reps)
+    if args.only:
+        return
+    bench_math(64 * scale, args.workers)
     bench_code(8 * scale, args.workers)
     bench_overhead(10 * scale)
 
