@@ -235,6 +235,21 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _exit_child(body, *args, err_fd: int) -> None:
+    """Run ``body(*args)`` in a forked child and exit with its result: whatever happens (an error, an
+    error while reporting one, a program's own exception), the child never returns into its parent's code."""
+    code = SETUP_FAILED_EXIT
+    try:
+        code = body(*args)
+    except BaseException as exc:  # noqa: BLE001 - report where the trainer reads it
+        try:
+            os.write(err_fd, f"sandbox {body.__name__.strip('_')}: {exc}\n".encode())
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(code)
+
+
 def _die_with_parent() -> None:
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
 
@@ -302,28 +317,23 @@ def _supervise(fds: dict, workdir: str) -> int:
     _fresh_workdir(workdir, request["tmpfs_bytes"], request["files"], request["uid"], request["gid"])
     pid = os.fork()
     if pid == 0:
-        _run_init(request, fds, workdir)
+        _exit_child(_init, request, fds, workdir, err_fd=fds["stderr"])
     for name in ("stdin", "stdout", "stderr", "nonce"):
         os.close(fds[name])
     return _wait_or_kill(pid, fds["kill"], request["wall_seconds"])
 
 
-def _run_init(request: dict, fds: dict, workdir: str) -> None:
+def _init(request: dict, fds: dict, workdir: str) -> int:
     """PID 1 of the run: a fresh /proc, the program as PID 2, reap until the program exits."""
-    code = SETUP_FAILED_EXIT
-    try:
-        _die_with_parent()
-        os.close(fds["kill"])
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        program = os.fork()
-        if program == 0:
-            _run_program(request, fds, workdir)
-        for name in ("stdin", "stdout", "stderr", "nonce"):
-            os.close(fds[name])
-        code = _reap_until(program)
-    except BaseException as exc:  # noqa: BLE001 - report and never return into the server loop
-        os.write(fds["stderr"], f"sandbox init: {exc}\n".encode())
-    os._exit(code)
+    _die_with_parent()
+    os.close(fds["kill"])
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    program = os.fork()
+    if program == 0:
+        _exit_child(_program, request, fds, workdir, err_fd=2)  # its first step puts the run's stderr there
+    for name in ("stdin", "stdout", "stderr", "nonce"):
+        os.close(fds[name])
+    return _reap_until(program)
 
 
 def _reap_until(program: int) -> int:
@@ -351,17 +361,13 @@ def _become_program(request: dict, fds: dict, workdir: str) -> None:
     _die_with_parent()  # cleared by setuid; init's death kills the namespace anyway
 
 
-def _run_program(request: dict, fds: dict, workdir: str) -> None:
+def _program(request: dict, fds: dict, workdir: str) -> int:
     """PID 2: become the program, read the nonce, run solution.py and tests.py, report."""
-    try:
-        _become_program(request, fds, workdir)
-        token = os.read(fds["nonce"], 64)
-        os.close(fds["nonce"])
-    except BaseException as exc:  # noqa: BLE001
-        os.write(2, f"sandbox launcher: cannot start program: {exc}\n".encode())
-        os._exit(SETUP_FAILED_EXIT)
+    _become_program(request, fds, workdir)
+    token = os.read(fds["nonce"], 64)
+    os.close(fds["nonce"])
     del request, fds
-    os._exit(_harness(token))
+    return _harness(token)
 
 
 def _harness(token: bytes) -> int:
@@ -417,13 +423,8 @@ def _serve_one(sock: socket.socket, workdir: str) -> None:
     try:
         pid = os.fork()
         if pid == 0:
-            code = SETUP_FAILED_EXIT
-            try:
-                sock.close()
-                code = _supervise(fds, workdir)
-            except BaseException as exc:  # noqa: BLE001
-                os.write(fds["stderr"], f"sandbox supervisor: {exc}\n".encode())
-            os._exit(code)
+            sock.close()
+            _exit_child(_supervise, fds, workdir, err_fd=fds["stderr"])
     finally:
         for fd in fds.values():
             os.close(fd)

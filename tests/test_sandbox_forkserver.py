@@ -84,7 +84,8 @@ def test_no_state_reaches_the_next_run(pool):
     "import os\nfor fd in range(3, 1024):\n    try:\n        os.write(fd, b'garbage')\n    except OSError:\n        pass\n",
     "import os\nos.close(0); os.close(1); os.close(2)\n",
     "import gc, sys\nsys.modules.clear()\ngc.collect()\n",
-], ids=["kill", "segfault", "abort", "write-fds", "close-stdio", "clear-modules"])
+    "import sys\ndef hook(*args):\n    raise RuntimeError('from the hook')\nsys.excepthook = hook\nraise ValueError\n",
+], ids=["kill", "segfault", "abort", "write-fds", "close-stdio", "clear-modules", "raising-excepthook"])
 def test_a_run_that_attacks_its_server_does_not_affect_the_next(pool, attack):
     result = run_python(attack, "assert False")
     assert not result.completed
