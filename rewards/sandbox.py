@@ -383,8 +383,9 @@ def _run_launched(code: str, tests: str, stdin: bytes, limits: Limits, mode: str
 class _ForkServer:
     """A warm, root interpreter (``_sandbox_launcher.py --serve``) that forks one sandboxed run per request.
 
-    Why: starting the launcher's and the program's interpreters costs ~45 ms per run on a 2-core machine;
-    a fork of a warm one costs ~1 ms. It serves one run at a time and never runs untrusted code itself.
+    Why: starting the launcher's and the program's interpreters cost ~45 of the ~70 ms of a run on a 2-core
+    machine; a run forked from a warm one costs ~8 ms of CPU, mostly the kernel's (forks, namespaces).
+    It serves one run at a time and never runs untrusted code itself.
     """
 
     def __init__(self, workdir: str):
