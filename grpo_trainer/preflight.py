@@ -35,7 +35,37 @@ def preflight(cfg: Config) -> list[str]:
             f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "
             "the learning rate never reaches train.learning_rate"
         )
+    if cfg.model.dtype == "bfloat16" and _runs_on_cpu() and not cpu_has_bf16_instructions():
+        warnings.append(
+            "model.dtype: bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16/amx_bf16) is emulated and far "
+            "slower than float32 (SmolLM2-135M here: sampling 2x, the update 15-25x; docs/performance.md); "
+            "use model.dtype=float32 on this machine"
+        )
     return warnings
+
+
+def _runs_on_cpu() -> bool:
+    import os
+
+    import torch
+
+    return not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+
+
+def cpu_has_bf16_instructions(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 avx512_bf16 or AMX; Arm's bf16). Without, PyTorch
+    converts to float32 and back around every kernel. True when /proc/cpuinfo cannot be read: no false alarm."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return True
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.lower().startswith(("flags", "features")):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) or not flags
 
 
 def run_preflight(cfg: Config) -> None:

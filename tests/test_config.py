@@ -161,3 +161,20 @@ def test_warmup_longer_than_the_run_is_a_warning_and_a_smoke_test_trains(tmp_pat
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "train.warmup_steps (3) is not below" in trained.stderr
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def test_bfloat16_on_a_cpu_without_bf16_instructions_is_a_warning(monkeypatch):
+    from grpo_trainer import preflight as pf
+    from grpo_trainer.config import load_config
+
+    assert not pf.cpu_has_bf16_instructions("processor : 0\nflags : fpu sse2 avx2 avx512f avx512bw avx512_vnni\n")
+    assert pf.cpu_has_bf16_instructions("flags : fpu avx512f avx512_bf16\n")
+    assert pf.cpu_has_bf16_instructions("Features : fp asimd bf16 i8mm\n")  # Arm
+    assert pf.cpu_has_bf16_instructions("")  # nothing readable: no false alarm
+    monkeypatch.setattr(pf, "_runs_on_cpu", lambda: True)
+    for native, expected in ((False, 1), (True, 0)):
+        monkeypatch.setattr(pf, "cpu_has_bf16_instructions", lambda native=native: native)
+        bf16 = [w for w in pf.preflight(load_config("configs/demo_cpu.yaml", ["model.dtype=bfloat16"])) if "bfloat16" in w]
+        assert len(bf16) == expected and all(w.startswith("model.dtype: bfloat16 on a CPU without") for w in bf16)
+    monkeypatch.setattr(pf, "cpu_has_bf16_instructions", lambda: False)
+    assert not [w for w in pf.preflight(load_config("configs/demo_cpu.yaml")) if "bfloat16" in w]  # float32: quiet
