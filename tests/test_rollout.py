@@ -89,6 +89,20 @@ def test_sample_next_token_keeps_only_the_top_k_and_the_nucleus():
     assert sample_next_token(torch.tensor([[0.0, 2.0, 1.0, 0.0]]), do_sample=False).tolist() == [1]
 
 
+def test_sample_next_token_draws_what_torch_multinomial_draws():
+    """The sampler skips multinomial's argument checks but must consume the random stream as it does."""
+    from grpo_trainer.rollout.hf import sample_next_token
+
+    for seed in range(50):
+        logits = torch.randn(8, 49152 if seed % 2 else 97, generator=torch.Generator().manual_seed(seed)) * 4
+        torch.manual_seed(seed)
+        expected = torch.multinomial(logits.softmax(-1), 1).squeeze(1)
+        torch.manual_seed(seed)
+        assert torch.equal(sample_next_token(logits), expected)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        sample_next_token(torch.tensor([[0.0, float("nan")]]))
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
 def test_shared_prompt_forward_equals_full_sequences_values_and_gradients(tiny_model_path, checkpointing):
     """One pass per distinct prompt + completions on its cache == every row in full, for log-probs,

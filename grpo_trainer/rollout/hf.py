@@ -174,4 +174,10 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature:
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
     if not do_sample:
         return scores.argmax(-1)
-    return torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
+    probs = scores.softmax(-1)
+    if not torch.isfinite(probs).all():
+        raise FloatingPointError("sampling: the model's next-token distribution is not finite (NaN or inf logits)")
+    # What torch.multinomial(probs, 1) does, minus its argument checks: one Exp(1) draw per vocabulary entry,
+    # then argmax(p / q). Same random stream, same tokens (tested); on a 49k vocabulary the checks were a
+    # third of its time, and sampling a tenth of a decode step.
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
