@@ -220,7 +220,7 @@ def decode_logits(model, prompts: list[list[int]], continuations: list[list[int]
     import torch
 
     from grpo_trainer.models import left_padded, positions
-    from grpo_trainer.rollout.decode import decode_attention, reserve_room
+    from grpo_trainer.rollout.decode import decode_kernels, reserve_room
 
     ids, mask = left_padded(prompts, pad_token_id)
     steps = torch.tensor(continuations)
@@ -229,7 +229,7 @@ def decode_logits(model, prompts: list[list[int]], continuations: list[list[int]
     if in_place:
         assert reserve_room(cache, steps.shape[1])
     seen = []
-    with decode_attention(model) if in_place else contextlib.nullcontext():
+    with decode_kernels(model) if in_place else contextlib.nullcontext():
         for step in range(steps.shape[1]):
             if drop_row_after is not None and step == drop_row_after + 1:
                 keep = torch.arange(1, len(rows))

@@ -1,4 +1,4 @@
-"""Two pieces of the hf engine's decode loop that remove copies transformers makes on every token.
+"""Three pieces of the hf engine's decode loop: copies and slow kernels transformers uses on every token.
 
 Profiled on SmolLM2-135M (30 layers, 9 query heads sharing 3 key/value heads), 16 rows, 64 new
 tokens on a 2-core CPU (docs/performance.md), a fifth of decode time went to copying the KV cache,
@@ -12,8 +12,12 @@ not to computing with it:
   token. For a single-token query `grouped_query_attention` folds the query heads of a group into
   the query-length axis instead, so each key/value head is read once, in place. Same attention, no
   copy; the result differs from the repeated version only by float rounding (tested).
+* On CPU, `nn.Linear` with a few rows (`F.linear(x, W)`, i.e. x @ W^T) ran at 4-5 GB/s of weights read
+  here, while the same product computed as (W @ x^T)^T ran at 10-22 GB/s (`scripts/decode_roofline.py`,
+  docs/performance.md): for a 16-row decode step, all of the model's weights go through the slow form
+  once per token. `decode_kernels` swaps the plain `nn.Linear` layers to the fast form for the loop.
 
-Both are used only inside `HFEngine._decode_shared_prompt`; training forwards are untouched.
+All are used only inside `HFEngine._decode_shared_prompt`; training forwards are untouched.
 """
 
 from __future__ import annotations
@@ -112,15 +116,31 @@ AttentionInterface.register(DECODE_ATTENTION, grouped_query_attention)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
+def weight_stationary_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward` for a few rows on CPU: (W @ x^T)^T instead of x @ W^T, the same products."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.mm(self.weight, rows.t()).t()
+    if self.bias is not None:
+        out = out + self.bias
+    return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
 @contextlib.contextmanager
-def decode_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Switch a model that runs transformers' SDPA to `grouped_query_attention` for the block; others unchanged."""
+def decode_kernels(model: torch.nn.Module) -> Iterator[None]:
+    """For the decode loop: `grouped_query_attention` where the model runs transformers' SDPA, and on CPU
+    `weight_stationary_linear` for every plain `nn.Linear` (not subclasses: quantized or LoRA-merged layers
+    keep their own forward). Everything is restored on exit, also on error."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
-        yield
-        return
-    model.set_attn_implementation(DECODE_ATTENTION)
+    switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
+    for module in linears:
+        module.forward = weight_stationary_linear.__get__(module)
+    if switch_attention:
+        model.set_attn_implementation(DECODE_ATTENTION)
     try:
         yield
     finally:
-        model.set_attn_implementation("sdpa")
+        if switch_attention:
+            model.set_attn_implementation("sdpa")
+        for module in linears:
+            del module.forward

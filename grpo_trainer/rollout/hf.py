@@ -25,7 +25,7 @@ import torch
 
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
-from .decode import decode_attention, reserve_room
+from .decode import decode_kernels, reserve_room
 
 
 class HFEngine:
@@ -100,7 +100,7 @@ class HFEngine:
         cache = out.past_key_values
         reserve_room(cache, self.max_completion_length)  # new tokens are written in place, not concatenated
         cache.reorder_cache(rows)
-        with decode_attention(model):
+        with decode_kernels(model):
             tokens = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows])
         eos_set = set(self.eos_token_ids)
         truncated = [not t or t[-1] not in eos_set for t in tokens]

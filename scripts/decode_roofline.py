@@ -1,0 +1,148 @@
+"""How far the hf engine's decode step is from this machine's roofline, on the real model.
+
+    python scripts/decode_roofline.py                 # SmolLM2-135M, 16 rows (4 prompts x G 4), ~2 min on 2 cores
+    python scripts/decode_roofline.py --rows 32       # G 8
+    python scripts/decode_roofline.py --json out.json
+
+A decode step reads every weight once to produce one token per row. With 16 rows a weight is used for
+16 multiply-adds per read, far below what keeps a CPU core's FMA units busy, so the step's floor is the
+memory traffic: float32 weights / read bandwidth. Both are measured here, not looked up:
+
+  read bandwidth     best `tensor.sum()` rate over a float32 tensor the size of the model's weights
+                     (larger than the caches, so it streams from DRAM)
+  matmul peak        best `torch.mm` rate over square float32 matrices (scripts/scaling.py)
+  roofline step      max(weight bytes / bandwidth, step FLOPs / matmul peak)
+
+Then it times the engine's own decode step (reserved KV room, grouped-query attention, weight-stationary linears)
+at a context of prompt + half the completion, and its parts: the whole step, the LM head alone (as the
+engine computes it and as `nn.Linear` does), the sampler alone, and transformers' plain decode step
+(DynamicCache, repeat_kv, `nn.Linear`) for comparison. Every
+number is the best of `--reps` after warm-up: on a shared 2-core machine the best is the least
+disturbed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: allocator, oneDNN primitives
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(n_bytes: int, reps: int) -> float:
+    import torch
+
+    x = torch.ones(n_bytes // 4)
+    return n_bytes / best_seconds(lambda: x.sum(), reps)
+
+
+def decode_step(model, rows: int, context: int, in_place: bool):
+    """A function that runs one decode step of `rows` rows after a `context`-token cache (built once here)."""
+    import contextlib
+
+    import torch
+
+    from grpo_trainer.rollout.decode import decode_kernels, reserve_room
+
+    ids = torch.randint(100, 40000, (rows, context))
+    mask = torch.ones(rows, context + 1, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+    if in_place:
+        reserve_room(cache, 1)
+    length = cache.get_seq_length()
+    nxt, position = ids[:, -1:], torch.full((rows, 1), context)
+
+    def step():
+        with torch.no_grad(), decode_kernels(model) if in_place else contextlib.nullcontext():
+            model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        rewind(cache, length)  # back to `context` tokens for the next rep
+
+    return step
+
+
+def rewind(cache, length: int) -> None:
+    from grpo_trainer.rollout.decode import ReservedLayer
+
+    for layer in cache.layers:
+        if isinstance(layer, ReservedLayer):
+            layer.length = length
+            layer._expose()
+        else:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--rows", type=int, default=16, help="decode batch: prompts x G (default 4 x 4)")
+    p.add_argument("--context", type=int, default=100, help="tokens in the cache: ~prompt + half a 64-token completion")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import scaling
+    from grpo_trainer.rollout.decode import weight_stationary_linear
+    from grpo_trainer.rollout.hf import sample_next_token
+    from grpo_trainer.tiny import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
+    weights = {id(t): t for t in model.parameters()}.values()  # tied embeddings once
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    attention_width = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    step_flops = args.rows * (2 * linear_params + 4 * cfg.num_hidden_layers * args.context * attention_width)
+
+    bandwidth = read_bandwidth(weight_bytes, args.reps)
+    peak = scaling.matmul_peak_flops(None)
+    floor = max(weight_bytes / bandwidth, step_flops / peak)
+    logits = torch.randn(args.rows, cfg.vocab_size) * 4
+    hidden = torch.randn(args.rows, 1, cfg.hidden_size)
+    timings = {
+        "engine_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=True), args.reps),
+        "transformers_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=False), args.reps),
+        "lm_head_s": best_seconds(lambda: model.lm_head(hidden), args.reps),
+        "lm_head_engine_s": best_seconds(lambda: weight_stationary_linear(model.lm_head, hidden), args.reps),
+        "sampler_s": best_seconds(lambda: sample_next_token(logits), args.reps),
+    }
+    engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
+    report = {
+        "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),
+        "weight_mib": weight_bytes / 2**20, "step_gflop": step_flops / 1e9,
+        "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflop_s": peak / 1e9, "roofline_step_s": floor,
+        **timings,
+        "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
+        "engine_share_of_roofline": floor / engine_token_s,
+    }
+    print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}, "
+          f"{report['threads']} threads")
+    print(f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s, matmul peak {report['matmul_peak_gflop_s']:.0f} GFLOP/s "
+          f"-> roofline {floor * 1e3:.0f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
+    for key in ("engine_step_s", "transformers_step_s", "lm_head_engine_s", "lm_head_s", "sampler_s"):
+        print(f"  {key[:-2]:20s} {timings[key] * 1e3:7.1f} ms")
+    print(f"engine: {report['engine_tokens_per_s']:.0f} tok/s = {100 * report['engine_share_of_roofline']:.0f}% of the roofline")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
