@@ -87,6 +87,10 @@ class DataConfig(_Section):
     system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).")
     use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
     chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3.",
+    )
     max_prompt_length: int | None = Field(
         None, gt=0, description="Prompts longer than this many tokens are an error (None: the model's context decides)."
     )
@@ -164,6 +168,17 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    min_p: float = Field(
+        0.0, ge=0, lt=1,
+        description="Drop tokens less likely than min_p x the most likely one, after the temperature (0: off). "
+        "Not combinable with top_p/top_k: transformers applies min_p after them, vLLM before.",
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0,
+        description="CTRL's penalty on every token already in the prompt or the completion: its logit is divided by "
+        "this when positive, multiplied when negative, before the temperature (1: off). The loss still scores the "
+        "unpenalised distribution: the sampler/trainer gap grows with it.",
+    )
     batch_size: int = Field(
         0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
     )
@@ -172,6 +187,15 @@ class RolloutConfig(_Section):
         description="Draw each prompt's group from its own seed, so samples do not depend on the number of ranks "
         "(the hf engine then generates one prompt at a time).",
     )
+
+    @model_validator(mode="after")
+    def _min_p_alone(self):
+        if self.min_p > 0 and (self.top_p < 1 or self.top_k > 0):
+            raise ValueError(
+                "rollout.min_p cannot be combined with rollout.top_p or rollout.top_k: transformers applies min_p after "
+                "them and vLLM before, so the engines would sample from different distributions"
+            )
+        return self
 
 
 REWARD_MODEL_NAME = "reward_model"  # the `name` of a reward entry that scores with `model`

@@ -170,7 +170,7 @@ def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int) -> str:
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + messages[0]["content"]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **cfg.chat_template_kwargs)
 
 
 def is_conversational(records: list[dict[str, Any]], prompt_column: str) -> bool:

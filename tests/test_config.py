@@ -178,3 +178,13 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_is_a_warning(monkeypatch):
         assert len(bf16) == expected and all(w.startswith("model.dtype: bfloat16 on a CPU without") for w in bf16)
     monkeypatch.setattr(pf, "cpu_has_bf16_instructions", lambda: False)
     assert not [w for w in pf.preflight(load_config("configs/demo_cpu.yaml")) if "bfloat16" in w]  # float32: quiet
+
+
+def test_min_p_with_top_p_or_top_k_is_refused_naming_the_keys():
+    from grpo_trainer.config import load_config
+    from grpo_trainer.errors import ConfigError
+
+    assert load_config("configs/demo_cpu.yaml", ["rollout.min_p=0.1"]).rollout.min_p == 0.1
+    for other in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        with pytest.raises(ConfigError, match="rollout.min_p cannot be combined with rollout.top_p or rollout.top_k"):
+            load_config("configs/demo_cpu.yaml", ["rollout.min_p=0.1", other])

@@ -102,3 +102,15 @@ def test_sampler_order_is_a_function_of_its_state():
     resumed.load_state_dict(state)
     assert resumed.next_indices(8) == rest
     assert PromptSampler(size=10, seed=4).next_indices(10) != PromptSampler(size=10, seed=3).next_indices(10)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """Qwen3's switch (`enable_thinking`) is a template variable: data.chat_template_kwargs passes it."""
+    tokenizer = load_tokenizer(ModelConfig())
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    records = load_records(DataConfig(source="builtin:arithmetic"))[:2]
+    plain = build_prompt_set(DataConfig(source="builtin:arithmetic"), tokenizer, records, context_length=256)
+    off = build_prompt_set(DataConfig(source="builtin:arithmetic", chat_template_kwargs={"enable_thinking": False}),
+                           tokenizer, records, context_length=256)
+    assert off.texts == [text + "<no-think>" for text in plain.texts] and "<no-think>" not in plain.texts[0]

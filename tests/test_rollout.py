@@ -58,7 +58,8 @@ def _chat_prompts(tokenizer, questions):
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}, {"temperature": 1.3, "top_k": 20, "top_p": 0.9}])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}, {"temperature": 1.3, "top_k": 20, "top_p": 0.9},
+                                      {"min_p": 0.05, "temperature": 1.5}, {"repetition_penalty": 1.8, "temperature": 0.9}])
 def test_own_decode_loop_draws_the_same_tokens_as_generate(tiny_model_path, sampling):
     """For one prompt and one completion both engines make the same random draws: same seed, same tokens.
 
@@ -87,6 +88,22 @@ def test_sample_next_token_keeps_only_the_top_k_and_the_nucleus():
     counts = torch.bincount(sample_next_token(logits), minlength=4) / 2000
     torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04, rtol=0)
     assert sample_next_token(torch.tensor([[0.0, 2.0, 1.0, 0.0]]), do_sample=False).tolist() == [1]
+
+
+def test_sample_next_token_min_p_and_repetition_penalty_by_hand():
+    from grpo_trainer.rollout.hf import sample_next_token
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    torch.manual_seed(0)
+    assert set(sample_next_token(logits, min_p=0.2).tolist()) == {0, 1, 2}  # 0.05 < 0.2 x 0.5
+    assert set(sample_next_token(logits, min_p=0.5).tolist()) == {0, 1}  # 0.15 < 0.25
+    # CTRL's penalty on seen tokens: positive logits divided, negative multiplied; unseen ones untouched.
+    seen = torch.tensor([[True, False]])
+    greedy = dict(do_sample=False, repetition_penalty=1.1, occurred=seen)
+    assert sample_next_token(torch.tensor([[2.0, 1.9]]), **greedy).tolist() == [1]  # 2.0 / 1.1 = 1.82 < 1.9
+    assert sample_next_token(torch.tensor([[2.0, 1.7]]), **greedy).tolist() == [0]  # 1.82 > 1.7
+    assert sample_next_token(torch.tensor([[-1.0, -1.05]]), **greedy).tolist() == [1]  # -1.0 x 1.1 = -1.1 < -1.05
+    assert sample_next_token(torch.tensor([[-1.0, -1.05]]), do_sample=False).tolist() == [0]  # no penalty
 
 
 def test_sample_next_token_draws_what_torch_multinomial_draws():

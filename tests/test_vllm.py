@@ -368,3 +368,63 @@ def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transform
     grouped = [p for p in prompts for _ in range(4)]
     expected = trainer_logprobs(load_lm(export), grouped, rollout.completion_ids, 1.0)
     assert_close(rollout.sampling_logprobs, expected, atol=2e-3)  # 30 layers, two kernels, fp32 on both sides
+
+
+# ---------------------------------------------------------------------------- sampling controls
+
+
+def full_distributions(lm, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The model's next-token logits [len(completion), V] at each completion position."""
+    with torch.no_grad():
+        return lm(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+
+
+def test_min_p_keeps_only_tokens_near_the_top_in_both_engines(engine, model_dir):
+    """rollout.min_p: every sampled token has probability (after the temperature) of at least min_p x the top
+    token's, in vLLM and in the hf engine alike; without it some sampled tokens fall below."""
+    from grpo_trainer.rollout.hf import HFEngine
+
+    lm, min_p = load_lm(model_dir), 0.3
+    engine.sync_weights(lm)
+    hf = HFEngine(SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE,
+                                   min_p=min_p), get_model=lambda: lm, pad_token_id=0)
+
+    def ratios(rollout):  # p(sampled) / p(top) at every sampled position
+        out = []
+        for i, completion in enumerate(rollout.completion_ids):
+            probs = (full_distributions(lm, PROMPTS[i // 4], completion) / TEMPERATURE).softmax(-1)
+            out += (probs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1) / probs.amax(-1)).tolist()
+        return out
+
+    assert min(ratios(engine.generate(PROMPTS, 4))) < min_p  # the control is not vacuous here
+    engine.min_p = min_p
+    try:
+        with_vllm = ratios(engine.generate(PROMPTS, 4))
+    finally:
+        engine.min_p = 0.0
+    torch.manual_seed(0)
+    with_hf = ratios(hf.generate(PROMPTS, 4))
+    assert min(with_vllm) >= min_p - 1e-4 and min(with_hf) >= min_p - 1e-4
+
+
+def test_repetition_penalty_is_the_same_penalty_in_both_engines(engine, model_dir):
+    """rollout.repetition_penalty: vLLM's sampling log-probs (processed: after penalty and temperature) equal the
+    trainer's log-softmax of the penalised logits, computed as the hf engine's sampler penalises them (every
+    token of the prompt and of the completion so far)."""
+    lm, penalty = load_lm(model_dir), 1.6
+    engine.sync_weights(lm)
+    engine.repetition_penalty = penalty
+    try:
+        rollout = engine.generate(PROMPTS, 4)
+    finally:
+        engine.repetition_penalty = 1.0
+    for i, (completion, sampled) in enumerate(zip(rollout.completion_ids, rollout.sampling_logprobs)):
+        prompt = PROMPTS[i // 4]
+        logits = full_distributions(lm, prompt, completion)
+        expected = []
+        for t, token in enumerate(completion):
+            seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            seen[torch.tensor(prompt + completion[:t])] = True
+            row = torch.where(seen, torch.where(logits[t] < 0, logits[t] * penalty, logits[t] / penalty), logits[t])
+            expected.append(float((row / TEMPERATURE).log_softmax(-1)[token]))
+        assert_close([sampled], [expected], atol=5e-4)

@@ -45,6 +45,8 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
     batch_size: int = 0  # prompts per generate call (0: all at once)
 
 
@@ -76,6 +78,8 @@ def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
         batch_size=r.batch_size,
     )
 

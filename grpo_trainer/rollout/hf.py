@@ -8,10 +8,13 @@ mismatch to measure.
 With `share_prompt` (the default) it runs its own decode loop: each prompt is
 prefilled once and its KV cache copied to its G completions, and rows that
 have finished are dropped from the batch instead of being decoded as padding
-to the end. Sampling is what `generate` does for these settings (temperature,
-then top-k, then top-p, then one multinomial draw per row), so for one prompt
-and G = 1 the two give the same tokens from the same seed (tested; in a batch
-the random streams part ways once rows finish). Neither takes sampling
+to the end; the loop runs with `decode.decode_kernels` (no per-token cache
+copies, faster CPU kernels for few rows). Sampling is what `generate` does for
+these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
+multinomial draw per row), so for one prompt and G = 1 the two give the same
+tokens from the same seed (tested; in a batch the random streams part ways once
+rows finish). The repetition penalty counts a row's prompt tokens, not its
+left padding (as vLLM, which pads nothing; `generate` would penalise the pad token). Neither takes sampling
 settings from the checkpoint's generation config. Without `share_prompt` it
 calls `model.generate` with the prompts repeated G times.
 """
@@ -45,7 +48,8 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
-        self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+                             min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty)
         self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
 
@@ -100,20 +104,29 @@ class HFEngine:
         cache = out.past_key_values
         reserve_room(cache, self.max_completion_length)  # new tokens are written in place, not concatenated
         cache.reorder_cache(rows)
+        occurred = None
+        if self.sampling["repetition_penalty"] != 1.0:  # which tokens each row has seen: its prompt's, not padding
+            occurred = torch.zeros(len(prompts), out.logits.shape[-1], dtype=torch.int32, device=ids.device)
+            occurred.scatter_add_(1, ids, mask.to(torch.int32))
+            occurred = (occurred > 0)[rows]
         with decode_kernels(model):
-            tokens = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows])
+            tokens = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred)
         eos_set = set(self.eos_token_ids)
         truncated = [not t or t[-1] not in eos_set for t in tokens]
         return tokens, truncated
 
-    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-        """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch."""
+    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor,
+                       occurred: torch.Tensor | None) -> list[list[int]]:
+        """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
+        `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty)."""
         next_position = mask.sum(-1)  # [B]
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         tokens: list[list[int]] = [[] for _ in range(len(logits))]
         live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
         for step in range(self.max_completion_length):
-            nxt = sample_next_token(logits, **self.sampling)  # [live]
+            nxt = sample_next_token(logits, **self.sampling, occurred=occurred)  # [live]
+            if occurred is not None:
+                occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
             for row, token in zip(live.tolist(), nxt.tolist()):
                 tokens[row].append(token)
             going = ~torch.isin(nxt, eos)
@@ -123,6 +136,7 @@ class HFEngine:
                 keep = going.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
                 live, nxt, mask, next_position = live[keep], nxt[keep], mask[keep], next_position[keep]
+                occurred = occurred[keep] if occurred is not None else None
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
             logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
@@ -141,7 +155,7 @@ class HFEngine:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             num_return_sequences=g,  # rows come out grouped: prompt 0 x G, prompt 1 x G, ...
-            **{**self.sampling, "top_k": self.sampling["top_k"] or 0},
+            **{**self.sampling, "top_k": self.sampling["top_k"] or 0, "min_p": self.sampling["min_p"] or None},
         )
         checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()
         try:
@@ -161,9 +175,17 @@ class HFEngine:
 
 
 def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-                      top_k: int | None = None) -> torch.Tensor:
-    """One token per row of `logits` [B, V], as `generate` samples: temperature, top-k, top-p, then a multinomial draw."""
-    scores = logits.float() / temperature if temperature != 1.0 else logits.float()
+                      top_k: int | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                      occurred: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
+    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw. vLLM applies the same
+    penalty and min-p (alone: config refuses min-p with top-k/top-p, where the two orders differ)."""
+    scores = logits.float()
+    if repetition_penalty != 1.0 and occurred is not None:
+        penalised = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
+        scores = torch.where(occurred, penalised, scores)
+    if temperature != 1.0:
+        scores = scores / temperature
     if top_k:
         kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
         scores = scores.masked_fill(scores < kth, -float("inf"))
@@ -172,6 +194,9 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature:
         drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[:, -1] = False  # always keep the most likely token
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    if min_p > 0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -float("inf"))
     if not do_sample:
         return scores.argmax(-1)
     probs = scores.softmax(-1)

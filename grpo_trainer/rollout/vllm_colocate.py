@@ -113,6 +113,7 @@ class VLLMColocateEngine:
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+        self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
         self.seed = seed
         self.return_logprobs = return_logprobs
         self.batch_size = sampling.batch_size
@@ -158,6 +159,8 @@ class VLLMColocateEngine:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else 0,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
             stop_token_ids=self.eos_token_ids,
             logprobs=0 if self.return_logprobs else None,
             seed=seed,

@@ -77,6 +77,7 @@ class VLLMServerEngine:
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+        self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
         self.seed = seed
         self.timeout = settings.timeout
         self.weight_sync = settings.weight_sync
@@ -155,12 +156,12 @@ class VLLMServerEngine:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k if self.top_k > 0 else 0,
-            # Neutral on purpose: the server fills unset ones from the checkpoint's generation config
-            # (Qwen2.5-Instruct: repetition_penalty 1.05), which the trainer's log-probs do not model.
-            "repetition_penalty": 1.0,
+            # Always sent: the server fills unset ones from the checkpoint's generation config
+            # (Qwen2.5-Instruct: repetition_penalty 1.05), which the config did not ask for.
+            "repetition_penalty": self.repetition_penalty,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            "min_p": 0.0,
+            "min_p": self.min_p,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": self.eos_token_ids,
