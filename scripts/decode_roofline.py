@@ -58,7 +58,7 @@ def decode_step(model, rows: int, context: int, in_place: bool):
 
     from grpo_trainer.rollout.decode import decode_kernels, reserve_room
 
-    ids = torch.randint(100, 40000, (rows, context))
+    ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(rows, context + 1, dtype=torch.long)
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values

@@ -1,0 +1,33 @@
+"""The measuring scripts behind docs/performance.md run and report what they claim (on the tiny model, seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_decode_roofline_reports_the_engine_against_both_roofs(tmp_path, tiny_model_path):
+    out = tmp_path / "roofline.json"
+    proc = run_script("scripts/decode_roofline.py", "--model", "builtin:tiny", "--rows", "4", "--context", "16",
+                      "--reps", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["read_bandwidth_gb_s"] > 0 and report["matmul_peak_gflop_s"] > 0
+    assert report["roofline_step_s"] >= report["weight_mib"] * 2**20 / (report["read_bandwidth_gb_s"] * 1e9) * 0.999
+    assert 0 < report["engine_share_of_roofline"] and report["engine_tokens_per_s"] > 0
+    assert "of the roofline" in proc.stdout
+
+
+def test_bf16_cpu_compares_both_dtypes(tiny_model_path):
+    proc = run_script("scripts/bf16_cpu.py", "--model", "builtin:tiny", "--rows", "2", "--tokens", "16", "--top", "3", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch.float32: forward + backward" in proc.stdout and "torch.bfloat16: forward + backward" in proc.stdout
+    assert "bfloat16 / float32:" in proc.stdout
