@@ -9,6 +9,7 @@ run that cannot work stops in seconds with one line naming the key, not after lo
 from __future__ import annotations
 
 import logging
+import os
 
 from .checkpoint import require_complete
 from .config import Config
@@ -45,8 +46,6 @@ def preflight(cfg: Config) -> list[str]:
 
 
 def _runs_on_cpu() -> bool:
-    import os
-
     import torch
 
     return not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
