@@ -330,46 +330,6 @@ def test_bench_runs_our_trainer_with_vllm_generation(tmp_path):
     assert ours["steps_measured"] == 1 and ours["median_step_time_s"] > 0 and 0 < ours["mean_completion_length"] <= 8
 
 
-# ---------------------------------------------------------------------------- the real model
-
-
-def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transformers_scores(tmp_path):
-    """SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention runs): one full-parameter step through
-    our CLI, then the exported folder serves vLLM as is, stops at <|im_end|>, and vLLM's sampling log-probs
-    are transformers' log-probs of the same exported weights."""
-    from transformers import AutoTokenizer
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import run_cli
-
-    out = tmp_path / "run"
-    reward = tmp_path / "parity.py"  # differs within a group, so the step does change the weights
-    reward.write_text("def parity(completions, completion_ids, **kwargs):\n    return [float(sum(c) % 2) for c in completion_ids]\n")
-    result = run_cli(["train", "configs/smollm2_cpu.yaml", f"output_dir={out}", "train.max_steps=1", "train.warmup_steps=0",
-                      f"rewards=[{{name: '{reward}:parity'}}]", "train.prompts_per_step=2", "rollout.num_generations=4",
-                      "train.micro_batch_size=8", "rollout.max_completion_length=12", "train.learning_rate=1e-4",
-                      "logging.progress_bar=false", "checkpoint.resume=never", "logging.completions_every=0",
-                      "checkpoint.save_every=0"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    export = out / "model"
-    tokenizer = AutoTokenizer.from_pretrained(str(export))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"] for q in ("Say hello.", "What is 12+7?")]
-    engine = VLLMColocateEngine(SamplingSettings(eos_token_ids=[im_end], max_completion_length=24),
-                                VLLMConfig(dtype="float32", max_model_len=512), model_path=str(export), seed=0)
-    try:
-        rollout = engine.generate(prompts, 4)
-    finally:
-        engine.close()
-    assert not all(rollout.truncated)  # the instruct model finishes short answers
-    for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
-        assert (ids[-1] == im_end) != truncated and im_end not in ids[:-1]
-    grouped = [p for p in prompts for _ in range(4)]
-    expected = trainer_logprobs(load_lm(export), grouped, rollout.completion_ids, 1.0)
-    assert_close(rollout.sampling_logprobs, expected, atol=2e-3)  # 30 layers, two kernels, fp32 on both sides
-
-
 # ---------------------------------------------------------------------------- sampling controls
 
 
@@ -428,3 +388,44 @@ def test_repetition_penalty_is_the_same_penalty_in_both_engines(engine, model_di
             row = torch.where(seen, torch.where(logits[t] < 0, logits[t] * penalty, logits[t] / penalty), logits[t])
             expected.append(float((row / TEMPERATURE).log_softmax(-1)[token]))
         assert_close([sampled], [expected], atol=5e-4)
+
+
+# ---------------------------------------------------------------------------- the real model
+
+
+def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transformers_scores(tmp_path):
+    """(Last in the file: closing a second in-process vLLM engine tears down vLLM's process-wide parallel
+    state, which the module's `engine` needs.) SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention runs): one full-parameter step through
+    our CLI, then the exported folder serves vLLM as is, stops at <|im_end|>, and vLLM's sampling log-probs
+    are transformers' log-probs of the same exported weights."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import run_cli
+
+    out = tmp_path / "run"
+    reward = tmp_path / "parity.py"  # differs within a group, so the step does change the weights
+    reward.write_text("def parity(completions, completion_ids, **kwargs):\n    return [float(sum(c) % 2) for c in completion_ids]\n")
+    result = run_cli(["train", "configs/smollm2_cpu.yaml", f"output_dir={out}", "train.max_steps=1", "train.warmup_steps=0",
+                      f"rewards=[{{name: '{reward}:parity'}}]", "train.prompts_per_step=2", "rollout.num_generations=4",
+                      "train.micro_batch_size=8", "rollout.max_completion_length=12", "train.learning_rate=1e-4",
+                      "logging.progress_bar=false", "checkpoint.resume=never", "logging.completions_every=0",
+                      "checkpoint.save_every=0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    export = out / "model"
+    tokenizer = AutoTokenizer.from_pretrained(str(export))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"] for q in ("Say hello.", "What is 12+7?")]
+    engine = VLLMColocateEngine(SamplingSettings(eos_token_ids=[im_end], max_completion_length=24),
+                                VLLMConfig(dtype="float32", max_model_len=512), model_path=str(export), seed=0)
+    try:
+        rollout = engine.generate(prompts, 4)
+    finally:
+        engine.close()
+    assert not all(rollout.truncated)  # the instruct model finishes short answers
+    for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
+        assert (ids[-1] == im_end) != truncated and im_end not in ids[:-1]
+    grouped = [p for p in prompts for _ in range(4)]
+    expected = trainer_logprobs(load_lm(export), grouped, rollout.completion_ids, 1.0)
+    assert_close(rollout.sampling_logprobs, expected, atol=2e-3)  # 30 layers, two kernels, fp32 on both sides
