@@ -179,6 +179,11 @@ class RolloutConfig(_Section):
         "this when positive, multiplied when negative, before the temperature (1: off). The loss still scores the "
         "unpenalised distribution: the sampler/trainer gap grows with it.",
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings: a completion ends at the token that completes one of them in its text (that token "
+        "is kept and trained on, the stop string reaches the rewards; vLLM's token cut). Not truncated; no EOS follows.",
+    )
     batch_size: int = Field(
         0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
     )
@@ -187,6 +192,13 @@ class RolloutConfig(_Section):
         description="Draw each prompt's group from its own seed, so samples do not depend on the number of ranks "
         "(the hf engine then generates one prompt at a time).",
     )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, stop: list[str]) -> list[str]:
+        if any(not s for s in stop):
+            raise ValueError("rollout.stop: an empty stop string would end every completion at its first token")
+        return stop
 
     @model_validator(mode="after")
     def _min_p_alone(self):

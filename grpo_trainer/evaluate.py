@@ -172,7 +172,7 @@ def evaluate_model(
     if task is None:
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
-    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
+    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                       share_prompt=cfg.model.share_prompt, full_parameters=full_parameters)
     device = next(lm.parameters()).device
     prompts_total = len(task)

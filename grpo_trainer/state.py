@@ -165,6 +165,7 @@ def build_run(cfg: Config) -> Run:
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
         get_model=lambda: accelerator.unwrap_model(policy).lm,
         pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,

@@ -241,3 +241,19 @@ def decode_logits(model, prompts: list[list[int]], continuations: list[list[int]
             seen.append(logits)
             position = position + 1
     return seen
+
+
+def assert_stopped_where_vllm_stops(decode, completion: list[int], truncated: bool, stop: list[str], eos: int,
+                                    max_length: int) -> bool:
+    """Check one completion against the stop-string rule by brute force (whole prefixes decoded, no window):
+    it ends on the first token whose prefix text holds a stop string, else on EOS or at `max_length`.
+    Returns whether it stopped on a stop string."""
+    for length in range(1, len(completion) + 1):
+        if completion[length - 1] == eos:
+            break
+        if any(s in decode(completion[:length]) for s in stop):
+            assert length == len(completion), f"ran past the stop string: {decode(completion)!r}"
+            assert not truncated, "a completion that stopped on a stop string is not truncated"
+            return True
+    assert (completion[-1] == eos) != truncated and (truncated == (len(completion) == max_length) or not truncated)
+    return False

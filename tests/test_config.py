@@ -188,3 +188,13 @@ def test_min_p_with_top_p_or_top_k_is_refused_naming_the_keys():
     for other in ("rollout.top_p=0.9", "rollout.top_k=20"):
         with pytest.raises(ConfigError, match="rollout.min_p cannot be combined with rollout.top_p or rollout.top_k"):
             load_config("configs/demo_cpu.yaml", ["rollout.min_p=0.1", other])
+
+
+def test_stop_strings_load_and_an_empty_one_is_refused():
+    from grpo_trainer.config import load_config
+    from grpo_trainer.errors import ConfigError
+
+    stop = load_config("configs/demo_cpu.yaml", [r'rollout.stop=["</answer>", "\n\n"]']).rollout.stop
+    assert stop == ["</answer>", "\n\n"]  # YAML's escapes: two newlines
+    with pytest.raises(ConfigError, match="rollout.stop: an empty stop string"):
+        load_config("configs/demo_cpu.yaml", ['rollout.stop=["a", ""]'])

@@ -204,3 +204,49 @@ def test_decode_kernels_compute_what_the_model_computes_and_restore_it(tiny_mode
     with pytest.raises(RuntimeError), decode_kernels(lm):
         raise RuntimeError("a failure inside the loop")
     assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------- stop strings
+
+
+def test_stop_strings_cut_on_the_token_that_completes_them():
+    """By hand, with multi-character tokens: the cut is the token in whose text the stop string ends (across
+    token boundaries, or inside a token with text after it), as vLLM cuts token ids."""
+    from grpo_trainer.rollout.stop import StopStrings
+
+    vocab = ["a", "b</", "tool", "_call>", "x", "</tool_call>y", "<", "/tool_call>"]
+    stop = StopStrings(["</tool_call>"], lambda ids: "".join(vocab[i] for i in ids))
+    assert stop.cut([0, 1, 2, 3, 4]) == 4  # "b</" + "tool" + "_call>": the third token completes it
+    assert stop.cut([0, 4, 5, 0]) == 3  # completed inside one token that carries more text
+    assert stop.cut([6, 7]) == 2 and stop.cut([0] * 100 + [6, 7, 4]) == 102  # the window is long enough
+    assert stop.cut([0, 1, 2, 4]) is None and stop.cut([]) is None
+    assert not stop.completes_stop([6, 7, 4])  # already complete before the newest token: not new
+    two = StopStrings(["x", "tool"], lambda ids: "".join(vocab[i] for i in ids))
+    assert two.cut([0, 2, 4]) == 2  # the earliest of several stop strings wins
+    with pytest.raises(ValueError, match="empty"):
+        StopStrings([""], lambda ids: "")
+
+
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared-prompt", "full"])
+def test_hf_engine_ends_completions_on_stop_strings(tiny_model_path, share_prompt):
+    """rollout.stop in the hf engine: every completion ends on the token that completes its first stop string
+    (the tiny model writes "7+5=\\boxed{12}" or "\\boxed{9}": "=" and the three-token "xed" both occur), and one
+    that stopped so is not truncated. tests/test_vllm.py holds vLLM to the same rule."""
+    from helpers import assert_stopped_where_vllm_stops
+
+    tokenizer = load_tokenizer(ModelConfig())
+    lm = load_causal_lm(ModelConfig())
+    prompt_ids = _chat_prompts(tokenizer, ["What is 1+2?", "What is 3+4?", "What is 5+5?"])
+    stop = ["=", "xed"]
+    settings = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=16, stop=tuple(stop))
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id)
+    engine = HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=share_prompt,
+                      tokenizer=tokenizer)
+    torch.manual_seed(0)
+    rollout = engine.generate(prompt_ids, 8)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    stopped = [assert_stopped_where_vllm_stops(decode, c, t, stop, tokenizer.eos_token_id, 16)
+               for c, t in zip(rollout.completion_ids, rollout.truncated)]
+    ends = {decode(c)[-3:] for c, s in zip(rollout.completion_ids, stopped) if s}
+    assert any(e.endswith("=") for e in ends) and "xed" in ends  # both stop strings fired

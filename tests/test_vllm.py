@@ -393,6 +393,39 @@ def test_repetition_penalty_is_the_same_penalty_in_both_engines(engine, model_di
 # ---------------------------------------------------------------------------- the real model
 
 
+def test_stop_strings_end_completions_on_the_same_token_in_both_engines(engine, model_dir):
+    """rollout.stop: vLLM and the hf engine both end a completion on the token whose prefix text first holds a
+    stop string (checked by brute-force decoding, tests/helpers.py), keep that token, and do not flag it truncated.
+    The stop strings are the commonest character of this random model's own samples and "|>", which ends
+    inside the text of its special tokens (<|im_start|>, <|unk|>), so both fire."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.rollout.hf import HFEngine
+    from helpers import assert_stopped_where_vllm_stops
+
+    lm = load_lm(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    engine.sync_weights(lm)
+    characters = Counter("".join(tokenizer.batch_decode(engine.generate(PROMPTS, 4).completion_ids, skip_special_tokens=True)))
+    stop = [characters.most_common(1)[0][0], "|>"]
+    hf = HFEngine(SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE,
+                                   stop=tuple(stop)), get_model=lambda: lm, pad_token_id=0, tokenizer=tokenizer)
+    engine.stop = stop
+    try:
+        with_vllm = engine.generate(PROMPTS, 4)
+    finally:
+        engine.stop = []
+    torch.manual_seed(0)
+    for rollout in (with_vllm, hf.generate(PROMPTS, 4)):
+        stopped = [assert_stopped_where_vllm_stops(decode, c, t, stop, EOS, MAX_LEN)
+                   for c, t in zip(rollout.completion_ids, rollout.truncated)]
+        assert sum(stopped) >= 4  # the rule was exercised, not just EOS and the length limit
+    assert all(len(lp) == len(c) for lp, c in zip(with_vllm.sampling_logprobs, with_vllm.completion_ids))
+
+
 def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transformers_scores(tmp_path):
     """(Last in the file: closing a second in-process vLLM engine tears down vLLM's process-wide parallel
     state, which the module's `engine` needs.) SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention runs): one full-parameter step through

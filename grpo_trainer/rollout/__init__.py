@@ -47,6 +47,7 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
+    stop: tuple[str, ...] = ()  # stop strings (stop.py): a completion ends on the token that completes one
     batch_size: int = 0  # prompts per generate call (0: all at once)
 
 
@@ -80,6 +81,7 @@ def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings
         top_k=r.top_k,
         min_p=r.min_p,
         repetition_penalty=r.repetition_penalty,
+        stop=tuple(r.stop),
         batch_size=r.batch_size,
     )
 
@@ -90,17 +92,19 @@ def build_engine(
     *,
     get_model: Callable[[], torch.nn.Module],
     pad_token_id: int,
+    tokenizer=None,
     full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
     rank: int = 0,
     is_main_process: bool = True,
 ) -> RolloutEngine:
-    """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank)."""
+    """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
+    the tokenizer, which the `hf` engine needs for stop strings)."""
     name = cfg.rollout.engine
     if name == "hf":
         from .hf import HFEngine
 
         return HFEngine(
-            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt,
+            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
             full_parameters=full_parameters or (lambda model: contextlib.nullcontext()),
         )
     seed = cfg.seed + rank  # ranks must not share a random stream

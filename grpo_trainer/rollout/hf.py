@@ -14,8 +14,9 @@ these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
 multinomial draw per row), so for one prompt and G = 1 the two give the same
 tokens from the same seed (tested; in a batch the random streams part ways once
 rows finish). The repetition penalty counts a row's prompt tokens, not its
-left padding (as vLLM, which pads nothing; `generate` would penalise the pad token). Neither takes sampling
-settings from the checkpoint's generation config. Without `share_prompt` it
+left padding (as vLLM, which pads nothing; `generate` would penalise the pad token). Stop strings
+(`rollout.stop`) end a completion on the token vLLM ends it on (stop.py). Neither takes sampling settings
+from the checkpoint's generation config. Without `share_prompt` it
 calls `model.generate` with the prompts repeated G times.
 """
 
@@ -29,6 +30,7 @@ import torch
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
 from .decode import decode_kernels, reserve_room
+from .stop import StopStrings
 
 
 class HFEngine:
@@ -41,6 +43,7 @@ class HFEngine:
         pad_token_id: int,
         share_prompt: bool = True,
         full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+        tokenizer=None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
@@ -52,6 +55,11 @@ class HFEngine:
                              min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty)
         self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
+        self.stop: StopStrings | None = None
+        if sampling.stop:
+            if tokenizer is None:
+                raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
+            self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: this engine samples from the training model itself."""
@@ -110,26 +118,32 @@ class HFEngine:
             occurred.scatter_add_(1, ids, mask.to(torch.int32))
             occurred = (occurred > 0)[rows]
         with decode_kernels(model):
-            tokens = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred)
-        eos_set = set(self.eos_token_ids)
-        truncated = [not t or t[-1] not in eos_set for t in tokens]
-        return tokens, truncated
+            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred)
+        return tokens, [not done for done in finished]
 
     def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor,
-                       occurred: torch.Tensor | None) -> list[list[int]]:
+                       occurred: torch.Tensor | None) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
-        `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty)."""
+        `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
+        Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit."""
         next_position = mask.sum(-1)  # [B]
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         tokens: list[list[int]] = [[] for _ in range(len(logits))]
+        finished = [False] * len(logits)
         live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
         for step in range(self.max_completion_length):
             nxt = sample_next_token(logits, **self.sampling, occurred=occurred)  # [live]
             if occurred is not None:
                 occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
-            for row, token in zip(live.tolist(), nxt.tolist()):
-                tokens[row].append(token)
             going = ~torch.isin(nxt, eos)
+            flags = going.tolist()
+            for i, (row, token) in enumerate(zip(live.tolist(), nxt.tolist())):
+                tokens[row].append(token)
+                if flags[i] and self.stop is not None and self.stop.completes_stop(tokens[row]):
+                    flags[i] = False
+                finished[row] = not flags[i]
+            if self.stop is not None:
+                going = torch.tensor(flags, device=going.device)
             if step == self.max_completion_length - 1 or not going.any():
                 break
             if not going.all():  # finished rows leave the batch: no more compute spent on padding
@@ -141,7 +155,7 @@ class HFEngine:
             logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
             next_position = next_position + 1
-        return tokens
+        return tokens, finished
 
     def _generate_batch(self, model, prompts: list[list[int]], g: int):
         from transformers import GenerationConfig
@@ -169,8 +183,10 @@ class HFEngine:
             tokens = new_tokens[row].tolist()
             hits = torch.isin(new_tokens[row], eos).nonzero()
             length = int(hits[0]) + 1 if len(hits) else len(tokens)  # keep the EOS: it is trained on too
-            completions.append(tokens[:length])
-            truncated.append(not len(hits))
+            # A stop string ends the completion where the token-by-token loop would have stopped it.
+            stop_length = self.stop.cut(tokens[:length]) if self.stop is not None else None
+            completions.append(tokens[: stop_length or length])
+            truncated.append(not len(hits) and stop_length is None)
         return completions, truncated
 
 

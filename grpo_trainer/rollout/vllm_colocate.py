@@ -8,8 +8,10 @@ it, and after every optimizer step receives the trainer's weights in place
 - Prompts go in as token ids (`TokensPrompt`), so the chat template is applied
   once, by the trainer, exactly as for the `hf` engine.
 - Sampling: one request per prompt with `n = G`; `stop_token_ids` are the
-  trainer's EOS ids. A completion that stopped on EOS keeps that token (it is
-  trained on too); one that hit `max_completion_length` is marked truncated.
+  trainer's EOS ids, `stop` the config's stop strings. A completion that stopped
+  on EOS keeps that token (it is trained on too), one that stopped on a stop
+  string the token that completed it; one that hit `max_completion_length` is
+  marked truncated.
 - Log-probs: the engine is started with `logprobs_mode="processed_logprobs"`, so
   the log-prob vLLM reports for each sampled token is that of the distribution it
   was drawn from, after temperature (and after top-k/top-p). With top_p=1 and
@@ -77,7 +79,8 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
             if hits:  # keep the first EOS, drop anything after it
                 ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
             completions.append(ids)
-            truncated.append(not hits)
+            # A stop string (rollout.stop) ends a completion without EOS: vLLM keeps the token that completed it.
+            truncated.append(not hits and out.finish_reason != "stop")
             logprobs.append(lps)
     return completions, truncated, logprobs
 
@@ -114,6 +117,7 @@ class VLLMColocateEngine:
         self.max_completion_length = sampling.max_completion_length
         self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
         self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
+        self.stop = list(sampling.stop)
         self.seed = seed
         self.return_logprobs = return_logprobs
         self.batch_size = sampling.batch_size
@@ -162,10 +166,11 @@ class VLLMColocateEngine:
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             stop_token_ids=self.eos_token_ids,
+            stop=self.stop or None,
             logprobs=0 if self.return_logprobs else None,
             seed=seed,
             skip_special_tokens=False,
-            detokenize=False,
+            detokenize=bool(self.stop),  # stop strings are found in the text; without them no text is needed
         )
 
     @torch.no_grad()

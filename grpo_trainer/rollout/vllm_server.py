@@ -78,6 +78,7 @@ class VLLMServerEngine:
         self.max_completion_length = sampling.max_completion_length
         self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
         self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
+        self.stop = list(sampling.stop)
         self.seed = seed
         self.timeout = settings.timeout
         self.weight_sync = settings.weight_sync
@@ -165,6 +166,7 @@ class VLLMServerEngine:
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": self.eos_token_ids,
+            "stop": self.stop,
             "skip_special_tokens": False,
         }
         if seed is not None:
@@ -206,7 +208,7 @@ class VLLMServerEngine:
                     if hits:
                         ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
                     completions.append(ids)
-                    truncated.append(not hits)
+                    truncated.append(not hits and choice.get("finish_reason") != "stop")  # "stop": a stop string
                     logprobs.append(lps)
         return Rollout(completion_ids=completions, truncated=truncated, sampling_logprobs=logprobs)
 
