@@ -1,6 +1,7 @@
 """Phase 3, batches: this rank's completions as micro-batches of padded tensors -> `TrainBatch`.
 
-CPU only and free of models, so it is tested directly. Two masks meet here:
+CPU only and free of models, so it is tested directly. The loss mask is the completion's tokens, less the
+tool output of a multi-turn completion (`Rollout.completion_mask`). Two more masks meet here:
 `mask_truncated_completions` (DAPO) zeroes completions that hit the length limit,
 and, when skipping is exact (beta = 0 and a loss whose normaliser does not count
 the tokens present in a micro-batch: `LossVariant.exact_zero_advantage_skip`),
@@ -77,7 +78,7 @@ def build_train_batch(
 ) -> TrainBatch:
     """prompt_ids[j] is the prompt completion j continues; advantages [local_n], one per completion, G per group."""
     local_n = len(rollout.completion_ids)
-    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+    lengths = torch.tensor(rollout.model_tokens(), dtype=torch.float32)  # tool output (multi-turn) is not counted
     keep = torch.ones(local_n)
     if mask_truncated:
         keep = 1.0 - torch.tensor(rollout.truncated, dtype=torch.float32)
@@ -94,10 +95,13 @@ def build_train_batch(
             sampled = None
             if rollout.sampling_logprobs is not None:
                 sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
+            mask = batch.completion_mask
+            if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
+                mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
             micro_batches.append(
                 MicroBatch(
                     sequences=batch.tensors(),
-                    mask=batch.completion_mask * row_weight[idx, None],  # [mb, C]
+                    mask=mask * row_weight[idx, None],  # [mb, C]
                     advantages=advantages[idx],  # [mb]
                     sampling_logp=sampled,
                     mini_batch=k,

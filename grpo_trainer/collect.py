@@ -29,7 +29,7 @@ import torch
 from .advantages import group_advantages
 from .metrics import PhaseTimer
 from .rewards import RewardBatch, reward_statistics
-from .rollout import Rollout
+from .rollout import Rollout, mix_seed
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -46,6 +46,7 @@ class ScoredBatch:
     # policy does, not the filtered batch), and how many rounds and groups it took.
     sampling_stats: dict[str, float] = field(default_factory=dict)
     per_function: torch.Tensor | None = None  # [world * P * G, R] each reward's value (loss.reward_aggregation)
+    tool_metrics: dict[str, float] = field(default_factory=dict)  # rollout.tools: calls, errors, turns over all ranks
 
     @property
     def prompt_rows(self) -> list[int]:
@@ -63,7 +64,7 @@ def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
     per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
     return ScoredBatch(indices, rollout, rewards, {**scores.metrics, **reward_statistics(run.task.rewards, per_function)},
-                       per_function=per_function)
+                       per_function=per_function, tool_metrics=tool_metrics(run.comm, rollout))
 
 
 def _next_prompts(run) -> list[int]:
@@ -79,16 +80,11 @@ def _sample_and_score(run, indices: list[int], step: int, draw: int, timer: Phas
             first = run.geometry.rank * run.geometry.prompts_per_rank
             seeds = [mix_seed(run.cfg.seed, step, draw, first + j) for j in range(len(indices))]
         rollout = run.engine.generate(run.task.prompt_ids(indices), g, seeds=seeds)
+    if rollout.tool_calls is not None:  # part of the rollout's time, shown on its own
+        timer.seconds["timing/tools"] = timer.seconds.get("timing/tools", 0.0) + rollout.tool_seconds
     with timer.phase("timing/reward"):
-        scores = run.task.score([i for i in indices for _ in range(g)], rollout.completion_ids)
+        scores = run.task.score([i for i in indices for _ in range(g)], rollout)
     return rollout, scores
-
-
-def mix_seed(*parts: int) -> int:
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + part) % (2**63)
-    return value
 
 
 @dataclass
@@ -96,9 +92,7 @@ class Group:
     """One prompt's G completions and their rewards, as they travel between ranks under dynamic sampling."""
 
     prompt_index: int
-    completion_ids: list[list[int]]
-    truncated: list[bool]
-    sampling_logprobs: list[list[float]] | None
+    rollout: Rollout  # its G completions
     rewards: list[float]  # total per completion (NaN = no opinion)
     per_function: list[list[float]]  # [G, R]
 
@@ -109,11 +103,9 @@ class Group:
 
 
 def _groups(indices: list[int], rollout: Rollout, scores: RewardBatch, g: int) -> list[Group]:
-    rows = lambda values, j: None if values is None else values[j * g : (j + 1) * g]  # noqa: E731
     totals, per_function = scores.total.tolist(), scores.per_function.tolist()
     return [
-        Group(p, rows(rollout.completion_ids, j), rows(rollout.truncated, j), rows(rollout.sampling_logprobs, j),
-              rows(totals, j), rows(per_function, j))
+        Group(p, rollout.select(list(range(j * g, (j + 1) * g))), totals[j * g : (j + 1) * g], per_function[j * g : (j + 1) * g])
         for j, p in enumerate(indices)
     ]
 
@@ -144,12 +136,7 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
         )
     batch = (kept + degenerate[:short])[:target]
     mine = run.geometry.my_prompts(batch)
-    with_logprobs = mine[0].sampling_logprobs is not None
-    rollout = Rollout(
-        completion_ids=[c for grp in mine for c in grp.completion_ids],
-        truncated=[t for grp in mine for t in grp.truncated],
-        sampling_logprobs=[lp for grp in mine for lp in grp.sampling_logprobs] if with_logprobs else None,
-    )
+    rollout = Rollout.concat([grp.rollout for grp in mine])
     first_rewards = torch.tensor([r for grp in first_round for r in grp.rewards])
     first_per_function = torch.tensor([row for grp in first_round for row in grp.per_function])
     _, first_stats = group_advantages(first_rewards, g, "none")
@@ -167,4 +154,19 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
         reward_metrics={**counters, **reward_statistics(run.task.rewards, first_per_function)},
         sampling_stats=sampling_stats,
         per_function=torch.tensor([row for grp in batch for row in grp.per_function]),
+        tool_metrics=tool_metrics(run.comm, rollout),
     )
+
+
+def tool_metrics(comm, rollout: Rollout) -> dict[str, float]:
+    """Per completion, over all ranks: tool calls, failed calls, model turns; and the share that called a tool."""
+    if rollout.tool_calls is None:
+        return {}
+    counts = comm.gather(torch.tensor([rollout.tool_calls, rollout.tool_errors, rollout.turns], dtype=torch.float32).T)
+    calls, errors, turns = counts.T
+    return {
+        "tools/calls_per_completion": float(calls.mean()),
+        "tools/errors_per_completion": float(errors.mean()),
+        "tools/turns_per_completion": float(turns.mean()),
+        "tools/frac_completions_calling": float((calls > 0).float().mean()),
+    }

@@ -43,6 +43,7 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
         **step_metrics,
         **batch.metrics,
         **scored.reward_metrics,
+        **scored.tool_metrics,
         **extra,
     }
 

@@ -32,6 +32,7 @@ from .preflight import run_preflight
 from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, build_engine, sampling_settings
+from .rollout.tools import build_toolbox
 from .task import Task, load_task
 
 logger = logging.getLogger("grpo_trainer")
@@ -157,7 +158,9 @@ def build_run(cfg: Config) -> Run:
     set_seed(cfg.seed)  # identical on every rank: same random inits
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     lm = load_causal_lm(cfg.model)
-    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype)
+    toolbox = build_toolbox(cfg.rollout)
+    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
+                     tools=toolbox and toolbox.schemas)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm)
     reference = _reference(cfg, accelerator, lm)
     engine = build_engine(
@@ -169,6 +172,7 @@ def build_run(cfg: Config) -> Run:
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
+        toolbox=toolbox,
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
     eval_task = None

@@ -17,6 +17,7 @@ from .config import DataConfig, RewardConfig
 from .data import PromptSet, build_prompt_set, is_conversational, load_records
 from .errors import DataError
 from .rewards import STANDARD_ARGS, Reward, RewardBatch, compute_rewards, load_rewards
+from .rollout import Rollout
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -36,31 +37,41 @@ class Task:
     def prompt_ids(self, indices: list[int]) -> list[list[int]]:
         return [self.prompts.token_ids[i] for i in indices]
 
-    def score(self, prompt_rows: list[int], completion_ids: list[list[int]]) -> RewardBatch:
-        """Rewards of completion j, which continues prompt `prompt_rows[j]`."""
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    def score(self, prompt_rows: list[int], rollout: Rollout) -> RewardBatch:
+        """Rewards of completion j, which continues prompt `prompt_rows[j]`.
+
+        A multi-turn completion (rollout.tools) reaches the rewards as its messages, whatever the prompt's form,
+        with its tool-call count as `tool_calls`."""
+        columns = self.prompts.reward_columns(prompt_rows, self.answer_column)
+        if rollout.conversations is not None:
+            completions: list[Any] = rollout.conversations
+            columns = {**columns, "tool_calls": rollout.tool_calls}
+        else:
+            texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         return compute_rewards(
             self.rewards,
             prompts=[self.prompts.records[i][self.prompt_column] for i in prompt_rows],
-            completions=[[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts,
-            completion_ids=completion_ids,
-            columns=self.prompts.reward_columns(prompt_rows, self.answer_column),
+            completions=completions,
+            completion_ids=rollout.completion_ids,
+            columns=columns,
         )
 
 
 def load_task(
     data: DataConfig, rewards: list[RewardConfig], tokenizer, max_context: int | None, split: str | None = None,
-    policy_dtype: str = "float32",
+    policy_dtype: str = "float32", tools: list[dict[str, Any]] | None = None,
 ) -> Task:
     """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training.
 
-    `policy_dtype` (the policy's model.dtype) is the dtype of reward models whose own `dtype` is `auto`.
+    `policy_dtype` (the policy's model.dtype) is the dtype of reward models whose own `dtype` is `auto`;
+    `tools` (rollout.tools' schemas) are shown to the model through the chat template.
     """
     records = load_records(data, split=split)
     reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)
     records = rows_every_reward_can_score(records, reward_fns, data)
     return Task(
-        prompts=build_prompt_set(data, tokenizer, records, max_context),
+        prompts=build_prompt_set(data, tokenizer, records, max_context, tools),
         rewards=reward_fns,
         tokenizer=tokenizer,
         prompt_column=data.prompt_column,

@@ -12,12 +12,15 @@ def completion_text(completion: Any) -> str:
 
     TRL passes plain strings for standard datasets and message lists
     (``[{"role": "assistant", "content": ...}]``) for conversational ones; for
-    the latter the reply is the content of the last message.
+    the latter the reply is the content of the last assistant message (in a
+    multi-turn completion, never a tool's output: a program the model ran must
+    not be able to print the answer that is graded).
     """
     if isinstance(completion, str):
         return completion
     if isinstance(completion, (list, tuple)) and completion:
-        last = completion[-1]
+        replies = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        last = replies[-1] if replies else completion[-1]
         if isinstance(last, dict):
             content = last.get("content", "")
             if isinstance(content, list):  # multimodal-style parts: keep the text parts

@@ -97,12 +97,14 @@ def _cli_child(args: list[str], env: dict, stdout_path: str, stderr_path: str) -
     os._exit(code)
 
 
-def assert_same_update(base: dict, a: dict, b: dict, rel: float = 1e-3) -> None:
+def assert_same_update(base: dict, a: dict, b: dict, rel: float = 3e-3) -> None:
     """Two runs from the same weights `base` took the same optimizer steps: per tensor, the difference of
     their final weights is within `rel` of the size of the update itself.
 
     Not elementwise: Adam divides each gradient by its own running scale, so where a gradient is ~0, float
     noise (which depends on how rows are grouped into micro-batches and ranks) becomes a visible step.
+    Measured: at most 1.1e-3 of the update after 3 steps, DDP vs one process (an AMD EPYC host; below 1e-3 on
+    the machine before it); a real error (a gradient scaled or a row lost) is of the order of the update.
     """
     for name in b:
         update = (b[name] - base[name]).norm()

@@ -44,7 +44,8 @@ class FakeTask:
     def prompt_ids(self, indices):
         return [[i] for i in indices]
 
-    def score(self, prompt_rows, completion_ids):
+    def score(self, prompt_rows, rollout):
+        completion_ids = rollout.completion_ids
         totals = [float(k % 2) if p % self.every == 0 else 1.0 for p, k in completion_ids]
         total = torch.tensor(totals)
         return RewardBatch(per_function=total[:, None], total=total, metrics={"rewards/x/fast_path": float(len(totals))})

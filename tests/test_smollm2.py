@@ -60,7 +60,7 @@ def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
     seen = []
     task.rewards[0].fn, original = (lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)), task.rewards[0].fn
     try:
-        task.score([0, 0, 0, 0, 1, 1, 1, 1], rollout.completion_ids)
+        task.score([0, 0, 0, 0, 1, 1, 1, 1], rollout)
     finally:
         task.rewards[0].fn = original
     assert seen == tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)

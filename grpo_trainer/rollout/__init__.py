@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .tools import ToolBox
 
 
 @dataclass
@@ -34,6 +35,34 @@ class Rollout:
     # Per-token log-probs under the sampler, when the engine reports them (for the
     # sampler/trainer mismatch metric and truncated importance sampling); same lengths as completion_ids.
     sampling_logprobs: list[list[float]] | None = None
+    # Multi-turn rollouts (rollout.tools, multi_turn.py) only; None otherwise.
+    completion_mask: list[list[int]] | None = None  # 1 on tokens the model wrote, 0 on tool output: no loss there
+    conversations: list[list[dict[str, Any]]] | None = None  # each completion as messages, for the rewards
+    tool_calls: list[int] | None = None  # tool calls per completion
+    tool_errors: list[int] | None = None  # of which failed (malformed, unknown tool, error, timeout)
+    turns: list[int] | None = None  # model turns per completion
+    tool_seconds: float = 0.0  # wall time spent running tools on this rank
+
+    PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
+                      "tool_calls", "tool_errors", "turns")
+
+    def select(self, rows: list[int]) -> Rollout:
+        """The given completions, every per-completion field alike (tool seconds are not split)."""
+        picked = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
+                  for name in self.PER_COMPLETION}
+        return Rollout(**picked)
+
+    @classmethod
+    def concat(cls, parts: list[Rollout]) -> Rollout:
+        joined = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
+                  for name in cls.PER_COMPLETION}
+        return cls(**joined, tool_seconds=sum(p.tool_seconds for p in parts))
+
+    def model_tokens(self) -> list[int]:
+        """Tokens the model wrote in each completion: what the loss is over (tool output excluded)."""
+        if self.completion_mask is None:
+            return [len(c) for c in self.completion_ids]
+        return [sum(m) for m in self.completion_mask]
 
 
 @dataclass(frozen=True)
@@ -54,9 +83,11 @@ class SamplingSettings:
 class RolloutEngine(Protocol):
     needs_weight_sync: bool  # False when the engine samples from the training model itself
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 max_tokens: int | None = None) -> Rollout:
         """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
-        result does not depend on batching or on how prompts are split over ranks."""
+        result does not depend on batching or on how prompts are split over ranks. `max_tokens` lowers the
+        length limit for this call (multi-turn rollouts continue conversations within what is left)."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the sampler use the trainer's current weights (called only when needs_weight_sync)."""
@@ -69,6 +100,14 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release processes and memory; the engine is not used afterwards."""
+
+
+def mix_seed(*parts: int) -> int:
+    """One seed from several integers (a seed, a step, a position...), the same on every machine."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + part) % (2**63)
+    return value
 
 
 def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings:
@@ -96,9 +135,20 @@ def build_engine(
     full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
     rank: int = 0,
     is_main_process: bool = True,
+    toolbox: ToolBox | None = None,
 ) -> RolloutEngine:
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
-    the tokenizer, which the `hf` engine needs for stop strings)."""
+    the tokenizer, which the `hf` engine needs for stop strings); with a `toolbox` (rollout.tools), wrapped in
+    the multi-turn loop (multi_turn.py)."""
+    engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
+                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process)
+    from .multi_turn import with_tools
+
+    return with_tools(engine, toolbox, tokenizer, cfg, sampling)
+
+
+def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
+             is_main_process) -> RolloutEngine:
     name = cfg.rollout.engine
     if name == "hf":
         from .hf import HFEngine

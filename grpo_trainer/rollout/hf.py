@@ -74,8 +74,10 @@ class HFEngine:
         """Nothing held."""
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 max_tokens: int | None = None) -> Rollout:
         model = self.get_model()
+        limit = max_tokens or self.max_completion_length
         was_training = model.training
         model.eval()
         use_cache = model.config.use_cache
@@ -91,7 +93,7 @@ class HFEngine:
                         if seeds is not None:
                             torch.manual_seed(seeds[start])
                         generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
-                        c, t = generate(model, prompt_ids[start : start + step], num_generations)
+                        c, t = generate(model, prompt_ids[start : start + step], num_generations, limit)
                     completions += c
                     truncated += t
         finally:
@@ -104,13 +106,13 @@ class HFEngine:
         ids, mask = left_padded(prompts, self.pad_token_id)
         return ids.to(device), mask.to(device)
 
-    def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int):
+    def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int, limit: int):
         """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
         ids, mask = self._left_padded(model, prompts)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
         rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
         cache = out.past_key_values
-        reserve_room(cache, self.max_completion_length)  # new tokens are written in place, not concatenated
+        reserve_room(cache, limit)  # new tokens are written in place, not concatenated
         cache.reorder_cache(rows)
         occurred = None
         if self.sampling["repetition_penalty"] != 1.0:  # which tokens each row has seen: its prompt's, not padding
@@ -118,11 +120,11 @@ class HFEngine:
             occurred.scatter_add_(1, ids, mask.to(torch.int32))
             occurred = (occurred > 0)[rows]
         with decode_kernels(model):
-            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred)
+            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred, limit)
         return tokens, [not done for done in finished]
 
     def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor,
-                       occurred: torch.Tensor | None) -> tuple[list[list[int]], list[bool]]:
+                       occurred: torch.Tensor | None, limit: int) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
         Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit."""
@@ -131,7 +133,7 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(len(logits))]
         finished = [False] * len(logits)
         live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
-        for step in range(self.max_completion_length):
+        for step in range(limit):
             nxt = sample_next_token(logits, **self.sampling, occurred=occurred)  # [live]
             if occurred is not None:
                 occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
@@ -144,7 +146,7 @@ class HFEngine:
                 finished[row] = not flags[i]
             if self.stop is not None:
                 going = torch.tensor(flags, device=going.device)
-            if step == self.max_completion_length - 1 or not going.any():
+            if step == limit - 1 or not going.any():
                 break
             if not going.all():  # finished rows leave the batch: no more compute spent on padding
                 keep = going.nonzero().squeeze(-1)
@@ -157,7 +159,7 @@ class HFEngine:
             next_position = next_position + 1
         return tokens, finished
 
-    def _generate_batch(self, model, prompts: list[list[int]], g: int):
+    def _generate_batch(self, model, prompts: list[list[int]], g: int, limit: int):
         from transformers import GenerationConfig
 
         ids, mask = self._left_padded(model, prompts)
@@ -165,7 +167,7 @@ class HFEngine:
         # config (Qwen2.5-Instruct ships top_k 20 and repetition_penalty 1.05), which would change the
         # distribution the completions are drawn from. So the checkpoint's is swapped out for the call.
         config = GenerationConfig(
-            max_new_tokens=self.max_completion_length,
+            max_new_tokens=limit,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             num_return_sequences=g,  # rows come out grouped: prompt 0 x G, prompt 1 x G, ...

@@ -150,7 +150,7 @@ class VLLMColocateEngine:
         self.llm = LLM(**kwargs)
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self, n: int, prompt_index: int, seed: int | None = None):
+    def _sampling_params(self, n: int, prompt_index: int, seed: int | None = None, max_tokens: int | None = None):
         from vllm import SamplingParams
 
         # Reproducible, yet different for every call and every prompt (vLLM gives the
@@ -159,7 +159,7 @@ class VLLMColocateEngine:
             seed = ((self.seed * 1_000_003 + self._calls) * 1_000_003 + prompt_index * n) % (1 << 62)
         return SamplingParams(
             n=n,
-            max_tokens=self.max_completion_length,
+            max_tokens=max_tokens or self.max_completion_length,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else 0,
@@ -174,7 +174,8 @@ class VLLMColocateEngine:
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 max_tokens: int | None = None) -> Rollout:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
@@ -186,7 +187,8 @@ class VLLMColocateEngine:
             chunk = prompt_ids[start : start + step]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in chunk]
             params = [
-                self._sampling_params(num_generations, start + i, None if seeds is None else seeds[start + i] % (1 << 62))
+                self._sampling_params(num_generations, start + i, None if seeds is None else seeds[start + i] % (1 << 62),
+                                      max_tokens)
                 for i in range(len(chunk))
             ]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)

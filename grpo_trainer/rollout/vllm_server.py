@@ -148,12 +148,12 @@ class VLLMServerEngine:
         return data[0]["id"]
 
     # ------------------------------------------------------------------ sampling
-    def _completion_body(self, prompts: list[list[int]], n: int, seed: int | None = None) -> dict:
+    def _completion_body(self, prompts: list[list[int]], n: int, seed: int | None = None, max_tokens: int | None = None) -> dict:
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": [list(p) for p in prompts],
             "n": n,
-            "max_tokens": self.max_completion_length,
+            "max_tokens": max_tokens or self.max_completion_length,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k if self.top_k > 0 else 0,
@@ -176,7 +176,8 @@ class VLLMServerEngine:
         return body
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 max_tokens: int | None = None) -> Rollout:
         step = self.batch_size or len(prompt_ids)
         completions: list[list[int]] = []
         truncated: list[bool] = []
@@ -193,7 +194,7 @@ class VLLMServerEngine:
             bodies = []
             for i, group in enumerate(groups):
                 prompt_seed = seeds[start + i] if seeds is not None else None
-                bodies.append(self._completion_body(group, num_generations, prompt_seed))
+                bodies.append(self._completion_body(group, num_generations, prompt_seed, max_tokens))
                 self._calls += 1
             with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
                 responses = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
