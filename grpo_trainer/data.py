@@ -129,8 +129,10 @@ class PromptSet:
         return columns
 
 
-def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], context_length: int | None) -> PromptSet:
-    """Check the columns, format every prompt and tokenize it; fail before training on any bad record."""
+def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], context_length: int | None,
+                     tools: list[dict[str, Any]] | None = None) -> PromptSet:
+    """Check the columns, format every prompt and tokenize it; fail before training on any bad record.
+    `tools` (JSON schemas, rollout.tools) reach the chat template as its `tools=` argument."""
     missing = [c for c in (cfg.prompt_column,) if c not in records[0]]
     if missing:
         raise DataError(
@@ -142,7 +144,9 @@ def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], 
             "data.use_chat_template is true but the tokenizer has no chat template: "
             "set data.chat_template to a Jinja template, or data.use_chat_template=false for plain-text prompts"
         )
-    texts = [format_prompt(cfg, tokenizer, r[cfg.prompt_column], i) for i, r in enumerate(records)]
+    if tools and not cfg.use_chat_template:
+        raise DataError("rollout.tools needs data.use_chat_template=true: tools are described through the chat template")
+    texts = [format_prompt(cfg, tokenizer, r[cfg.prompt_column], i, tools) for i, r in enumerate(records)]
     token_ids = [tokenizer(t, add_special_tokens=not cfg.use_chat_template)["input_ids"] for t in texts]
     limit = cfg.max_prompt_length or context_length
     if limit:
@@ -153,7 +157,7 @@ def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], 
     return PromptSet(records=records, texts=texts, token_ids=token_ids)
 
 
-def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int) -> str:
+def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int, tools: list[dict[str, Any]] | None = None) -> str:
     """One prompt (a string or a list of chat messages) as the text the model is given."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -170,7 +174,8 @@ def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int) -> str:
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + messages[0]["content"]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **cfg.chat_template_kwargs)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools or None,
+                                         **cfg.chat_template_kwargs)
 
 
 def is_conversational(records: list[dict[str, Any]], prompt_column: str) -> bool:
