@@ -20,9 +20,14 @@ from typing import Any
 from .config import DataConfig
 from .errors import DataError
 from .tiny import BUILTIN_PREFIX, arithmetic_records
+from .tiny_tools import multiplication_records
 from .word_problems import word_problem_records
 
-BUILTIN_TASKS = {"arithmetic": arithmetic_records, "word_problems": word_problem_records}  # name -> records(split)
+BUILTIN_TASKS = {  # name -> records(split)
+    "arithmetic": arithmetic_records,
+    "word_problems": word_problem_records,
+    "multiplication": multiplication_records,
+}
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 

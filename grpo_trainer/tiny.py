@@ -57,8 +57,8 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map `builtin:tiny` and `builtin:smollm2-135m-instruct` to their cached folders (building or fetching
-    them if needed); pass anything else through."""
+    """Map `builtin:tiny`, `builtin:tiny-tools` and `builtin:smollm2-135m-instruct` to their cached folders
+    (building or fetching them if needed); pass anything else through."""
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]
@@ -68,9 +68,13 @@ def resolve_model_path(name_or_path: str) -> str:
 
     if name == smollm2.NAME:
         return str(smollm2.ensure_smollm2(cache_dir()))
+    from . import tiny_tools
+
+    if name == tiny_tools.TINY_TOOLS_NAME:
+        return str(tiny_tools.ensure_tiny_tools_model())
     raise ValueError(
-        f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-ins are 'builtin:{TINY_NAME}' "
-        f"and 'builtin:{smollm2.NAME}'"
+        f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-ins are 'builtin:{TINY_NAME}', "
+        f"'builtin:{tiny_tools.TINY_TOOLS_NAME}' and 'builtin:{smollm2.NAME}'"
     )
 
 
