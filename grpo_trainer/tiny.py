@@ -29,13 +29,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 TINY_NAME = "tiny"
 # Bump when the recipe below changes, so stale caches are not reused.
-TINY_VERSION = 2
+TINY_VERSION = 3
 SFT_STEPS = 1000
 WORKED_SHARE = 0.25  # share of warm-start completions that work the sum out (see the module docstring)
 
@@ -123,11 +125,34 @@ def ensure_tiny_model() -> Path:
             return target
         staging = Path(tempfile.mkdtemp(prefix=".tiny-building-", dir=target.parent))
         try:
-            build_tiny_model(staging)
+            build_canonically("grpo_trainer.tiny:build_tiny_model", staging)
             staging.rename(target)  # atomic: a crash mid-build leaves no half-built model behind
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# The build's float arithmetic, made the same on every x86 machine with AVX2: ATen's AVX2 kernels even where
+# AVX-512 is there (the two sum in different orders), MKL's bitwise-reproducible AVX2 mode, one thread, no
+# oneDNN. Built plainly, the weights differed between ATen's AVX2 and AVX-512 kernels on one machine, and so
+# did every number of the demo; built so, they are identical under MKL's AVX-512 and AVX2 code paths and
+# with 1 or 2 threads (tests/test_tiny.py). A child process, since these settings are read when torch starts.
+# (Fully portable settings, ATen's scalar kernels and MKL_CBWR=COMPATIBLE, took 190 s instead of 125 s.)
+CANONICAL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def build_canonically(builder: str, folder: Path, **kwargs: int) -> None:
+    """Call `builder` ("module:function", which takes the folder and `kwargs`) in a child process with
+    `CANONICAL_ENV`, so the model it trains is the same on every machine."""
+    module, function = builder.split(":")
+    code = (
+        "import sys, torch; torch.set_num_threads(1); torch.backends.mkldnn.enabled = False; "
+        f"from pathlib import Path; from {module} import {function}; {function}(Path(sys.argv[1]), **{kwargs!r})"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(folder)], env={**os.environ, **CANONICAL_ENV},
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {builder} into {folder} failed:\n{result.stderr[-3000:]}")
 
 
 def build_tokenizer():
