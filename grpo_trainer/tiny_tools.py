@@ -51,11 +51,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .tiny import _make_tokenizer_config_portable, build_tokenizer, cache_dir, format_answer
+from .tiny import _make_tokenizer_config_portable, build_canonically, build_tokenizer, cache_dir, format_answer
 
 TINY_TOOLS_NAME = "tiny-tools"
 # Bump when the recipe below changes, so stale caches are not reused.
-TINY_TOOLS_VERSION = 1
+TINY_TOOLS_VERSION = 2
 TOOL_SHARE = 0.27  # share of warm-start first turns that call the tool (see the module docstring)
 SFT_STEPS = 400
 ROPE_THETA = 100.0  # sharper positional attention than Llama's 10000, for copying digits at fixed distances
@@ -152,7 +152,7 @@ def ensure_tiny_tools_model() -> Path:
         if not (target / "config.json").is_file():
             staging = Path(tempfile.mkdtemp(prefix=f".{TINY_TOOLS_NAME}-building-", dir=target.parent))
             try:
-                build_tiny_tools_model(staging)
+                build_canonically("grpo_trainer.tiny_tools:build_tiny_tools_model", staging)
                 staging.rename(target)  # a crash mid-build leaves no half-built model behind
             finally:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -327,3 +327,70 @@ def test_rollout_select_and_concat_keep_every_per_completion_field():
     assert picked.completion_ids == [[3], [1]] and picked.tool_calls == [3, 1] and picked.sampling_logprobs is None
     joined = Rollout.concat([picked, rollout.select([1])])
     assert joined.conversations == [["c"], ["a"], ["b"]] and joined.turns == [1, 2, 3] and joined.truncated == [False, False, True]
+
+
+# ---------------------------------------------------------------------------- training with tools
+
+
+def train_tools(out: Path, steps: int, *extra: str, resume: str = "never"):
+    from helpers import run_cli
+
+    result = run_cli(["train", "configs/tools_cpu.yaml", f"output_dir={out}", f"train.max_steps={steps}",
+                      "train.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=16",
+                      "eval.every=0", "checkpoint.save_every=2", "logging.progress_bar=false",
+                      f"checkpoint.resume={resume}", *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.xdist_group("sandbox")  # the python tool runs code as `nobody` (see TestPythonTool)
+def test_training_with_the_python_tool_logs_tool_metrics_and_resumes_bit_identically(tmp_path):
+    """configs/tools_cpu.yaml (the tiny tool-calling model) for 4 steps straight, and 2 + 2 resumed: the same
+    weights and metrics; the tool metrics are there and say tools were called and answered."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import assert_same_run
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_tools(straight, 4)
+    train_tools(resumed, 2)
+    assert "resumed from" in train_tools(resumed, 4, resume="auto").stderr
+    assert_same_run(straight, resumed)
+    records = read_metrics(straight)
+    assert sum(r["tools/calls_per_completion"] for r in records) > 0
+    assert all(0 <= r["tools/errors_per_completion"] <= r["tools/calls_per_completion"] for r in records)
+    assert all(r["tools/turns_per_completion"] >= 1 and r["timing/tools"] >= 0 for r in records)
+    assert all(r["completions/mean_length"] <= 160 for r in records)
+
+
+def test_logprobs_of_a_multi_turn_completion_equal_one_forward_over_the_conversation():
+    """Real tool calls by the tiny tool-calling model (hf engine): the trainer's single padded forward over prompt
+    + whole conversation gives each model-written token the log-prob the model gave it turn by turn, when the
+    engine sampled it from its own context (the turn's prompt: everything before it)."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.models import TokenLogprobs, load_causal_lm, make_sequence_batch
+    from grpo_trainer.rollout import build_engine, sampling_settings
+    from grpo_trainer.task import load_task
+
+    cfg = load_config("configs/tools_cpu.yaml", ["rollout.num_generations=8"])
+    tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
+    box = build_toolbox(cfg.rollout)
+    task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
+    engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
+                          pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)
+    torch.manual_seed(0)
+    prompts = task.prompt_ids([0, 1, 2, 3])
+    out = engine.generate(prompts, 8)
+    rows = [j for j, calls in enumerate(out.tool_calls) if calls and out.turns[j] == 2]
+    assert len(rows) >= 3  # tool calls really happened and were answered
+    batch = make_sequence_batch([prompts[j // 8] for j in rows], [out.completion_ids[j] for j in rows], tokenizer.pad_token_id)
+    with torch.no_grad():
+        single = TokenLogprobs(lm, share_prompt=False)(**batch.tensors())[0]
+        for i, j in enumerate(rows):
+            ids, mask = out.completion_ids[j], out.completion_mask[j]
+            full = prompts[j // 8] + ids
+            second_turn = mask.index(1, mask.index(0))  # first model token after the tool output
+            context = full[: len(prompts[j // 8]) + second_turn]  # what the engine continued from
+            logits = lm(torch.tensor([full])).logits[0].log_softmax(-1)
+            per_turn = [float(logits[len(context) - 1 + k, full[len(context) + k]]) for k in range(len(ids) - second_turn)]
+            torch.testing.assert_close(single[i, second_turn : len(ids)], torch.tensor(per_turn), atol=1e-4, rtol=1e-4)
+            assert all(m == 0 for m in mask[mask.index(0) : second_turn])
