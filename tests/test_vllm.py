@@ -462,3 +462,42 @@ def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transform
     grouped = [p for p in prompts for _ in range(4)]
     expected = trainer_logprobs(load_lm(export), grouped, rollout.completion_ids, 1.0)
     assert_close(rollout.sampling_logprobs, expected, atol=2e-3)  # 30 layers, two kernels, fp32 on both sides
+
+
+def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_trainers():
+    """rollout.tools on vllm_colocate, with the tiny tool-calling model (head size 32): real python tool calls,
+    each conversation continued by vLLM from its whole context; vLLM's per-turn sampling log-probs equal the
+    trainer's one forward over the conversation on every model-written token; tool tokens are masked (0).
+    (Last in the file, like the SmolLM2 test: it starts a second in-process engine.)"""
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.config import RolloutConfig
+    from grpo_trainer.rollout.multi_turn import MultiTurnEngine
+    from grpo_trainer.rollout.tools import build_toolbox
+    from grpo_trainer.tiny_tools import PYTHON_TOOL, ensure_tiny_tools_model
+
+    path = ensure_tiny_tools_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lm = load_lm(path)
+    box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=5.0))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=[PYTHON_TOOL], add_generation_prompt=True,
+                                           tokenize=False) for q in ("What is 12*34?", "What is 56*78?")]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    sampling = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=160)
+    inner = VLLMColocateEngine(sampling, VLLMConfig(dtype="float32", max_model_len=256), model_path=str(path), seed=0)
+    try:
+        engine = MultiTurnEngine(inner, box, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=160,
+                                 max_tool_turns=1)
+        out = engine.generate(prompts, 16)
+    finally:
+        inner.close()
+    rows = [j for j, calls in enumerate(out.tool_calls) if calls and out.turns[j] == 2]
+    assert len(rows) >= 3, out.tool_calls
+    completions = [out.completion_ids[j] for j in rows]
+    trainer = trainer_logprobs(lm, [prompts[j // 16] for j in rows], completions, 1.0)
+    for j, theirs in zip(rows, trainer):
+        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
+        assert 0 in mask and len(sampled) == len(mask)
+        assert all(s == 0.0 for s, m in zip(sampled, mask) if not m)
+        model_tokens = [(s, t) for s, t, m in zip(sampled, theirs, mask) if m]
+        assert max(abs(s - t) for s, t in model_tokens) < ATOL
