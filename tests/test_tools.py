@@ -394,3 +394,24 @@ def test_logprobs_of_a_multi_turn_completion_equal_one_forward_over_the_conversa
             per_turn = [float(logits[len(context) - 1 + k, full[len(context) + k]]) for k in range(len(ids) - second_turn)]
             torch.testing.assert_close(single[i, second_turn : len(ids)], torch.tensor(per_turn), atol=1e-4, rtol=1e-4)
             assert all(m == 0 for m in mask[mask.index(0) : second_turn])
+
+
+def test_seeded_multi_turn_groups_do_not_depend_on_batching():
+    """rollout.seed_per_prompt with tools: a prompt's conversations are the same whether it is sampled with
+    others or alone (as on another rank), tool turns included."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.models import load_causal_lm
+    from grpo_trainer.rollout import build_engine, sampling_settings
+    from grpo_trainer.task import load_task
+
+    cfg = load_config("configs/tools_cpu.yaml", ["rollout.seed_per_prompt=true"])
+    tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
+    box = build_toolbox(cfg.rollout)
+    task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
+    engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
+                          pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)
+    prompts, seeds = task.prompt_ids([0, 1, 2]), [101, 202, 303]
+    together = engine.generate(prompts, 4, seeds=seeds)
+    alone = Rollout.concat([engine.generate([p], 4, seeds=[s]) for p, s in zip(prompts, seeds)])
+    assert together.completion_ids == alone.completion_ids and together.conversations == alone.conversations
+    assert sum(together.tool_calls) > 0
