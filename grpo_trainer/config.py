@@ -75,7 +75,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     source: str = Field(
         "builtin:arithmetic",
-        description="`builtin:arithmetic` or `builtin:word_problems`, a local .json/.jsonl/.parquet/.csv file, or a "
+        description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
+        ".json/.jsonl/.parquet/.csv file, or a "
         "Hugging Face dataset id.",
     )
     subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
