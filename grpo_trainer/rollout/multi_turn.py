@@ -81,7 +81,7 @@ class ToolMessageTokens:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two conversations may well hold the same tokens
 class Conversation:
     """One completion as it grows: its tokens (model and tool), which the model wrote, and its messages."""
 
