@@ -79,14 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from .trainer import train
 
+            from .distributed import exit_without_teardown, launched_ranks
+
             result = train(cfg)
+            code = 0
             if result.preempted_by:
                 from .preemption import PREEMPTED_EXIT_CODE
 
-                return PREEMPTED_EXIT_CODE
-            if result.is_main_process:
+                code = PREEMPTED_EXIT_CODE
+            elif result.is_main_process:
                 print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
-            return 0
+            if launched_ranks() > 1:
+                exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
+            return code
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
