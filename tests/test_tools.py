@@ -362,21 +362,29 @@ def test_training_with_the_python_tool_logs_tool_metrics_and_resumes_bit_identic
     assert all(r["completions/mean_length"] <= 160 for r in records)
 
 
-def test_logprobs_of_a_multi_turn_completion_equal_one_forward_over_the_conversation():
-    """Real tool calls by the tiny tool-calling model (hf engine): the trainer's single padded forward over prompt
-    + whole conversation gives each model-written token the log-prob the model gave it turn by turn, when the
-    engine sampled it from its own context (the turn's prompt: everything before it)."""
+def tools_demo_engine(*overrides: str):
+    """configs/tools_cpu.yaml's tokenizer, model, task and multi-turn hf engine (python tool), with `overrides`."""
     from grpo_trainer.config import load_config
-    from grpo_trainer.models import TokenLogprobs, load_causal_lm, make_sequence_batch
+    from grpo_trainer.models import load_causal_lm
     from grpo_trainer.rollout import build_engine, sampling_settings
     from grpo_trainer.task import load_task
 
-    cfg = load_config("configs/tools_cpu.yaml", ["rollout.num_generations=8"])
+    cfg = load_config("configs/tools_cpu.yaml", list(overrides))
     tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
     box = build_toolbox(cfg.rollout)
     task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
     engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
                           pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)
+    return tokenizer, lm, task, engine
+
+
+def test_logprobs_of_a_multi_turn_completion_equal_one_forward_over_the_conversation():
+    """Real tool calls by the tiny tool-calling model (hf engine): the trainer's single padded forward over prompt
+    + whole conversation gives each model-written token the log-prob the model gave it turn by turn, when the
+    engine sampled it from its own context (the turn's prompt: everything before it)."""
+    from grpo_trainer.models import TokenLogprobs, make_sequence_batch
+
+    tokenizer, lm, task, engine = tools_demo_engine("rollout.num_generations=8")
     torch.manual_seed(0)
     prompts = task.prompt_ids([0, 1, 2, 3])
     out = engine.generate(prompts, 8)
@@ -399,17 +407,7 @@ def test_logprobs_of_a_multi_turn_completion_equal_one_forward_over_the_conversa
 def test_seeded_multi_turn_groups_do_not_depend_on_batching():
     """rollout.seed_per_prompt with tools: a prompt's conversations are the same whether it is sampled with
     others or alone (as on another rank), tool turns included."""
-    from grpo_trainer.config import load_config
-    from grpo_trainer.models import load_causal_lm
-    from grpo_trainer.rollout import build_engine, sampling_settings
-    from grpo_trainer.task import load_task
-
-    cfg = load_config("configs/tools_cpu.yaml", ["rollout.seed_per_prompt=true"])
-    tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
-    box = build_toolbox(cfg.rollout)
-    task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
-    engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
-                          pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)
+    _, _, task, engine = tools_demo_engine("rollout.seed_per_prompt=true")
     prompts, seeds = task.prompt_ids([0, 1, 2]), [101, 202, 303]
     together = engine.generate(prompts, 4, seeds=seeds)
     alone = Rollout.concat([engine.generate([p], 4, seeds=[s]) for p, s in zip(prompts, seeds)])
