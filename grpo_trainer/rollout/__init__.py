@@ -42,9 +42,12 @@ class Rollout:
     tool_errors: list[int] | None = None  # of which failed (malformed, unknown tool, error, timeout)
     turns: list[int] | None = None  # model turns per completion
     tool_seconds: float = 0.0  # wall time spent running tools on this rank
+    # The weight version that sampled each completion (the optimizer step whose weights the sampler held; 0: the
+    # initial weights). Set by the loop's rollout queue (rollout_queue.py), which knows what it pushed.
+    weight_versions: list[int] | None = None
 
     PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
-                      "tool_calls", "tool_errors", "turns")
+                      "tool_calls", "tool_errors", "turns", "weight_versions")
 
     def select(self, rows: list[int]) -> Rollout:
         """The given completions, every per-completion field alike (tool seconds are not split)."""
