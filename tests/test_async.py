@@ -115,6 +115,13 @@ def test_async_settings_are_checked_when_the_config_loads():
         load_config(None, ["loss.tis_min=3", "loss.tis_cap=2"])
     with pytest.raises(ConfigError, match="off_policy_mask_threshold"):
         load_config(None, ["loss.off_policy_mask_threshold=-1"])
+    # Legal but rarely meant: the lag left uncorrected is a warning (validate prints it, train logs it).
+    from grpo_trainer.preflight import preflight
+
+    uncorrected = load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1"])
+    assert any("rollout.max_staleness 1 without loss.tis_cap" in w for w in preflight(uncorrected))
+    assert not any("tis_cap" in w for w in preflight(load_config(None, ["rollout.engine=vllm_server",
+                                                                         "rollout.max_staleness=1", "loss.tis_cap=2"])))
 
 
 # ----------------------------------------------------------------------------- the schedule
