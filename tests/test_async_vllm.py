@@ -200,6 +200,25 @@ def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(s
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/stale_resampled"] == 0 for r in rows)
 
 
+def test_the_speed_script_runs_both_loops_against_a_server(server, model_dir, tmp_path):
+    """scripts/async_speed.py, shrunk: the tiny model, this module's server, one rep of 2 steps per K."""
+    out = tmp_path / "speed.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/async_speed.py", "--model", str(model_dir), "--server-url", server.url, "--steps", "2",
+         "--warmup", "1", "--reps", "1", "--weights-dir", str(tmp_path / "weights"), "--json", str(out),
+         f"data.source={data_file(tmp_path)}", "data.system_prompt=null", "rollout.max_completion_length=16",
+         "train.micro_batch_size=8", f"rollout.vllm_server.{RECONNECT_KEY}=60"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    k0, k1 = report["results"]["0"], report["results"]["1"]
+    assert k0["steps_measured"] == k1["steps_measured"] == 1 and report["ratio_k1_over_k0"] > 0
+    assert "staleness_mean" not in k0 and k1["staleness_mean"] == 1.0
+    assert {"rollout_wait", "server_idle", "update"} <= set(k0) & set(k1)
+    assert "RESULT ratio_k1_over_k0=" in proc.stdout
+
+
 class Faults:
     """Kills the server at chosen moments of a run in this process, and starts it again."""
 
