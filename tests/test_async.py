@@ -377,3 +377,15 @@ def test_dynamic_sampling_with_k1_samples_its_extra_rounds_now_with_the_current_
 def test_rollout_versions_travel_through_select_and_concat():
     rollout = Rollout([[1], [2], [3]], [False] * 3, weight_versions=[4, 5, 6])
     assert Rollout.concat([rollout.select([2]), rollout.select([0])]).weight_versions == [6, 4]
+
+
+def test_gpu_check_has_the_k1_row_and_the_speed_script_explains_itself():
+    from helpers import ROOT
+    import subprocess
+    import sys
+
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert "check async_k1 " in script and "scripts/async_speed.py --gpu" in script
+    help_text = subprocess.run([sys.executable, "scripts/async_speed.py", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120).stdout
+    assert "--gpu" in help_text and "--server-url" in help_text

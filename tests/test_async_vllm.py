@@ -126,7 +126,7 @@ def overrides(tmp_path: Path, model: Path, url: str, out: Path, steps: int, log:
     return [*[o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")],
             f"checkpoint.resume={resume}", f"model.name_or_path={model}", f"data.source={data_file(tmp_path)}",
             "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={url}", "rollout.max_staleness=1",
-            f"rollout.vllm_server.weights_dir={tmp_path / 'weights'}", f"rollout.vllm_server.{RECONNECT_KEY}=300",
+            f"rollout.vllm_server.weights_dir={tmp_path / 'weights'}", f"rollout.vllm_server.{RECONNECT_KEY}=900",
             "rollout.vllm_server.timeout=120", f"train.prompts_per_step={PROMPTS}", f"rollout.num_generations={G}",
             "train.micro_batch_size=16", "loss.tis_cap=2", "train.learning_rate=1e-2", "checkpoint.save_every=1",
             "checkpoint.save_final_model=true",
