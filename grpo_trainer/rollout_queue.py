@@ -400,7 +400,7 @@ def _push_with_retry(run, bare_lm, version: int) -> None:
         try:
             _sync(run.engine, bare_lm, version)
             return
-        except ConnectionError as exc:  # WeightsLost included: the server restarted under the push
+        except (ConnectionError, WeightsLost) as exc:  # gone, or restarted under the push
             timeout = reconnect_timeout(run.cfg)
             if attempt == 2 or not wait_for_server(run.engine, timeout):
                 raise ServerLostError(f"pushing weights version {version}: {exc}; no server came back within {timeout:g}s; "
