@@ -14,6 +14,9 @@ ratio K1/K0, and the median of each `timing/*` phase:
     rollout_wait  main thread blocked on sampling in the whole step (K1: also before the push)
     server_idle   the sampler not sampling for this trainer during the step
     reward, logprobs, update, weight_sync (K1: includes the wait for the generation in flight)
+    cpu_trainer_per_step_s, cpu_server_per_step_s: CPU seconds each process used per step (start-up included). On a
+    busy machine wall time also measures the other processes; CPU time does not, and bounds what overlap can give:
+    about max(trainer, server) a step with K = 1 against their sum with K = 0.
 
 `--model PATH --server-url URL` measure another model against a server already running (the tests do, tiny).
 `--gpu` (scripts/gpu_check.sh): no pinning; the server takes 30% of the GPU; the model is gpu_check.py's random-init
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,6 +76,21 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, time
             time.sleep(1)
 
 
+def group_cpu_seconds(pgid: int | None) -> float:
+    """CPU seconds (user + system) used so far by the processes of a process group (the server and its engine)."""
+    if pgid is None:
+        return float("nan")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the command name: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def train(k: int, args, url: str, out: Path) -> list[dict]:
     overrides = [f"output_dir={out}", f"train.max_steps={args.steps}", f"rollout.max_staleness={k}",
                  f"rollout.vllm_server.base_url={url}", f"rollout.vllm_server.weights_dir={args.weights_dir}",
@@ -85,10 +104,18 @@ def train(k: int, args, url: str, out: Path) -> list[dict]:
     if not args.gpu:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         cmd = ["taskset", "-c", args.trainer_core, *cmd]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_before = group_cpu_seconds(args.server_pgid)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the trainer (K={k}) failed:\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trainer_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    for row in rows:  # the run's CPU seconds, spread evenly over its steps (start-up included)
+        row["cpu/trainer_per_step"] = trainer_cpu / len(rows)
+        row["cpu/server_per_step"] = (group_cpu_seconds(args.server_pgid) - server_before) / len(rows)
+    return rows
 
 
 def summarize(runs: list[list[dict]], warmup: int) -> dict:
@@ -99,6 +126,8 @@ def summarize(runs: list[list[dict]], warmup: int) -> dict:
         if values:
             out[phase] = statistics.median(values)
     out["mean_completion_length"] = statistics.mean(r["completions/mean_length"] for r in rows)
+    for key in ("trainer", "server"):  # per run, not per step: the mean of the runs' averages
+        out[f"cpu_{key}_per_step_s"] = statistics.mean(run[0][f"cpu/{key}_per_step"] for run in runs)
     if any("rollout/staleness_mean" in r for r in rows):
         out["staleness_mean"] = statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in rows)
     return out
@@ -135,10 +164,11 @@ def main() -> None:
             args.model = str(tmp / "model")
             build_model(tmp / "model", QWEN25_05B, torch.float32)
         model = args.model or resolve_model_path("builtin:smollm2-135m-instruct")
-        server, log, url = None, tmp / "server.log", args.server_url
+        server, log, url, args.server_pgid = None, tmp / "server.log", args.server_url, None
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
             server = start_server(str(model), args.port, log, args.server_core, args.gpu)
+            args.server_pgid = server.pid  # started in its own session: the group holds the server and its engine
         try:
             wait_healthy(url, server, log)
             runs: dict[int, list[list[dict]]] = {0: [], 1: []}
@@ -160,7 +190,8 @@ def main() -> None:
               "loadavg_after": Path("/proc/loadavg").read_text().strip(),
               "config": {"model": str(model), "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
                          "server_core": args.server_core, "trainer_core": args.trainer_core, "overrides": args.overrides}}
-    keys = ["median_step_time_s", *PHASES, "mean_completion_length", "staleness_mean"]
+    keys = ["median_step_time_s", *PHASES, "cpu_trainer_per_step_s", "cpu_server_per_step_s", "mean_completion_length",
+            "staleness_mean"]
     print(f"{'metric':<24} {'K=0':>9} {'K=1':>9}")
     for key in keys:
         a, b = results[0].get(key), results[1].get(key)
