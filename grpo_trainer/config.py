@@ -401,11 +401,9 @@ class LossConfig(_Section):
         for key in sorted({k for v in LOSS_VARIANTS.values() for k in v.options} - set(variant.options)):
             if getattr(self, key) != type(self).model_fields[key].default:
                 readers = ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.options)
-                raise ValueError(f"loss.{key} ({getattr(self, key)}) is not used by loss.type {self.type}; it is read by: {readers}")
+                raise ValueError(f"{key} ({getattr(self, key)}) is not used by type {self.type}; it is read by: {readers}")
         if self.entropy_coef_min > self.entropy_coef_max:
-            raise ValueError(
-                f"loss.entropy_coef_min ({self.entropy_coef_min}) must not exceed loss.entropy_coef_max ({self.entropy_coef_max})"
-            )
+            raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})")
         return self
 
 
