@@ -18,14 +18,13 @@ from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import EntropyControl, entropy_share
-from grpo_trainer.rollout import Rollout
 from grpo_trainer.state import batch_geometry
 from grpo_trainer.trainer import skips_zero_advantage
 from grpo_trainer.update import EntropyTerm, micro_batch_loss, update
 from helpers import run_ranks
+from test_phases import ONE_RANK, PAD, accelerator_factory, four_completions  # noqa: F401 (a fixture)
+from test_phases import toy_run as phases_toy_run
 
-PAD = 0
-ONE_RANK = SimpleNamespace(sum=lambda t: t)  # the collectives of a single process
 VOCAB = 10
 
 
@@ -87,36 +86,22 @@ def toy_entropy_and_gradient(w: list[float]) -> tuple[float, list[float]]:
     return h, [-q * (math.log(q) + h) for q in p]
 
 
-@pytest.fixture
-def accelerator_factory():
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield lambda accumulation: Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def toy_run(accelerator_factory, overrides=(), comm=ONE_RANK):
-    cfg = load_config(None, ["train.prompts_per_step=2", "rollout.num_generations=2", "train.micro_batch_size=2",
-                             "train.max_grad_norm=null", *overrides])
-    geometry = batch_geometry(cfg, 1)
-    accelerator = accelerator_factory(geometry.micro_batches)
+def toy_run(accelerator_factory, overrides=()):
+    """test_phases' toy run (SGD, lr 1, no gradient clipping) with the policy above, which can differentiate H."""
+    run = phases_toy_run(accelerator_factory, overrides)
     policy = ToyPolicy()
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return SimpleNamespace(cfg=cfg, geometry=geometry, accelerator=accelerator, policy=policy, optimizer=optimizer,
-                           scheduler=scheduler, nonfinite_in_a_row=0, comm=comm,
-                           entropy_control=EntropyControl(cfg.loss.entropy_coef))
+    run.policy, run.optimizer = run.accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda _: 1.0)
+    run.comm, run.entropy_control = ONE_RANK, EntropyControl(run.cfg.loss.entropy_coef)
+    return run
 
 
-def toy_batch(advantages, comm=ONE_RANK):
-    """Two prompts x G = 2 with 3, 1, 2 and 4 completion tokens (10 in all), in two micro-batches."""
-    rollout = Rollout(completion_ids=[[5, 6, 2], [7], [8, 9], [4, 4, 4, 4]], truncated=[False] * 4)
-    batch = build_train_batch([[1, 2], [1, 2], [3], [3]], rollout, torch.tensor(advantages), PAD, micro_batch_size=2,
-                              mask_truncated=False, skip_zero_advantage=False)
-    batch.count_tokens(comm)
+def toy_batch(advantages):
+    """test_phases' two prompts x G = 2, with 3, 1, 2 and 4 completion tokens (10 in all), in two micro-batches."""
+    prompts, rollout, advantages = four_completions(advantages, truncated=(False,) * 4)
+    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+                              skip_zero_advantage=False)
+    batch.count_tokens(ONE_RANK)
     return batch
 
 
