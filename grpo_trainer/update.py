@@ -144,7 +144,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
     for iteration in range(iterations):
         for mb in batch.micro_batches:
             with accelerator.accumulate(run.policy):
-                wanted = {"with_entropy": True, "entropy_grad": True} if term else {"with_entropy": iteration == 0}
+                wanted = {"with_entropy": True, "entropy_grad": True} if term is not None else {"with_entropy": iteration == 0}
                 logp, entropy = run.policy(**mb.sequences, **wanted)
                 share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
                 # Accelerate divides by the accumulation steps and the ranks' gradients are averaged: undo
@@ -162,20 +162,20 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             stats.clip_high += parts["clip_high"] / iterations
             stats.clip_region += parts["clip_region"] / iterations
             stats.kl += torch.as_tensor(parts.get("kl", 0.0), device=stats.kl.device) / iterations
-            if term:
+            if term is not None:
                 stats.entropy_term += parts["entropy_term"] / steps
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
                 stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
-                if term:
+                if term is not None:
                     stats.term_entropy += (entropy.detach() * term.mask(mb)).sum()
                     stats.term_tokens += term.mask(mb).sum()
                 if mb.sampling_logp is not None:
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     stats.logp_gap += gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
-    if term:
+    if term is not None:
         stats.entropy_coef = term.coef
         term.adapt(run, stats)
     return stats

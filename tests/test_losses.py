@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from grpo_trainer.losses import LOSS_TYPES, GammaShape, SoftGate, aggregate, kl_k3, token_loss
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate, aggregate, kl_k3, token_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 GATE, GAMMA = SoftGate(), GammaShape()  # the defaults: tau 1.0 / 1.05; (k, lambda) = (2, 3) for A >= 0, (3, 2) below
@@ -568,6 +568,20 @@ def test_loss_and_gradient_do_not_depend_on_micro_batches_or_ranks(loss_type):
         torch.testing.assert_close(grad, whole_grad, atol=1e-12, rtol=1e-10)
         assert counts == whole_counts
     assert whole_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if LOSS_VARIANTS[t].exact_zero_advantage_skip])
+def test_zero_advantage_rows_can_skip_the_passes_without_changing_the_update(loss_type):
+    """What `LossVariant.exact_zero_advantage_skip` promises (beta = 0): leaving the completions whose advantage is
+    0 out of the micro-batches, while the normalisers still count them, gives the same loss and gradient."""
+    batch = random_batch(seed=5)
+    batch["advantages"][::3] = 0.0  # rows 0, 3, 6, ... have nothing to learn
+    kept = [i for i in range(16) if batch["advantages"][i] != 0]
+    whole_loss, whole_grad, _ = split_loss(batch, loss_type, ONE_MICRO_BATCH, beta=0.0)
+    loss, grad, _ = split_loss(batch, loss_type, [[kept[:6], kept[6:]]], beta=0.0)
+    torch.testing.assert_close(loss, whole_loss, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(grad, whole_grad, atol=1e-12, rtol=1e-10)
+    assert whole_grad[::3].abs().max() == 0 and whole_grad.abs().sum() > 0
 
 
 def test_bnpo_depends_on_micro_batch_token_counts():
