@@ -59,14 +59,20 @@ VESPO_OPTIONS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda
 LOSS_VARIANTS: dict[str, LossVariant] = {
     v.name: v
     for v in (
-        LossVariant("grpo", "token", "clipped", "sequence_mean", False, True, "Shao et al. 2024, DeepSeekMath, eq. 3", CLIP_OPTIONS),
-        LossVariant("bnpo", "token", "clipped", "micro_batch_token_mean", True, False, "Xiao et al. 2025, BNPO", CLIP_OPTIONS),
-        LossVariant("dr_grpo", "token", "clipped", "max_length", False, True, "Liu et al. 2025, Dr. GRPO, eq. 7", CLIP_OPTIONS),
-        LossVariant("dapo", "token", "clipped", "batch_token_mean", False, True, "Yu et al. 2025, DAPO, eq. 12", CLIP_OPTIONS),
-        LossVariant("gspo", "sequence", "clipped", "sequence_mean", False, True, "Zheng et al. 2025, GSPO, eq. 7", CLIP_OPTIONS),
-        LossVariant("cispo", "token", "cispo", "batch_token_mean", False, True, "MiniMax 2025, MiniMax-M1, eq. 4", ("epsilon_high",)),
+        LossVariant("grpo", "token", "clipped", "sequence_mean", False, True,
+                    "Shao et al. 2024, DeepSeekMath, eq. 3", CLIP_OPTIONS),
+        LossVariant("bnpo", "token", "clipped", "micro_batch_token_mean", True, False,
+                    "Xiao et al. 2025, BNPO", CLIP_OPTIONS),
+        LossVariant("dr_grpo", "token", "clipped", "max_length", False, True,
+                    "Liu et al. 2025, Dr. GRPO, eq. 7", CLIP_OPTIONS),
+        LossVariant("dapo", "token", "clipped", "batch_token_mean", False, True,
+                    "Yu et al. 2025, DAPO, eq. 12", CLIP_OPTIONS),
+        LossVariant("gspo", "sequence", "clipped", "sequence_mean", False, True,
+                    "Zheng et al. 2025, GSPO, eq. 7", CLIP_OPTIONS),
+        LossVariant("cispo", "token", "cispo", "batch_token_mean", False, True,
+                    "MiniMax 2025, MiniMax-M1, eq. 4", ("epsilon_high",)),
         LossVariant("sapo", "token", "soft_gate", "sequence_mean", False, True,
-                    "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347, sec. 3", SAPO_OPTIONS),
+                    "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347", SAPO_OPTIONS),
         LossVariant("luspo", "sequence", "clipped", "sequence_sum", False, True,
                     "Liu et al. 2026, LUSPO, arXiv 2602.05261", CLIP_OPTIONS),
         LossVariant("vespo", "sequence_product", "gamma", "batch_token_mean", False, True,
@@ -98,9 +104,9 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SoftGate:
-    """SAPO's gate temperatures (Gao et al. 2025, sec. 3): tau for tokens of completions with A > 0, and for the
-    rest. The paper (and TRL, verl) default to 1.0 and 1.05: a negative update raises the logits of every
-    unsampled token, so it is let to decay faster as the ratio drifts."""
+    """SAPO's gate temperatures (Gao et al. 2025, arXiv 2511.20347): tau for tokens of completions with A > 0,
+    and for the rest. The paper (and TRL, verl) default to 1.0 and 1.05: a negative update raises the logits of
+    every unsampled token, so it is let to decay faster as the ratio drifts."""
 
     temperature_pos: float = 1.0
     temperature_neg: float = 1.05
@@ -163,7 +169,9 @@ def token_loss(
         loss, clip_low, clip_high = _gamma(logp, log_ratio, advantages, mask, gamma, sampler_weight)
         sampler_weight = None  # inside W already
     else:
-        loss, clip_low, clip_high = _clipped(logp, log_ratio, adv, mask, variant.ratio, epsilon_low, epsilon_high, delta)
+        loss, clip_low, clip_high = _clipped(
+            logp, log_ratio, adv, mask, variant.ratio, epsilon_low, epsilon_high, delta
+        )
     if sampler_weight is not None:
         loss = loss * sampler_weight
     if policy_weight is not None:
@@ -218,10 +226,11 @@ def _cispo(logp, log_ratio, adv, epsilon_high):
 
 
 def _soft_gate(log_ratio, adv, gate: SoftGate):
-    """SAPO (Gao et al. 2025, sec. 3): -f(r) A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, per token, tau by the
-    sign of A (tau_pos for A > 0, tau_neg otherwise). Its slope f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1)),
-    is 1 at r = 1, so on-policy the gradient is GRPO's, -A grad log pi; away from r = 1 it decays smoothly
-    instead of dropping to 0 at a clip boundary, and a few off-policy tokens do not silence their sequence."""
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): -f(r) A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, per token,
+    tau by the sign of A (tau_pos for A > 0, tau_neg otherwise). Its slope f'(r) = 4 s (1 - s), with
+    s = sigmoid(tau (r - 1)), is 1 at r = 1, so on-policy the gradient is GRPO's, -A grad log pi; away from r = 1
+    it decays smoothly instead of dropping to 0 at a clip boundary, and a few off-policy tokens do not silence
+    their sequence."""
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, adv.new_tensor(gate.temperature_pos), adv.new_tensor(gate.temperature_neg))  # [B, 1]
     loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv

@@ -144,7 +144,10 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
     for iteration in range(iterations):
         for mb in batch.micro_batches:
             with accelerator.accumulate(run.policy):
-                wanted = {"with_entropy": True, "entropy_grad": True} if term is not None else {"with_entropy": iteration == 0}
+                # The entropy term needs H with its gradient in every pass; otherwise H is a first-pass statistic.
+                wanted = {"with_entropy": iteration == 0}
+                if term is not None:
+                    wanted = {"with_entropy": True, "entropy_grad": True}
                 logp, entropy = run.policy(**mb.sequences, **wanted)
                 share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
                 # Accelerate divides by the accumulation steps and the ranks' gradients are averaged: undo
@@ -245,7 +248,8 @@ class EntropyTerm:
         loss = run.cfg.loss
         if loss.entropy_target is None:
             return
-        entropy, tokens = (float(x) for x in run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double()))
+        measured = run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double())
+        entropy, tokens = float(measured[0]), float(measured[1])
         mean = entropy / tokens if tokens > 0 else math.nan
         run.entropy_control = run.entropy_control.after_step(
             mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
