@@ -195,6 +195,35 @@ def test_the_adaptive_coefficient_moves_once_per_step_from_the_measured_entropy(
     assert stats.entropy_coef == 0.0 and torch.equal(run.policy.w.detach(), w1)
 
 
+def test_token_logprobs_gives_the_entropy_its_gradient_only_when_asked(tiny_model_path):
+    """models.TokenLogprobs(entropy_grad=True) on the tiny model: the same entropies as the statistic (no-grad)
+    path, in chunks and with the shared prompt, and their gradient equals autograd of the entropy computed
+    directly from the full logits of each lone sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_trainer.models import TokenLogprobs, make_sequence_batch
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path).float()
+    prompts, completions = [[1, 40, 41], [1, 42]], [[50, 51, 52, 2], [53, 2]]
+    batch = make_sequence_batch(prompts, completions, 0)
+    scorer = TokenLogprobs(lm, chunk_size=3, share_prompt=True)
+    _, statistic = scorer(**batch.tensors(), with_entropy=True)
+    assert not statistic.requires_grad
+    _, entropy = scorer(**batch.tensors(), with_entropy=True, entropy_grad=True)
+    torch.testing.assert_close(entropy.detach(), statistic)
+    mask = batch.completion_mask
+    ours = torch.autograd.grad((entropy * mask).sum(), list(lm.parameters()), allow_unused=True)
+    direct_total = 0
+    for prompt, completion in zip(prompts, completions):
+        ids = torch.tensor([prompt + completion])
+        logp_all = lm(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # the states predicting completion
+        direct_total = direct_total - (logp_all.exp() * logp_all).sum()
+    direct = torch.autograd.grad(direct_total, list(lm.parameters()), allow_unused=True)
+    for a, b in zip(ours, direct):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- config
 
 
