@@ -355,7 +355,7 @@ class LossConfig(_Section):
         0.0, ge=0,
         description="c: the loss becomes L - c * H, H the mean token entropy of the policy over the trained tokens (the "
         "top-entropy ones under top_entropy_quantile), for every loss type. With entropy_target: the starting value. "
-        "Logged: entropy_coef, policy_loss.",
+        "Logged: entropy_coef, policy_loss, entropy/term_mean.",
     )
     entropy_target: float | None = Field(
         None, ge=0,
@@ -403,7 +403,9 @@ class LossConfig(_Section):
                 readers = ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.options)
                 raise ValueError(f"{key} ({getattr(self, key)}) is not used by type {self.type}; it is read by: {readers}")
         if self.entropy_coef_min > self.entropy_coef_max:
-            raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})")
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
+            )
         return self
 
 
@@ -425,8 +427,8 @@ class TrainConfig(_Section):
     )
     skip_zero_advantage: bool = Field(
         True,
-        description="With loss.beta = 0 and no entropy term, leave completions whose advantage is 0 (or whose tokens are all masked) out "
-        "of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
+        description="With loss.beta = 0 and no entropy term, leave completions whose advantage is 0 (or whose tokens "
+        "are all masked) out of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
         "unchanged; `entropy` then covers the trained completions. Not applied to `bnpo` (normalised per micro-batch).",
     )
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
