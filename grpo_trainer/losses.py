@@ -37,8 +37,9 @@ class LossVariant:
                   `gamma` (VESPO: -sg(phi(W)) * A * log pi, a gamma-shaped weight of the sequence ratio W).
     aggregation:  how token losses become the batch loss (see `aggregate`).
     per_micro_batch: the loss is normalised within each micro-batch, so it depends on how the batch is cut.
-    exact_zero_advantage_skip: with beta = 0, leaving zero-advantage completions out of the passes leaves the
-                  update unchanged (false where the normaliser counts the tokens present in a micro-batch).
+    exact_zero_advantage_skip: with beta = 0 and no entropy term, leaving zero-advantage completions out of the
+                  passes leaves the update unchanged (false where the normaliser counts the tokens present in a
+                  micro-batch).
     options:      the `loss.*` keys its surrogate reads; setting another variant's key for it is a config error.
     """
 
