@@ -75,7 +75,7 @@ def test_each_new_loss_trains_the_tiny_model(loss_type, tmp_path, tiny_model_pat
     """Each recipe (configs/<loss>.yaml: its loss, batch reuse, vespo's mini-batches) at small scale, 5 steps of
     4 prompts x 8, rewarded for the tiny model's one prompt-independent habit, working the sum out
     (tests/works_it_out.py): step 1 samples the warm-started model (about 3 in 8 work it out), and a loss that
-    optimises its objective has the habit nearly always by steps 3-5 (0.84-1.0 in every run seen); a loss with
+    optimises its objective has the habit nearly always by steps 3-5 (0.875-1.0 in every run seen here); a loss with
     the wrong sign drives it to 0, one with no gradient leaves it near step 1's."""
     out = tmp_path / loss_type
     result = run_cli(["train", f"configs/{loss_type}.yaml", f"output_dir={out}", "train.max_steps=5",
