@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 from .advantages import ESTIMATORS
-from .losses import IS_MODES, LOSS_TYPES
+from .losses import IS_MODES, LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate
 
 LossType = Literal[LOSS_TYPES]  # the names of losses.LOSS_VARIANTS, the one table of loss variants
 ScaleRewards = Literal["group", "batch", "none"]
@@ -297,7 +297,8 @@ class RewardConfig(_Section):
 class LossConfig(_Section):
     type: LossType = Field(
         "grpo",
-        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see README: loss family).",
+        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo, luspo or vespo "
+        "(docs/loss_family.md; the table below).",
     )
     beta: float = Field(0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded).")
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range: ratios below 1 - epsilon_low are clipped.")
@@ -334,6 +335,37 @@ class LossConfig(_Section):
         description="rho: only the top-rho highest-entropy completion tokens of the batch (entropy under the sampling "
         "policy) carry policy gradient (\"Beyond the 80/20 Rule\", 0.2 there); 1: all. Logged: entropy/masked_fraction.",
     )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="`sapo`: temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for completions "
+        "with advantage > 0 (larger: the gradient decays faster as the ratio leaves 1)."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="`sapo`: the gate temperature for advantage <= 0; the paper keeps it above the positive one."
+    )
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="`vespo`: power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, "
+        "for advantage >= 0 (c1 in the paper)."
+    )
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage >= 0 (c2 in the paper)."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0, description="`vespo`: power k of phi(W) for advantage < 0.")
+    vespo_lambda_neg: float = Field(2.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage < 0.")
+    entropy_coef: float = Field(
+        0.0, ge=0,
+        description="c: the loss becomes L - c * H, H the mean token entropy of the policy over the trained tokens (the "
+        "top-entropy ones under top_entropy_quantile), for every loss type. With entropy_target: the starting value. "
+        "Logged: entropy_coef, policy_loss, entropy/term_mean.",
+    )
+    entropy_target: float | None = Field(
+        None, ge=0,
+        description="Adaptive entropy control (Skywork-OR1): after each step c grows by entropy_coef_delta if the step's "
+        "mean token entropy was below this (nats), else shrinks, within [entropy_coef_min, entropy_coef_max]; the term "
+        "applies only while entropy is below it. Kept in checkpoints. None: c stays entropy_coef.",
+    )
+    entropy_coef_delta: float = Field(0.005, gt=0, description="With entropy_target: the step of c per training step.")
+    entropy_coef_min: float = Field(0.0, ge=0, description="With entropy_target: the lower bound of c.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="With entropy_target: the upper bound of c.")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill."
     )
@@ -347,6 +379,34 @@ class LossConfig(_Section):
     @property
     def epsilon_high_value(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def soft_gate(self) -> SoftGate:
+        return SoftGate(self.sapo_temperature_pos, self.sapo_temperature_neg)
+
+    @property
+    def gamma_shape(self) -> GammaShape:
+        return GammaShape(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+
+    @property
+    def entropy_term(self) -> bool:
+        """Whether the loss has an entropy term (its coefficient may still be 0 at times, under adaptive control)."""
+        return self.entropy_coef > 0 or self.entropy_target is not None
+
+    @model_validator(mode="after")
+    def _check_loss_options(self) -> "LossConfig":
+        # Each loss type reads only its own options (losses.LOSS_VARIANTS): another type's option set away from
+        # its default would silently do nothing, so it is an error. (Defaults pass: a resolved config lists them all.)
+        variant = LOSS_VARIANTS[self.type]
+        for key in sorted({k for v in LOSS_VARIANTS.values() for k in v.options} - set(variant.options)):
+            if getattr(self, key) != type(self).model_fields[key].default:
+                readers = ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.options)
+                raise ValueError(f"{key} ({getattr(self, key)}) is not used by type {self.type}; it is read by: {readers}")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
+            )
+        return self
 
 
 class TrainConfig(_Section):
@@ -367,8 +427,8 @@ class TrainConfig(_Section):
     )
     skip_zero_advantage: bool = Field(
         True,
-        description="With loss.beta = 0, leave completions whose advantage is 0 (or whose tokens are all masked) out "
-        "of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
+        description="With loss.beta = 0 and no entropy term, leave completions whose advantage is 0 (or whose tokens "
+        "are all masked) out of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
         "unchanged; `entropy` then covers the trained completions. Not applied to `bnpo` (normalised per micro-batch).",
     )
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
@@ -477,6 +537,11 @@ class Config(_Section):
             raise ValueError(
                 "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "
                 f"set loss.scale_rewards to batch (got {self.loss.scale_rewards})"
+            )
+        if self.loss.type == "vespo" and self.loss.tis_cap is not None and self.loss.tis_mode.startswith("sequence"):
+            raise ValueError(
+                f"loss.type vespo folds the per-token rollout correction into its sequence ratio W: set loss.tis_mode "
+                f"to token_truncate or token_mask (got {self.loss.tis_mode})"
             )
         if self.loss.delta is not None and self.loss.delta <= 1 + self.loss.epsilon_high_value:
             raise ValueError(

@@ -108,6 +108,8 @@ class TokenLogprobs(nn.Module):
     """A causal LM whose forward gives per-token log-probs of the completion tokens.
 
     forward(**SequenceBatch.tensors()) -> logprobs [B, C] (fp32), entropy [B, C] or None
+    The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term):
+    its graph holds another [B, C, V] tensor per chunk until the backward pass.
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
 
@@ -136,6 +138,7 @@ class TokenLogprobs(nn.Module):
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
         decoder = base.get_decoder()
@@ -145,7 +148,7 @@ class TokenLogprobs(nn.Module):
         else:
             hidden_states = self._hidden_full
         hidden = hidden_states(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
-        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy)
+        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy, entropy_grad)
 
     @staticmethod
     def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
@@ -182,7 +185,7 @@ class TokenLogprobs(nn.Module):
         ).last_hidden_state
         return torch.cat([first, rest], 1)  # [B, C, H]
 
-    def _score(self, head, hidden, targets, with_entropy):
+    def _score(self, head, hidden, targets, with_entropy, entropy_grad=False):
         """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
         logps, entropies = [], []
         for start in range(0, targets.shape[1], self.chunk_size):
@@ -191,7 +194,7 @@ class TokenLogprobs(nn.Module):
             logp_all = logits.log_softmax(-1)
             logps.append(logp_all.gather(-1, targets[:, start:stop, None]).squeeze(-1))
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     entropies.append(-(logp_all.exp() * logp_all).sum(-1))
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
 

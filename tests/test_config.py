@@ -69,7 +69,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     [
         ("train.max_steps=abc", "train.max_steps"),
         ("train.max_steps=0", "train.max_steps: Input should be greater than 0"),
-        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo' or 'cispo'"),
+        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
         ("rollout.num_generations=1", "rollout.num_generations"),
         ("loss.scale_rewards=std", "loss.scale_rewards"),
     ],
