@@ -17,7 +17,7 @@ Where each writes (the tracker's own environment variables win where it has them
                  (`mlflow ui --backend-store-uri OUTPUT_DIR/trackers/mlruns`); samples as JSON table artifacts
 
 Tables: wandb (`wandb.Table`), trackio (`trackio.Table`) and mlflow (`mlflow.log_table`, one artifact per
-step under completions/); tensorboard has no tables (the samples stay in completions.jsonl).
+step under samples/); tensorboard has no tables (the samples stay in completions.jsonl).
 
 Deliberately not done: resuming the tracker's run after a checkpoint resume (each start opens a new
 tracker run; the steps carry on from the checkpoint's).
@@ -38,7 +38,7 @@ from .errors import ConfigError
 logger = logging.getLogger("grpo_trainer")
 
 SAMPLE_COLUMNS = ["step", "prompt", "completion", "reward", "advantage"]
-SAMPLE_TABLE = "completions"  # the table's name in the trackers, as the file completions.jsonl
+SAMPLE_TABLE = "samples"  # the table's name in the trackers (not `completions`: metrics under completions/ exist)
 
 
 @dataclass(frozen=True)
