@@ -20,7 +20,8 @@ from helpers import ROOT, assert_same_run, run_cli, run_in_fork, small_run_overr
 
 STEPS = 3
 # What both runs share; the YAML run adds the files, the object run the objects.
-SHARED = [*small_run_overrides(Path("OUT"), steps=STEPS)[1:], "eval.every=3", "eval.num_samples=4", "eval.num_generations=2"]
+SHARED = [*small_run_overrides(Path("OUT"), steps=STEPS)[1:], "eval.every=3", "eval.num_samples=4", "eval.num_generations=2",
+          "loss.type=dr_grpo"]
 YAML_REWARDS = ("rewards=[{name: tests/api_rewards.py:accuracy, kwargs: {bonus: 0.5}}, "
                 "{name: tests/api_rewards.py:brevity, weight: 0.5, kwargs: {scale: 100}}]")
 
@@ -134,6 +135,52 @@ def test_a_changed_dataset_is_refused_on_resume_and_the_same_objects_resume(pair
     assert result["refusal"].startswith("cannot resume: these settings differ from the checkpoint's")
     assert f"'object:train_dataset@{in_memory.fingerprint(changed)}'" in result["refusal"]
     assert result["steps_done"] == 1 and [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- the model card of these runs
+
+
+def test_the_final_model_has_a_card_the_hub_loader_reads(paired_runs):
+    import transformers
+    import yaml
+    from huggingface_hub import ModelCard
+
+    from_yaml, from_objects, _ = paired_runs
+    card = ModelCard.load(from_yaml / "model" / "README.md")
+    assert (card.data.library_name, card.data.license, card.data.pipeline_tag) == ("transformers", "apache-2.0", "text-generation")
+    assert card.data.tags == ["grpo-trainer", "reinforcement-learning", "grpo", "dr_grpo"]  # the loss type
+    assert card.data.base_model is None and card.data.datasets is None  # the tiny model and local files: no Hub ids
+    rows = read_metrics(from_yaml)
+    tokens = sum(r["completions/mean_length"] for r in rows) * 16
+    for line in ("| rewards | `accuracy` (weight 1), `brevity` (weight 0.5) |", "| group size G | 4 completions per prompt |",
+                 "| steps | 3 (of train.max_steps 3) |", "| completions trained on | 48 |",
+                 f"| completion tokens trained on | {tokens:,.0f} |", "| processes | 1 (NO) |"):
+        assert line in card.text, line
+    assert "| hardware | CPU: " in card.text and f"transformers {transformers.__version__}" in card.text
+    assert "![Training reward](reward_curve.png)" in card.text
+    assert (from_yaml / "model" / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    evaluated = rows[-1]
+    assert "| step | accuracy/mean@2 | accuracy/pass@2 | brevity/mean@2 |" in card.text
+    assert f"| 3 | {evaluated['eval/accuracy/mean@2']:.3f} | {evaluated['eval/accuracy/pass@2']:.3f} |" in card.text
+    config_block = card.text.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(config_block) == yaml.safe_load((from_yaml / "config.yaml").read_text())
+
+    objects_card = ModelCard.load(from_objects / "model" / "README.md").text
+    fingerprint = grpo_trainer.load_config(from_objects / "config.yaml").data.source.rpartition("@")[2]
+    assert f"| training data | a dataset given in Python (train_dataset, fingerprint `{fingerprint}`) |" in objects_card
+    assert "`object:...` names what was given in Python (eval_dataset, model, reward/accuracy" in objects_card
+
+
+def test_export_writes_a_card_from_the_checkpoint(paired_runs, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from_yaml, _, _ = paired_runs
+    exported = run_cli(["export", str(from_yaml / "checkpoints" / "step-000003"), str(tmp_path / "exported")])
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    card = ModelCard.load(tmp_path / "exported" / "README.md")
+    assert card.data.library_name == "transformers" and "dr_grpo" in card.data.tags
+    assert "| steps | 3 (of train.max_steps 3) |" in card.text and "| processes | 1 |" in card.text
+    assert "| hardware | not recorded |" in card.text and (tmp_path / "exported" / "reward_curve.png").is_file()
 
 
 # ----------------------------------------------------------------------------- datasets

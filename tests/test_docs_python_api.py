@@ -33,9 +33,10 @@ def test_the_notebook_example_runs_as_written(tmp_path, tiny_model_path):
     assert len(cells) >= 3 and "grpo_trainer.train(" in cells[0]
     child = run_in_fork(run_cells, (cells, str(tmp_path)))
     assert child.returncode == 0, child.stderr[-3000:]
-    printed = child.stdout.splitlines()
+    printed = child.stdout.splitlines()  # (libraries print their own lines too, e.g. DeepSpeed's accelerator note)
     run = tmp_path / "outputs" / "notebook"
-    assert printed[0].startswith(f"outputs/notebook 10 ")  # result.output_dir, steps_done, the last reward
+    assert any(line.startswith("outputs/notebook 10 ") for line in printed)  # output_dir, steps_done, last reward
+    assert any(line.startswith("4 ") for line in printed)  # the second run's steps_done
     assert "['grpo-trainer', 'reinforcement-learning', 'grpo']" in printed
     assert "| rewards | `correct` (weight 1), `concise` (weight 0.1) |" in printed
     rows = read_metrics(run)
