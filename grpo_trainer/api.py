@@ -77,9 +77,9 @@ def train(
     if rewards is not None:
         data["rewards"] = [_reward_entry(item, i, objects) for i, item in enumerate(_as_list(rewards, "rewards"))]
     if model is not None:
-        objects["model"] = model
+        objects["model"] = model  # wrapped below, once the config says whether a reference copy is needed
         set_dotted(data, "model.name_or_path", in_memory.reference("model"))
-        set_dotted(data, "model.dtype", _dtype_name(model))
+        _set_dtype(data, _dtype_name(model))
     if tokenizer is not None:
         objects["tokenizer"] = tokenizer
         set_dotted(data, "model.tokenizer", in_memory.reference("tokenizer"))
@@ -88,6 +88,11 @@ def train(
     cfg = config_from_dict(data, source=_describe(config))
     _check_objects_fit(cfg, objects)
     _refuse_resume_without_objects(cfg, objects)
+    if model is not None:
+        # The frozen reference of the KL term (state._reference: beta > 0, and not LoRA, whose reference is the
+        # adapter-disabled policy) is a copy taken now, before any step, as the YAML path loads one from disk.
+        needs_reference = cfg.loss.beta > 0 and cfg.model.lora is None
+        objects["model"] = in_memory.ModelObject(model, copy.deepcopy(model) if needs_reference else None)
     with in_memory.given(objects):
         return train_config(cfg, on_step_end=on_step_end)
 
@@ -215,6 +220,14 @@ def _dtype_name(model: Any) -> str:
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"model: its dtype is {dtype}; the trainer runs float32, bfloat16 or float16 models")
     return TORCH_DTYPES[dtype]
+
+
+def _set_dtype(data: dict[str, Any], dtype: str) -> None:
+    """The model object's dtype is the run's: say so when the config asked for another."""
+    asked = (data.get("model") or {}).get("dtype")
+    if asked not in (None, dtype):
+        logger.warning("model.dtype: the model given is %s; the config's %s does not apply to it", dtype, asked)
+    set_dotted(data, "model.dtype", dtype)
 
 
 def _where_loaded_from(model: Any) -> str:

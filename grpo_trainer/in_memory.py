@@ -47,6 +47,15 @@ class Records:
     fingerprint: str
 
 
+@dataclass(frozen=True)
+class ModelObject:
+    """A model given in Python, and the frozen copy of it the KL term needs (taken before training starts, as
+    the YAML path loads a second copy from disk; None when the run needs no reference)."""
+
+    model: Any
+    reference: Any = None
+
+
 _objects: dict[str, Any] = {}  # reference name -> object, while a train() call runs
 _models_handed_out: set[str] = set()
 
@@ -113,22 +122,27 @@ def records(ref: str, where: str, error: type[UserError]) -> list[dict[str, Any]
 
 
 def model(ref: str, where: str):
-    """The model object: itself the first time (it is trained in place), a copy after (the frozen reference)."""
+    """The model object itself the first time (the policy: trained in place), its frozen reference copy after."""
     found = resolve(ref, where)
-    if ref in _models_handed_out:
-        return copy.deepcopy(found)
-    _models_handed_out.add(ref)
-    return found
+    if not isinstance(found, ModelObject):
+        raise ConfigError(f"{where}: {ref!r} does not name a model")
+    if ref not in _models_handed_out:
+        _models_handed_out.add(ref)
+        return found.model
+    return found.reference if found.reference is not None else copy.deepcopy(found.model)
+
+
+def model_source(ref: str) -> str | None:
+    """Where the model object given in this process was loaded from (its name_or_path), if it says."""
+    found = _objects.get(parse(ref)[0]) if is_reference(ref) else None
+    model = found.model if isinstance(found, ModelObject) else None
+    source = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(source) if source else None
 
 
 def tokenizer(ref: str, where: str):
     """A copy of the tokenizer object: the trainer sets its padding side and pad token, the caller's stays as it was."""
     return copy.deepcopy(resolve(ref, where))
-
-
-def peek(ref: str) -> Any:
-    """The object behind `ref` if one is given in this process, else None (for descriptions, never for training)."""
-    return _objects.get(parse(ref)[0]) if is_reference(ref) else None
 
 
 def fingerprint(rows: list[dict[str, Any]]) -> str:

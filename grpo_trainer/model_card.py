@@ -126,10 +126,9 @@ def base_model(cfg: Config) -> tuple[str | None, str | None]:
     name = cfg.model.name_or_path
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
-    given = in_memory.peek(name)
-    if given is not None:  # a model object: where it was loaded from, if it says
-        name = getattr(given, "name_or_path", None) or getattr(getattr(given, "config", None), "_name_or_path", "")
-    if not name or in_memory.is_reference(name):
+    if in_memory.is_reference(name):  # a model object: where it was loaded from, if it says
+        name = in_memory.model_source(name)
+    if not name:
         return None, None
     local = Path(name)
     if local.is_dir():
@@ -187,9 +186,8 @@ def _title(cfg: Config, base: str | None) -> str:
 
 
 def _describe_model(cfg: Config) -> str:
-    given = in_memory.peek(cfg.model.name_or_path)
-    if given is not None:
-        return getattr(given, "name_or_path", None) or "a model object given in Python"
+    if in_memory.is_reference(cfg.model.name_or_path):
+        return in_memory.model_source(cfg.model.name_or_path) or "a model object given in Python"
     return cfg.model.name_or_path
 
 

@@ -21,7 +21,7 @@ from helpers import ROOT, assert_same_run, run_cli, run_in_fork, small_run_overr
 STEPS = 3
 # What both runs share; the YAML run adds the files, the object run the objects.
 SHARED = [*small_run_overrides(Path("OUT"), steps=STEPS)[1:], "eval.every=3", "eval.num_samples=4", "eval.num_generations=2",
-          "loss.type=dr_grpo"]
+          "loss.type=dr_grpo", "loss.beta=0.04"]  # with a KL term: the model object's frozen reference copy is used
 YAML_REWARDS = ("rewards=[{name: tests/api_rewards.py:accuracy, kwargs: {bonus: 0.5}}, "
                 "{name: tests/api_rewards.py:brevity, weight: 0.5, kwargs: {scale: 100}}]")
 
@@ -71,7 +71,7 @@ def test_objects_and_their_yaml_equivalent_give_the_same_run(paired_runs):
     assert_same_run(from_yaml, from_objects)  # final weights bit for bit, every metric but timings
     rows = read_metrics(from_objects)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("rewards/accuracy/mean", "rewards/brevity/mean", "eval/accuracy/mean@2", "eval/brevity/pass@2"):
+    for key in ("rewards/accuracy/mean", "rewards/brevity/mean", "eval/accuracy/mean@2", "eval/brevity/pass@2", "kl"):
         assert key in rows[-1], key  # callables are named by their function names
     assert result["output_dir"] == str(from_objects) and result["steps_done"] == STEPS
     assert result["last_metrics"]["reward"] == rows[-1]["reward"]
@@ -226,6 +226,22 @@ def test_a_reference_without_its_object_is_one_line_naming_it():
     records = in_memory.Records([{"prompt": "a"}], "feedfacefeedface")
     with in_memory.given({"train_dataset": records}), pytest.raises(DataError, match="has fingerprint feedfacefeedface"):
         load_records(DataConfig(source="object:train_dataset@0123456789abcdef"))
+
+
+def test_a_model_object_is_the_policy_once_then_its_frozen_reference():
+    import torch
+
+    policy = torch.nn.Linear(2, 2)
+    reference = torch.nn.Linear(2, 2)
+    with in_memory.given({"model": in_memory.ModelObject(policy, reference)}):
+        assert in_memory.model("object:model", "model.name_or_path") is policy  # trained in place
+        assert in_memory.model("object:model", "model.name_or_path") is reference  # copied before training
+    with in_memory.given({"model": in_memory.ModelObject(policy)}):
+        in_memory.model("object:model", "model.name_or_path")
+        copied = in_memory.model("object:model", "model.name_or_path")
+        assert copied is not policy and torch.equal(copied.weight, policy.weight)
+    with pytest.raises(ConfigError, match="pass model="):
+        in_memory.model("object:model", "model.name_or_path")  # outside a train() call: nothing is given
 
 
 # ----------------------------------------------------------------------------- rewards and config

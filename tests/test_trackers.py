@@ -28,7 +28,8 @@ def tracked_run(tmp_path_factory, tiny_model_path):
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=STEPS),
                       "logging.report_to=[jsonl, wandb, trackio, mlflow]", f"logging.project={PROJECT}",
                       "logging.completions_every=2"],
-                     env={**OFFLINE, "TRACKIO_DIR": str(root / "trackio")})
+                     env={**OFFLINE, "TRACKIO_DIR": str(root / "trackio"), **{  # nothing written outside the test's folder
+                         f"WANDB_{kind}_DIR": str(root / "wandb-home" / kind.lower()) for kind in ("CACHE", "DATA", "CONFIG")}})
     assert result.returncode == 0, result.stderr[-3000:]
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     return out, root / "trackio", read_metrics(out), samples
