@@ -53,6 +53,9 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the policy (and reference) model."
     )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or hub id, when not the model's own (None: model.name_or_path's tokenizer)."
+    )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     lora: LoraConfig | None = Field(
@@ -77,7 +80,8 @@ class DataConfig(_Section):
         "builtin:arithmetic",
         description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
-        "Hugging Face dataset id.",
+        "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
+        "in Python (docs/python_api.md).",
     )
     subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
     split: str = Field("train", description="Split to train on.")
@@ -481,11 +485,13 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
-    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+    report_to: list[Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"],
-        description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb` (main process only).",
+        description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb`, `trackio`, "
+        "`mlflow` (main process only; each tracker is an extra, e.g. `pip install 'grpo-trainer[wandb]'`; where each "
+        "writes: docs/python_api.md#trackers). Sample tables (logging.completions_every) go to wandb, trackio and mlflow.",
     )
-    project: str = Field("grpo-trainer", description="Project name given to tensorboard / wandb.")
+    project: str = Field("grpo-trainer", description="Project (wandb, trackio) or experiment (mlflow) name given to the trackers.")
     completions_every: int = Field(
         0, ge=0, description="Every N steps, append sample completions to OUTPUT_DIR/completions.jsonl (0: never)."
     )
@@ -559,23 +565,26 @@ class Config(_Section):
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(loaded).__name__}")
-        data = loaded
+    data = read_config_file(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
     return config_from_dict(data, source=str(path) if path else "<defaults>")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a dict (not validated yet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(loaded).__name__}")
+    return loaded
 
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
@@ -594,6 +603,11 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         value = raw
+    set_dotted(data, key, value)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set `a.b.c` to `value` (already parsed) in a nested dict; list items by index (`rewards.0.weight`)."""
     parts = key.strip().split(".")
     node: Any = data
     for i, part in enumerate(parts[:-1]):

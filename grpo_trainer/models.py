@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import in_memory
 from .config import ModelConfig
 from .errors import ConfigError
 from .tiny import resolve_model_path
@@ -29,7 +30,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    source = cfg.tokenizer or cfg.name_or_path
+    if in_memory.is_reference(source):  # given to grpo_trainer.train() in Python
+        tokenizer = in_memory.tokenizer(source, "model.tokenizer")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=cfg.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -42,9 +47,12 @@ def load_causal_lm(cfg: ModelConfig):
     """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-    )
+    if in_memory.is_reference(cfg.name_or_path):  # given to grpo_trainer.train() in Python
+        model = in_memory.model(cfg.name_or_path, "model.name_or_path")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
     model.config.use_cache = False  # training forwards never need the KV cache
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model

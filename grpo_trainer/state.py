@@ -30,12 +30,14 @@ from .errors import ConfigError
 from .evaluate import load_eval_task
 from .losses import EntropyControl
 from .metrics import MetricsWriter
+from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, build_engine, sampling_settings
 from .rollout.tools import build_toolbox
 from .task import Task, load_task
+from .trackers import start_trackers
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -252,8 +254,7 @@ def resume(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
         ckpt.remove_incomplete(run.output_dir)
-    if run.trackers:
-        accelerator.init_trackers(cfg.logging.project, config=flat_hparams(cfg))
+    start_trackers(accelerator, cfg, flat_hparams(cfg))
     run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
 
 
@@ -302,6 +303,7 @@ def _save_final_model(run: Run, folder: Path) -> None:
         else:
             lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
         run.tokenizer.save_pretrained(folder)
+        write_model_card(folder, run.cfg, run.output_dir, setup_of(run.accelerator))  # README.md for the Hub
         logger.info("saved the final model to %s", folder)
 
 
