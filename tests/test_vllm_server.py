@@ -319,6 +319,23 @@ def test_a_server_that_restarted_between_calls_is_caught_by_its_weight_version(s
     engine.close()
 
 
+@pytest.mark.slow
+def test_the_next_trainer_releases_a_server_that_a_dead_trainer_left_mid_push(servers, model_dir):
+    """A trainer killed mid-push leaves its server paused, with the update open (layers on the meta device):
+    the next engine ends that update before anything samples, and pushes as usual."""
+    a = servers["a"]
+    left_behind = Server(a.url, 30)
+    left_behind.request("POST", "/pause?mode=wait")
+    left_behind.start_weight_update()
+    engine = engine_for(a, weight_sync="gloo")
+    assert left_behind.request("GET", "/is_paused")["is_paused"] is False
+    lm = load_lm(model_dir)
+    perturb(lm, seed=8)
+    engine.sync_weights(lm)
+    assert_samples_from(engine, lm, stale=load_lm(model_dir))
+    engine.close()
+
+
 # ---------------------------------------------------------------------------- two servers
 
 

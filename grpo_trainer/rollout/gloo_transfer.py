@@ -350,8 +350,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             group = self.group
             if group is None:
                 raise RuntimeError("gloo weight transfer: the servers abandoned the update")
-            group.broadcast(buffer[: bucket.nbytes], 0).wait()
-            del group
+            try:
+                group.broadcast(buffer[: bucket.nbytes], 0).wait()
+            finally:
+                del group  # not kept alive by a traceback: dropping the group must close its sockets
         for _ in pairs:  # run the source to its end: _checked raises if it yields more than it declared
             pass
 

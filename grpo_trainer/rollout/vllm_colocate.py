@@ -11,7 +11,8 @@ it, and after every optimizer step receives the trainer's weights in place
   trainer's EOS ids, `stop` the config's stop strings. A completion that stopped
   on EOS keeps that token (it is trained on too), one that stopped on a stop
   string the token that completed it; one that hit `max_completion_length` is
-  marked truncated.
+  marked truncated. The fields, the seeds and this rule are vllm_sampling.py's,
+  shared with vllm_server, so the same prompt and seed sample the same group in both.
 - Log-probs: the engine is started with `logprobs_mode="processed_logprobs"`, so
   the log-prob vLLM reports for each sampled token is that of the distribution it
   was drawn from, after temperature (and after top-k/top-p). With top_p=1 and
@@ -50,7 +51,7 @@ import torch
 
 from . import Rollout, SamplingSettings
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
-from .weight_sync import iter_merged_weights
+from .weight_sync import Gather, MergedWeights
 
 if TYPE_CHECKING:
     from ..config import VLLMConfig
@@ -114,6 +115,8 @@ class VLLMColocateEngine:
         self.return_logprobs = return_logprobs
         self.enable_sleep_mode = settings.enable_sleep_mode
         self._calls = 0
+        self._pushes = 0
+        self.weight_version: Any = None  # the version of the last push (None: the weights it loaded)
         self._sleeping = False
         self.cpu = _on_cpu()
         kwargs: dict[str, Any] = dict(
@@ -181,12 +184,17 @@ class VLLMColocateEngine:
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks."""
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Gather | None = None) -> None:
+        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks.
+
+        Every rank holds its own vLLM, so under ZeRO-3 every rank needs the whole model: with `gather`
+        (weight_sync.zero3_gather) it is assembled one layer at a time, into one copy."""
         self.wake_up()
-        weights = list(iter_merged_weights(model))
+        weights = list(MergedWeights(model, gather))
         self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
+        self._pushes += 1
+        self.weight_version = self._pushes if version is None else version
 
     # ------------------------------------------------------------------ memory (GPU only)
     def sleep(self, level: int = 1) -> None:

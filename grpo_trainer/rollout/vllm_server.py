@@ -13,10 +13,10 @@ against vLLM 0.32 and tested for real against its CPU build.
   fields and the EOS/truncation rule are vllm_sampling.py's, shared with vllm_colocate.
 - Start-up: each server must answer `GET /health` within `startup_timeout` (else a `ConnectionError`
   naming the URL and what to run), serve the same model, and report processed log-probs: the engine
-  asks for the top log-probs of one token at temperatures 1 and 1/2. Under
-  `--logprobs-mode processed_logprobs` the gaps between them double (they are those of logits / T); under
-  vLLM's default `raw_logprobs` they do not move, and the importance weights would silently use the
-  wrong distribution: such a server is refused in one line.
+  asks for the two likeliest next tokens at temperatures 1 and 2. Under
+  `--logprobs-mode processed_logprobs` the gap between their log-probs halves (they are those of
+  logits / T); under vLLM's default `raw_logprobs` it does not move, and the importance weights would
+  silently use the wrong distribution: such a server is refused in one line.
 - Weight push (`weight_sync`), main process only, every server at once, each push with a weight
   version (`weight_version`: the last one pushed, None before any):
   - `nccl` (GPU) and `gloo` (CPU, or GPUs through host memory): vLLM's RL API
@@ -71,8 +71,7 @@ if TYPE_CHECKING:
     from ..config import VLLMServerConfig
 
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
-PROBE_TEMPERATURES = (1.0, 0.5)
-PROBE_TOP = 5  # log-probs of the top tokens compared in the probe
+PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
 
 
 class ServerError(UserError, RuntimeError):
@@ -289,6 +288,8 @@ class VLLMServerEngine:
             raise ServerError("rollout.vllm_server.urls: the servers serve different models: "
                               + ", ".join(f"{s.url}: {n}" for s, n in zip(self.servers, names)))
         self.model_name = model_name or names[0]
+        if is_main_process and self.weight_sync != "none":
+            self._release_a_dead_trainers_push()
         for server in self.servers:
             self.check_processed_logprobs(server)
 
@@ -305,20 +306,25 @@ class VLLMServerEngine:
 
     # ------------------------------------------------------------------ start-up check
     def check_processed_logprobs(self, server: Server) -> None:
-        """Refuse a server that reports raw log-probs (see the module docstring): the gaps between the top
-        log-probs of one position scale with 1/T when they are processed, and do not move when raw."""
-        spreads = []
+        """Refuse a server that reports raw log-probs (see the module docstring).
+
+        The log-prob gap between the two likeliest next tokens is (l1 - l2) / T when log-probs are processed,
+        and l1 - l2 whatever T when they are raw: from T = 1 to T = 2 it halves, or stays. (Not read from the
+        server's config: `/server_info` exists only in dev mode, which a server that is never pushed to lacks.)
+        A gap too small (or a runner-up vLLM reports as -9999, i.e. -inf) to tell says nothing either way."""
+        gaps = []
         for temperature in PROBE_TEMPERATURES:
             body = {"model": self.model_name, "prompt": [list(self.sampling.eos_token_ids[:1])], "max_tokens": 1,
                     "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "logprobs": PROBE_TOP, "seed": 0}
+                    "logprobs": 2, "seed": 0}
             top = server.request("POST", "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0]
-            values = sorted(top.values(), reverse=True)
-            spreads.append(values[0] - values[-1])
-        if spreads[0] < 1e-3:
-            return  # a flat distribution tells nothing either way
-        ratio = spreads[1] / spreads[0]  # processed: 1 / 0.5 = 2; raw: 1
-        if ratio < 1.5:
+            best = sorted(top.values(), reverse=True)[:2]
+            if len(best) < 2 or best[1] < -1000:
+                return
+            gaps.append(best[0] - best[1])
+        if gaps[0] < 1e-3:
+            return
+        if gaps[1] / gaps[0] > 0.75:  # processed: 0.5; raw: 1
             raise ServerError(
                 f"vLLM server at {server.url} reports raw log-probs (they ignore the temperature): start it with "
                 "--logprobs-mode processed_logprobs (`python -m grpo_trainer serve` does)"
@@ -463,7 +469,33 @@ class VLLMServerEngine:
                     self._open_transfer(source)
                 self._transfer.source = source
                 self._client.version = str(version)
-                self._transfer.send_weights()
+                try:
+                    self._transfer.send_weights()
+                except BaseException:
+                    self._end_open_updates(self.servers)
+                    raise
+
+    @staticmethod
+    def _end_open_updates(servers: list[Server]) -> None:
+        """End the weight update a failed push left open on each server, with what it received: vLLM's
+        layer-wise reload keeps layers on the meta device until `/finish_weight_update`, and the first request
+        after `/resume` would crash the server. The version stays the old one. (An error means it was closed.)"""
+        for server in servers:
+            try:
+                server.request("POST", "/finish_weight_update")
+            except (ServerUnreachable, ServerError):
+                pass
+
+    def _release_a_dead_trainers_push(self) -> None:
+        """A server left paused by a trainer that died mid-push: end its update, let it sample again."""
+        for server in self.servers:
+            try:
+                paused = server.request("GET", "/is_paused", timeout=10)["is_paused"]
+            except (ServerUnreachable, ServerError):
+                continue  # not a dev-mode server: nothing of ours can be open there
+            if paused:
+                self._end_open_updates([server])
+                server.request("POST", "/resume")
 
     @contextmanager
     def _paused(self):
