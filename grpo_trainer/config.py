@@ -191,8 +191,11 @@ class RolloutConfig(_Section):
     engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The in-process vLLM engine (vllm_colocate).")
-    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="An external vLLM server (vllm_server).")
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig,
+        description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
+    )
+    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")

@@ -67,20 +67,32 @@ def nudge(lm, rep: int) -> None:
             p.add_(1e-4 * (rep + 1))
 
 
-def logprob_gap(engine, lm, tokenizer) -> float:
-    """Largest |vLLM's sampling log-prob - the trainer's| over a few sampled tokens: ~1e-4 if the push landed."""
+def chat_prompts(tokenizer, questions=("What is 12+7?", "Say hello.")) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"] for q in questions]
+
+
+def sampler_gap(rollout, prompts: list[list[int]], lm, pad_id: int, temperature: float = 1.0) -> tuple[float, float]:
+    """(max, mean) |the engine's sampling log-prob - `lm`'s| over every sampled token of `rollout` (G per
+    prompt): ~1e-4 in float32 when the engine holds `lm`'s weights, far more when it does not."""
     import torch
 
     from grpo_trainer.models import TokenLogprobs, make_sequence_batch
 
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"] for q in ("What is 12+7?", "Say hello.")]
-    out = engine.generate(prompts, 2)
-    grouped = [p for p in prompts for _ in range(2)]
-    batch = make_sequence_batch(grouped, out.completion_ids, pad_id=tokenizer.pad_token_id or 0)
+    g = len(rollout.completion_ids) // len(prompts)
+    grouped = [p for p in prompts for _ in range(g)]
+    batch = make_sequence_batch(grouped, rollout.completion_ids, pad_id=pad_id)
+    device = next(lm.parameters()).device
     with torch.no_grad():
-        lp, _ = TokenLogprobs(lm, temperature=1.0)(**batch.tensors())
-    return max(abs(a - b) for i, c in enumerate(out.completion_ids) for a, b in zip(out.sampling_logprobs[i], lp[i, : len(c)].tolist()))
+        lp, _ = TokenLogprobs(lm, temperature=temperature)(**batch.tensors(device))
+    gaps = [abs(a - b) for i, c in enumerate(rollout.completion_ids)
+            for a, b in zip(rollout.sampling_logprobs[i], lp[i, : len(c)].float().tolist())]
+    return max(gaps), sum(gaps) / len(gaps)
+
+
+def logprob_gap(engine, lm, tokenizer) -> float:
+    prompts = chat_prompts(tokenizer)
+    return sampler_gap(engine.generate(prompts, 2), prompts, lm, tokenizer.pad_token_id or 0)[0]
 
 
 def main() -> int:

@@ -8,7 +8,6 @@ and restart `a`. Everything listens on 127.0.0.1 only.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -87,6 +86,7 @@ def servers(model_dir, tmp_path_factory):
 # ---------------------------------------------------------------------------- without a server
 
 
+@pytest.mark.slow
 def test_serve_starts_vllm_with_exactly_the_flags_the_engine_needs(tiny_model_path):
     def dry_run(*overrides: str, extra: tuple[str, ...] = ()) -> str:
         from grpo_trainer.serve import serve_command, shell_line
@@ -119,6 +119,7 @@ def test_serve_starts_vllm_with_exactly_the_flags_the_engine_needs(tiny_model_pa
     assert cli.stdout.strip().endswith("--max-num-seqs 8")
 
 
+@pytest.mark.slow
 def test_the_plugin_only_adds_the_backend_name():
     """vLLM loads our entry point in every process; a process that never asks for "gloo" is left as it was:
     the registries gain that one name, nothing of the backend is imported, torch's global state is untouched."""
@@ -156,43 +157,6 @@ def test_buckets_are_bounded_and_cut_alike_on_both_sides():
         assert b.nbytes == ends[-1] and all(o % 64 == 0 for o in b.offsets)
         assert b.nbytes <= 4096 or b.last - b.first == 1
         assert all(end <= start for end, start in zip(ends, b.offsets[1:]))  # no overlap
-
-
-def test_merged_weights_declare_what_they_stream_and_gather_one_layer_at_a_time(model_dir):
-    """The two channels agree (names, dtypes, shapes, order); LoRA is merged exactly as PEFT merges it; with a
-    `gather` (ZeRO-3's role), only one decoder layer's parameters are whole at any time."""
-    from peft import LoraConfig, get_peft_model
-
-    lm = load_lm(model_dir)
-    peft = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    open_now: set[int] = set()
-    widest: list[int] = []
-
-    class Gather:  # records which parameters are "whole" at once
-        def __init__(self, params):
-            self.params = params
-
-        def __enter__(self):
-            assert not open_now
-            open_now.update(id(p) for p in self.params)
-            widest.append(len(self.params))
-
-        def __exit__(self, *exc):
-            open_now.clear()
-
-    source = MergedWeights(peft, gather=Gather)
-    meta = source.metadata()
-    pushed = list(source)
-    assert [(m.name, m.dtype, m.shape) for m in meta] == [(n, t.dtype, tuple(t.shape)) for n, t in pushed]
-    expected = copy.deepcopy(peft).merge_and_unload().state_dict()  # PEFT's own merge, on a copy
-    for name, tensor in pushed:
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
-    base = load_lm(model_dir).state_dict()
-    assert any(not torch.equal(t, base[n]) for n, t in pushed)  # the adapters did change something
-    names = [n for n, _ in pushed]
-    assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1  # tied: once
-    per_layer = sum(1 for p in lm.model.layers[0].parameters()) + 2 * 2  # + lora_A/B of q_proj and v_proj
-    assert max(widest) <= per_layer and len(widest) >= len(lm.model.layers) + 2
 
 
 def test_server_down_gives_clear_error_fast():
@@ -368,6 +332,19 @@ def test_two_servers_share_the_groups_push_to_both_and_sample_what_one_server_sa
         assert_close(split.sampling_logprobs, trainer_logprobs(lm, grouped, split.completion_ids, TEMPERATURE))
     finally:
         two.close()
+
+
+@pytest.mark.slow
+def test_the_prepared_gpu_push_check_runs_against_a_cpu_server(servers, model_dir, tmp_path):
+    """scripts/gpu_check_push.py (the vllm_nccl_push / vllm_gloo_push rows of gpu_check.sh), pointed at server a."""
+    out = tmp_path / "push.json"
+    result = subprocess.run([sys.executable, "scripts/gpu_check_push.py", "--backend", "gloo", "--url", servers["a"].url,
+                             "--model", str(model_dir), "--reps", "1", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["tied"] and report["gap_new"] < 0.25 * report["gap_stale"]
+    assert "RESULT backend=gloo" in result.stdout
 
 
 # ---------------------------------------------------------------------------- faults (last: they kill servers)
