@@ -379,6 +379,9 @@ def test_a_server_killed_mid_push_that_never_returns_stops_the_push_naming_it(se
     kill_on_update(b)
     with pytest.raises(ConnectionError, match=f"{b.url} went away during a weight push and did not come back within 3s"):
         two.sync_weights(lm, version=2)
+    # The survivor ended the update it had begun (else its next request would crash it) and says that its
+    # weights are part old, part new: an engine that pushed version 1 there would not sample from it.
+    assert Server(a.url, 10).weight_version() == "incomplete push"
     two.close()
     # The survivor was mid-update too: it is not stuck, and takes the next push from a new trainer.
     engine = engine_for(a, weight_sync="gloo")

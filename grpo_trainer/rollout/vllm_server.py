@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from ..config import VLLMServerConfig
 
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
+INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
 PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
 
 
@@ -479,12 +480,15 @@ class VLLMServerEngine:
     def _end_open_updates(servers: list[Server]) -> None:
         """End the weight update a failed push left open on each server, with what it received: vLLM's
         layer-wise reload keeps layers on the meta device until `/finish_weight_update`, and the first request
-        after `/resume` would crash the server. The version stays the old one. (An error means it was closed.)"""
+        after `/resume` would crash the server. What it holds then is part old, part new (a fused layer may
+        even be half loaded), so its version says so: sampling from it raises WeightsLost until a full push.
+        (An error means there was nothing open, or the server is gone.)"""
         for server in servers:
-            try:
-                server.request("POST", "/finish_weight_update")
-            except (ServerUnreachable, ServerError):
-                pass
+            for path, body in (("/finish_weight_update", None), ("/update_weight_version", {"new_version": INCOMPLETE_VERSION})):
+                try:
+                    server.request("POST", path, body)
+                except (ServerUnreachable, ServerError):
+                    pass
 
     def _release_a_dead_trainers_push(self) -> None:
         """A server left paused by a trainer that died mid-push: end its update, let it sample again."""
