@@ -277,13 +277,7 @@ class VLLMServerEngine:
         self._calls = 0
         self._client: AllServers | None = None
         self._transfer = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
-        for server in self.servers:
-            if not server.wait_until_healthy(settings.startup_timeout):
-                raise ServerUnreachable(
-                    f"rollout.engine=vllm_server: no healthy vLLM server at {server.url} after "
-                    f"{settings.startup_timeout:g}s. Start one first: `python -m grpo_trainer serve CONFIG` "
-                    "(or see docs/vllm.md for the vllm serve command)."
-                )
+        self.wait_until_healthy(settings.startup_timeout)
         names = [self._model_of(server) for server in self.servers]
         if len(set(names)) > 1:
             raise ServerError("rollout.vllm_server.urls: the servers serve different models: "
@@ -293,6 +287,15 @@ class VLLMServerEngine:
             self._release_a_dead_trainers_push()
         for server in self.servers:
             self.check_processed_logprobs(server)
+
+    def wait_until_healthy(self, seconds: float) -> None:
+        """Wait until every server answers its health check; ConnectionError naming the first that does not."""
+        for server in self.servers:
+            if not server.wait_until_healthy(seconds):
+                raise ServerUnreachable(
+                    f"rollout.engine=vllm_server: no healthy vLLM server at {server.url} after {seconds:g}s. Start one "
+                    "first: `python -m grpo_trainer serve CONFIG` (or see docs/vllm.md for the vllm serve command)."
+                )
 
     @property
     def base_url(self) -> str:
