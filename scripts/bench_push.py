@@ -45,6 +45,22 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path, limit: float) -> None:
+    """Poll the server's health check; stop at once, with its log's end, if its process exited."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the vLLM server exited:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no healthy vLLM server at {url} after {limit:g}s")
+        time.sleep(1)
+
+
 def model_size_mib(lm) -> float:
     from grpo_trainer.rollout.weight_sync import MergedWeights
 
@@ -100,6 +116,7 @@ def main() -> int:
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--pin", action="store_true", help="taskset: server on core 1, this process on core 0")
     parser.add_argument("--skip-colocate", action="store_true")
     parser.add_argument("--json", help="write the numbers here")
@@ -126,17 +143,18 @@ def main() -> int:
     port = 8000 + os.getpid() % 1000
     with tempfile.TemporaryDirectory(prefix="bench-push-") as tmp:
         command = [sys.executable, "-m", "grpo_trainer", "serve", "configs/demo_cpu.yaml", f"model.name_or_path={path}",
-                   "rollout.engine=vllm_server", "rollout.vllm_server.weight_sync=gloo", "rollout.vllm.max_model_len=512",
+                   "rollout.engine=vllm_server", "rollout.vllm_server.weight_sync=gloo", f"rollout.vllm.max_model_len={args.max_model_len}",
                    "--port", str(port), "--", "--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync"]
         if args.pin:
             command = ["taskset", "-c", "1", *command]
-        log = open(Path(tmp) / "server.log", "w")
-        server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(command, cwd=REPO, stdout=open(Path(tmp) / "server.log", "w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
         times: dict[str, list[float]] = {"gloo": [], "disk": []}
         first: dict[str, float] = {}
         gaps: dict[str, float] = {}
         try:
             url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, server, Path(tmp) / "server.log", 1800)
             engines = {
                 kind: VLLMServerEngine(sampling, VLLMServerConfig(base_url=url, weight_sync=kind, startup_timeout=1800,
                                                                   transfer_bucket_mb=args.bucket_mb,
@@ -158,12 +176,12 @@ def main() -> int:
         finally:
             os.killpg(server.pid, 15)
             server.wait(60)
-            urllib.request.urlcleanup()
 
     if not args.skip_colocate:
         from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine
 
-        engine = VLLMColocateEngine(sampling, VLLMConfig(dtype="float32", max_model_len=512), model_path=path, seed=0)
+        engine = VLLMColocateEngine(sampling, VLLMConfig(dtype="float32", max_model_len=args.max_model_len), model_path=path,
+                                    seed=0)
         times["colocate"] = []
         for rep in range(args.reps + 1):
             nudge(lm, rep)

@@ -26,27 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path, limit: float) -> None:
-    deadline = time.monotonic() + limit
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return
-        except OSError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the vLLM server exited:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no healthy vLLM server at {url} after {limit:g}s")
-        time.sleep(1)
 
 
 def main() -> int:
@@ -62,7 +46,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench_push import model_size_mib, sampler_gap
+    from bench_push import model_size_mib, sampler_gap, wait_healthy
     from gpu_check import QWEN25_05B, SMALL, build_model
     from grpo_trainer.config import VLLMServerConfig
     from grpo_trainer.rollout import SamplingSettings
