@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import tempfile
 import time
