@@ -135,27 +135,56 @@ class VLLMConfig(_Section):
 
 
 class VLLMServerConfig(_Section):
-    """An external vLLM server (`rollout.engine: vllm_server`), started separately (docs/vllm.md)."""
+    """External vLLM servers (`rollout.engine: vllm_server`), started separately: `python -m grpo_trainer serve
+    CONFIG` (docs/vllm.md)."""
 
-    base_url: str = Field("http://127.0.0.1:8000", description="The server's address.")
-    timeout: float = Field(600.0, gt=0, description="Seconds per request before a clear error.")
-    startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the server's health check.")
-    weight_sync: Literal["disk", "none"] = Field(
-        "disk",
-        description="Push weights to the server through a shared folder (`disk`), or not at all (`none`). "
-        "(NCCL pushes are not implemented.)",
+    base_url: str = Field("http://127.0.0.1:8000", description="The server's address (one server; `urls` for several).")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Several servers, instead of base_url: each step's prompts are spread over them (data-parallel "
+        "generation; per-prompt seeds, so the completions do not depend on how many) and every push goes to all.",
+    )
+    timeout: float = Field(600.0, gt=0, description="Seconds per request (and per transfer operation) before a clear error.")
+    startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the servers' health check at start.")
+    reconnect_timeout: float = Field(
+        300.0, ge=0,
+        description="Seconds to wait for a server that went away (killed, restarted) to answer again; it then gets the "
+        "current weights before sampling again. A server that does not come back stops the run, naming its URL.",
+    )
+    weight_sync: Literal["nccl", "gloo", "disk", "none"] = Field(
+        "gloo",
+        description="How weights reach the servers: vLLM's weight-transfer API over `nccl` (GPUs) or `gloo` (CPU, or "
+        "GPUs through host memory; this package's backend); `disk` (safetensors in weights_dir, reloaded by our "
+        "worker extension); `none` (never pushed). `python -m grpo_trainer serve` starts a server to match.",
+    )
+    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+    transfer_host: str | None = Field(
+        None, description="nccl/gloo: the trainer's address as the servers reach it (None: the one routing to them)."
+    )
+    transfer_port: int = Field(0, ge=0, le=65535, description="nccl/gloo: the transfer group's rendezvous port (0: a free one).")
+    transfer_bucket_mb: float = Field(
+        256, gt=0, description="nccl/gloo: weights travel in buckets of this many MiB (a larger tensor alone), so a push "
+        "holds at most one bucket besides the model.",
     )
 
-    @field_validator("weight_sync", mode="before")
+    @field_validator("urls")
     @classmethod
-    def _no_nccl(cls, value: Any) -> Any:
-        if value == "nccl":
-            raise ValueError(
-                "nccl is not implemented (no NCCL weight push has been built or tested here); use disk, with "
-                "weights_dir a folder both the trainer and the server can read"
-            )
-        return value
-    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http:// or https:// address")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError("a server is listed twice")
+        return urls
+
+    @model_validator(mode="after")
+    def _one_way_to_name_servers(self) -> VLLMServerConfig:
+        if self.urls and "base_url" in self.model_fields_set:
+            raise ValueError("give either base_url (one server) or urls (several), not both")
+        return self
+
+    def server_urls(self) -> list[str]:
+        return list(self.urls) or [self.base_url]
 
 
 # Keys that moved: a config using the old place is told the new one.
@@ -166,8 +195,11 @@ class RolloutConfig(_Section):
     engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The in-process vLLM engine (vllm_colocate).")
-    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="An external vLLM server (vllm_server).")
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig,
+        description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
+    )
+    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
