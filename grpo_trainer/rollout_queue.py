@@ -21,14 +21,15 @@ more than K versions older than the trainer's weights: such groups are left out,
 the current weights. (The schedule never produces them; a server that lost its weights, or a resumed run with a
 smaller K, can.)
 
-Faults (a `vllm_server` engine). A server that went away and came back has lost the pushed weights (vLLM starts
-from its model folder): the engine's `generate` raises `WeightsLost`. Every rank learns of it at the next point
-where all ranks meet (`take`, `sample_more`, before a push), the current weights are pushed again, and every
-batch not yet trained is sampled again: the restart happened at one moment for all ranks, and a batch that ended
-after it was sampled from the wrong weights without any error. A server that does not come back within the
-reconnect time stops the run with `ServerLostError`, one line naming the URL; checkpoints are only written at the
-end of a step, so the last one is intact. A push that finds the server gone waits for it the same way and pushes
-again.
+Faults (a `vllm_server` engine; the engine waits up to `rollout.vllm_server.reconnect_timeout` for a server that
+went away). A server that came back has lost the pushed weights (vLLM starts from its model folder): the engine's
+`generate` raises `WeightsLost`. Every rank learns of it at the next point where all ranks meet (`take`,
+`sample_more`, before a push), the current weights are pushed again, and every batch not yet trained is sampled
+again: the restart happened at one moment for all ranks, and a batch that ended after it came from the wrong
+weights on another rank. A server that does not come back stops the run with `ServerLostError`, one line naming
+the URL; checkpoints are only written at the end of a step, so the last one is intact. A push the engine could
+not finish (a ZeRO-3 gathered push raises `WeightsLost`: a second pass needs every rank) is made again by every
+rank.
 
 Checkpoints record the prompts drawn but not yet trained (`state_dict`); a resumed run samples them first, with
 the resumed weights, so no prompt is lost and none is trained twice. (Their completions are not saved: a resumed
@@ -56,16 +57,8 @@ from . import distributed
 from .errors import TrainingError
 from .rollout import Rollout, mix_seed
 
-try:  # raised by the server engine when the server came back without the pushed weights
-    from .rollout.vllm_server import WeightsLost
-
-    ENGINE_WAITS_FOR_ITS_SERVER = True  # its generate waits for a server that went away; ConnectionError is final
-except ImportError:  # engines that predate it: the queue waits for the server itself (see _classify)
-
-    class WeightsLost(ConnectionError):
-        """The server answers again but no longer holds the weights pushed to it (it was restarted)."""
-
-    ENGINE_WAITS_FOR_ITS_SERVER = False
+from .rollout.vllm_server import ServerGone, WeightsLost
+from .rollout.weight_sync import zero3_gather
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -344,27 +337,20 @@ class RolloutQueue:
                 self._busy_since = None
 
     def _classify(self, error: BaseException) -> tuple[int, BaseException]:
-        """LOST for a server that is back without our weights, FATAL otherwise. An engine that predates
-        `WeightsLost` raises ConnectionError as soon as its server is gone: wait for it here, up to the reconnect
-        time, and call it lost if it came back."""
+        """LOST for a server that is back without our weights, FATAL otherwise. The engine waits for a server that
+        went away in the middle of sampling; one that drops a request it does not wait on (`ServerGone`) is
+        waited for here, up to the same reconnect time."""
         if isinstance(error, WeightsLost):
             return LOST, error
-        if isinstance(error, ConnectionError) and not ENGINE_WAITS_FOR_ITS_SERVER and self.can_lose_weights:
-            timeout = reconnect_timeout(self.run.cfg)
+        if isinstance(error, ServerGone) and self.can_lose_weights:
+            timeout = self.run.cfg.rollout.vllm_server.reconnect_timeout
             if wait_for_server(self.run.engine, timeout):
                 return LOST, error
-            return FATAL, ConnectionError(f"{error} (no server came back within {timeout:g}s)")
+            return FATAL, ConnectionError(f"{error} (it did not come back within {timeout:g}s)")
         return FATAL, error
 
 
 # ---------------------------------------------------------------------------------------------- weight pushes
-
-
-def reconnect_timeout(cfg) -> float:
-    """Seconds to wait for a server that went away: rollout.vllm_server.reconnect_timeout where the config has
-    it, startup_timeout otherwise."""
-    server = cfg.rollout.vllm_server
-    return getattr(server, "reconnect_timeout", None) or server.startup_timeout
 
 
 def wait_for_server(engine, timeout: float) -> bool:
@@ -380,40 +366,44 @@ def wait_for_server(engine, timeout: float) -> bool:
 
 
 def push_weights(run, version: int) -> None:
-    """Make the engine sample with the trainer's current weights, labelled `version`, if it keeps its own copy
-    (gathered first under ZeRO-3; a server is pushed to by the main process). A server that went away is waited
-    for (the reconnect time) and pushed to again. Every rank returns, or raises, together."""
+    """Make the engine sample with the trainer's current weights, labelled `version`, if it keeps its own copy.
+    Every rank calls it: a server is pushed to by the main process, and under ZeRO-3 every rank takes part in
+    gathering the weights piece by piece (`weight_sync.zero3_gather`). The engine waits for a server that went
+    away; a push it could not finish (`WeightsLost`) is made again by every rank. Every rank returns, or
+    raises, together."""
     if not run.engine.needs_weight_sync:
         return  # the hf engine samples from the training model: nothing to push, nothing to gather
-    bare_lm, error = run.bare_lm(), None
-    with distributed.gathered_if_zero3(run.accelerator, bare_lm):
+    bare_lm, gather = run.bare_lm(), zero3_gather(run.accelerator)
+    for _ in range(MAX_RECOVERIES + 1):
+        status, error = OK, None
         try:
-            _push_with_retry(run, bare_lm, version)
-        except ServerLostError as exc:
-            error = exc
-    if int(run.comm.max(torch.tensor([0.0 if error is None else 1.0]))[0]):  # also the barrier after a push
-        raise error or ServerLostError(f"pushing weights version {version} failed on the main process (see its error)")
-
-
-def _push_with_retry(run, bare_lm, version: int) -> None:
-    for attempt in (1, 2):
-        try:
-            _sync(run.engine, bare_lm, version)
+            _sync(run, bare_lm, version, gather)
+        except WeightsLost as exc:
+            status, error = LOST, exc
+        except ConnectionError as exc:  # the engine waited for the server, which did not come back
+            status, error = FATAL, exc
+        agreed = int(run.comm.max(torch.tensor([float(status)]))[0])  # also the barrier after a push
+        if agreed == OK:
             return
-        except (ConnectionError, WeightsLost) as exc:  # gone, or restarted under the push
-            timeout = reconnect_timeout(run.cfg)
-            if attempt == 2 or not wait_for_server(run.engine, timeout):
-                raise ServerLostError(f"pushing weights version {version}: {exc}; no server came back within {timeout:g}s; "
-                                      f"stopping: the last checkpoint in {run.cfg.output_dir}/checkpoints is intact "
-                                      "(resume with checkpoint.resume=auto once the server is back)") from None
-            logger.warning("pushing weights version %d: %s; the server is back: pushing again", version, exc)
+        if agreed == FATAL:
+            raise ServerLostError(
+                f"pushing weights version {version}: {error or 'failed on the main process (see its error)'}; stopping: "
+                f"the last checkpoint in {run.cfg.output_dir}/checkpoints is intact (resume with checkpoint.resume=auto "
+                "once the server is back)"
+            ) from None
+        logger.warning("pushing weights version %d: %s; pushing again", version, error or "another rank's push failed")
+    raise ServerLostError(f"pushing weights version {version} failed {MAX_RECOVERIES + 1} times in a row; stopping")
 
 
-def _sync(engine, model, version: int) -> None:
-    """engine.sync_weights, with the version for engines that take one."""
+def _sync(run, model, version: int, gather) -> None:
+    """engine.sync_weights, with the version and the piecewise ZeRO-3 gather for the engines that take them (an
+    engine that does not take `gather` gets the whole model gathered first, on every rank)."""
     import inspect
 
-    if "version" in inspect.signature(engine.sync_weights).parameters:
-        engine.sync_weights(model, version=version)
-    else:
-        engine.sync_weights(model)
+    accepted = inspect.signature(run.engine.sync_weights).parameters
+    kwargs = {"version": version} if "version" in accepted else {}
+    if gather is not None and "gather" in accepted:
+        run.engine.sync_weights(model, gather=gather, **kwargs)
+        return
+    with distributed.gathered_if_zero3(run.accelerator, model):
+        run.engine.sync_weights(model, **kwargs)

@@ -79,6 +79,9 @@ class StepStats:
     clip_region: torch.Tensor
     kl: torch.Tensor  # sum of k3 over tokens, averaged over iterations (0 with beta = 0)
     entropy: torch.Tensor  # first iteration, over trained tokens
+    entropy_term: torch.Tensor  # c * H, the entropy term's part of `loss` (negated), averaged like it
+    term_entropy: torch.Tensor  # first iteration: entropy summed over the tokens the entropy term acts on
+    term_tokens: torch.Tensor  # ... and their count (entropy_target is compared with the ratio)
     logp_gap: torch.Tensor  # sum of |trainer - sampler| log-prob over trained tokens (engines that report them)
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
     is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio left [tis_min, tis_cap] (first iteration)
@@ -87,6 +90,7 @@ class StepStats:
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
+    entropy_coef: float = math.nan  # the entropy term's coefficient this step (NaN: the loss has no entropy term)
 
     @classmethod
     def zeros(cls, device, trained_completions: int) -> StepStats:
@@ -117,6 +121,10 @@ class StepStats:
             "clip_ratio/high_mean": float(self.clip_high) / tokens,
             "clip_ratio/region_mean": float(self.clip_region) / tokens,
         }
+        if not math.isnan(self.entropy_coef):  # names as TRL logs them, plus what entropy_target is compared with
+            out["entropy_coef"] = self.entropy_coef
+            out["policy_loss"] = float(self.loss) + float(self.entropy_term)  # the loss without -c * H
+            out["entropy/term_mean"] = float(self.term_entropy) / max(float(self.term_tokens), 1)
         if with_kl:
             out["kl"] = float(self.kl) / tokens
         if with_sampler_gap:
@@ -136,12 +144,17 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
     iterations = cfg.train.num_iterations
     steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
+    term = EntropyTerm.for_step(run, batch) if cfg.loss.entropy_term else None
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
     for iteration in range(iterations):
         for mb in batch.micro_batches:
             with accelerator.accumulate(run.policy):
-                logp, entropy = run.policy(**mb.sequences, with_entropy=iteration == 0)
-                share, parts = micro_batch_loss(run, batch, mb, logp)
+                # The entropy term needs H with its gradient in every pass; otherwise H is a first-pass statistic.
+                wanted = {"with_entropy": iteration == 0}
+                if term is not None:
+                    wanted = {"with_entropy": True, "entropy_grad": True}
+                logp, entropy = run.policy(**mb.sequences, **wanted)
+                share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
                 # Accelerate divides by the accumulation steps and the ranks' gradients are averaged: undo
                 # both, so the shares of all micro-batches on all ranks add up to the batch loss.
                 accelerator.backward(share * geometry.micro_batches * geometry.world)
@@ -157,22 +170,34 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             stats.clip_high += parts["clip_high"] / iterations
             stats.clip_region += parts["clip_region"] / iterations
             stats.kl += torch.as_tensor(parts.get("kl", 0.0), device=stats.kl.device) / iterations
+            if term is not None:
+                stats.entropy_term += parts["entropy_term"] / steps
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
                 stats.off_policy_masked += parts.get("off_policy_masked", 0.0)
-                stats.entropy += (entropy * mb.mask).sum()
+                stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
+                if term is not None:
+                    stats.term_entropy += (entropy.detach() * term.mask(mb)).sum()
+                    stats.term_tokens += term.mask(mb).sum()
                 if mb.sampling_logp is not None:
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     stats.logp_gap += gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
+    if term is not None:
+        stats.entropy_coef = term.coef
+        term.adapt(run, stats)
     return stats
 
 
-def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def micro_batch_loss(
+    run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None = None,
+    term: EntropyTerm | None = None,
+) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
-    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens outside the rollout-correction range, and
-    `off_policy_masked`, completions off-policy sequence masking left out).
+    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens outside the rollout-correction range,
+    `off_policy_masked`, completions off-policy sequence masking left out, and `entropy_term`, c times this share
+    of H, when the loss has an entropy term: `entropy` then carries its gradient).
 
     The PPO ratio's "old" policy is the trainer's own at the start of the step (`old_logp`, or the current
     log-probs detached when one optimizer step is taken); the sampler's log-probs enter only through the
@@ -180,21 +205,21 @@ def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor)
     is the behaviour policy, K weight versions old (docs/async.md explains the choice)."""
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    weight, capped, masked_sequences = None, None, None
+    correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
     if mb.sampling_logp is not None and cfg.loss.tis_cap is not None:
-        weight, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
-                                                  floor=cfg.loss.tis_min)
+        correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
+                                                      floor=cfg.loss.tis_min)
     if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler, pi_old without one
         behaviour = mb.sampling_logp if mb.sampling_logp is not None else old
         keep = losses.off_policy_sequence_mask(logp, behaviour, mb.advantages, mb.mask, cfg.loss.off_policy_mask_threshold)
         masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
-        weight = keep if weight is None else weight * keep
-    if mb.entropy_mask is not None:  # like the rollout correction, it gates the policy term, not the KL term
-        weight = mb.entropy_mask if weight is None else weight * mb.entropy_mask
+        gate = keep if gate is None else gate * keep
     token_loss, parts = losses.token_loss(
         logp, old, mb.advantages, mb.mask, cfg.loss.type,
         epsilon_low=cfg.loss.epsilon_low, epsilon_high=cfg.loss.epsilon_high_value, delta=cfg.loss.delta,
-        ref_logp=mb.ref_logp, beta=cfg.loss.beta, policy_weight=weight,
+        ref_logp=mb.ref_logp, beta=cfg.loss.beta,
+        policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
+        sampler_weight=correction, soft_gate=cfg.loss.soft_gate, gamma=cfg.loss.gamma_shape,
     )
     if capped is not None:
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
@@ -207,7 +232,48 @@ def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor)
         max_completion_length=cfg.rollout.max_completion_length,
         total_micro_batches=len(batch.micro_batches) // geometry.mini_batches * geometry.world,
     )
+    if term is not None:  # L - c * H
+        bonus = term.coef * losses.entropy_share(entropy, term.mask(mb), term.tokens[mb.mini_batch])
+        share = share - bonus
+        parts["entropy_term"] = bonus.detach()
     return share, parts
+
+
+@dataclass
+class EntropyTerm:
+    """The entropy term of one step: its coefficient (from `run.entropy_control`, fixed for the whole step) and,
+    per mini-batch, how many tokens it averages over on all ranks (H's denominator, so the micro-batches'
+    shares add up to H whatever the split)."""
+
+    coef: float
+    tokens: list[float]
+
+    @staticmethod
+    def mask(mb: MicroBatch) -> torch.Tensor:
+        """The tokens the term acts on: the trained ones, or the top-entropy ones that carry policy gradient under
+        top_entropy_quantile (the same set as the policy term, as TRL does)."""
+        return mb.mask if mb.entropy_mask is None else mb.mask * mb.entropy_mask
+
+    @classmethod
+    def for_step(cls, run, batch: TrainBatch) -> EntropyTerm:
+        local = torch.zeros(run.geometry.mini_batches, dtype=torch.float64)
+        for mb in batch.micro_batches:
+            local[mb.mini_batch] += float(cls.mask(mb).sum())
+        return cls(coef=run.entropy_control.applied, tokens=[float(t) for t in run.comm.sum(local)])
+
+    def adapt(self, run, stats: StepStats) -> None:
+        """Adaptive control (loss.entropy_target): the next step's coefficient from this step's mean entropy over
+        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1)."""
+        loss = run.cfg.loss
+        if loss.entropy_target is None:
+            return
+        measured = run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double())
+        entropy, tokens = float(measured[0]), float(measured[1])
+        mean = entropy / tokens if tokens > 0 else math.nan
+        run.entropy_control = run.entropy_control.after_step(
+            mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
+            high=loss.entropy_coef_max,
+        )
 
 
 def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor) -> None:

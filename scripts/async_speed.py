@@ -3,12 +3,13 @@
     flock /work/wt/measure.lock .venv/bin/python scripts/async_speed.py            # SmolLM2 recipe, ~15 min on 2 cores
     .venv/bin/python scripts/async_speed.py --steps 5 --warmup 1 --reps 1 --json async_speed.json
 
-One vLLM server for the model, pinned to one core (`taskset -c 1`, vLLM's OpenMP threads bound there), and trainer
-runs pinned to the other (`taskset -c 0`, one torch thread), alternating K = 0 and K = 1 (K0, K1, K0, K1, ...: both
-see the same machine load). Everything else is configs/smollm2_async_cpu.yaml (SmolLM2-135M-Instruct, float32,
-word problems, 4 prompts x 8 completions, up to 64 new tokens, Dr. GRPO): the server engine in both, weights pushed
-through /dev/shm. The first --warmup steps of each run are dropped. Prints the median step time of each K, the
-ratio K1/K0, and the median of each `timing/*` phase:
+One vLLM server for the model (`python -m grpo_trainer serve`), pinned to one core (`taskset -c 1`, vLLM's OpenMP
+threads bound there), and trainer runs pinned to the other (`taskset -c 0`, one torch thread), alternating K = 0
+and K = 1 (K0, K1, K0, K1, ...: both see the same machine load). Everything else is configs/smollm2_async_cpu.yaml
+(SmolLM2-135M-Instruct, float32, word problems, 4 prompts x 8 completions, up to 64 new tokens, Dr. GRPO): the
+server engine in both, weights pushed over gloo (`--weight-sync disk`: through /dev/shm). The first --warmup steps
+of each run are dropped. Prints the median step time of each K, the ratio K1/K0, and the median of each `timing/*`
+phase:
 
     rollout       main thread in the rollout phase (K0: sampling; K1: waiting for the queued batch)
     rollout_wait  main thread blocked on sampling in the whole step (K1: also before the push)
@@ -47,17 +48,17 @@ GPU_OVERRIDES = ["data.source=builtin:arithmetic", "data.system_prompt=null", "t
                  "train.micro_batch_size=32", "rollout.max_completion_length=256", "train.learning_rate=1e-6"]
 
 
-def start_server(model: str, port: int, log: Path, core: str, gpu: bool) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs",
-           "--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync",
-           "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]
-    if gpu:
-        cmd += ["--gpu-memory-utilization", "0.3"]
+def start_server(model: str, port: int, log: Path, args) -> subprocess.Popen:
+    """`python -m grpo_trainer serve` for the recipe (exactly the flags its engine needs, the weight push of
+    --weight-sync), pinned to --server-core on a CPU; on a GPU it takes 30% of the GPU."""
+    cmd = [sys.executable, "-m", "grpo_trainer", "serve", str(CONFIG), f"model.name_or_path={model}",
+           "rollout.vllm.max_model_len=1024", f"rollout.vllm_server.weight_sync={args.weight_sync}", "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.gpu:
+        cmd += ["--", "--gpu-memory-utilization", "0.3"]
     else:
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
-        cmd = ["taskset", "-c", core, *cmd, "--enforce-eager"]
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=args.server_core)
+        cmd = ["taskset", "-c", args.server_core, *cmd]
     with open(log, "w") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -93,7 +94,8 @@ def group_cpu_seconds(pgid: int | None) -> float:
 
 def train(k: int, args, url: str, out: Path) -> list[dict]:
     overrides = [f"output_dir={out}", f"train.max_steps={args.steps}", f"rollout.max_staleness={k}",
-                 f"rollout.vllm_server.base_url={url}", f"rollout.vllm_server.weights_dir={args.weights_dir}",
+                 f"rollout.vllm_server.base_url={url}", f"rollout.vllm_server.weight_sync={args.weight_sync}",
+                 f"rollout.vllm_server.weights_dir={args.weights_dir}",
                  "checkpoint.resume=never", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
                  "logging.progress_bar=false", "logging.completions_every=0", "train.warmup_steps=0"]
     if args.model:
@@ -143,8 +145,10 @@ def main() -> None:
     p.add_argument("--server-core", default="1")
     p.add_argument("--trainer-core", default="0")
     p.add_argument("--port", type=int, default=8017)
+    p.add_argument("--weight-sync", default="gloo", choices=["gloo", "disk"],
+                   help="how weights reach the server (rollout.vllm_server.weight_sync; gloo: vLLM's weight-transfer API)")
     p.add_argument("--weights-dir", default="/dev/shm/grpo_async_speed_weights",
-                   help="where pushed weights go (RAM on Linux)")
+                   help="where pushed weights go with --weight-sync disk (RAM on Linux)")
     p.add_argument("--gpu", action="store_true", help="on a GPU machine (scripts/gpu_check.sh): see above")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="more config overrides for both Ks")
@@ -167,7 +171,7 @@ def main() -> None:
         server, log, url, args.server_pgid = None, tmp / "server.log", args.server_url, None
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
-            server = start_server(str(model), args.port, log, args.server_core, args.gpu)
+            server = start_server(str(model), args.port, log, args)
             args.server_pgid = server.pid  # started in its own session: the group holds the server and its engine
         try:
             wait_healthy(url, server, log)

@@ -23,7 +23,8 @@ from grpo_trainer.losses import importance_weight, off_policy_sequence_mask
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout_queue import RolloutQueue, ServerLostError, WeightsLost
+from grpo_trainer.rollout.vllm_server import ServerGone, ServerUnreachable, WeightsLost
+from grpo_trainer.rollout_queue import RolloutQueue, ServerLostError
 from grpo_trainer.state import batch_geometry
 from grpo_trainer.update import micro_batch_loss
 from helpers import Exchange, ThreadCollectives, run_ranks
@@ -127,6 +128,9 @@ def test_async_settings_are_checked_when_the_config_loads():
 # ----------------------------------------------------------------------------- the schedule
 
 
+URL = "http://127.0.0.1:1"
+
+
 class FakeServer:
     """A server engine stand-in: completion k of prompt p is [p, k]; it records, per generate call, the prompts,
     the version it held and the thread; a push sets its version and fails the test if a generation is running.
@@ -161,7 +165,7 @@ class FakeServer:
         self.pushes.append(version)
 
     def wait_until_healthy(self, timeout):
-        raise ConnectionError("http://127.0.0.1:1 is not there")
+        raise ServerUnreachable(f"no healthy vLLM server at {URL} after {timeout:g}s")
 
     def sleep(self):
         pass
@@ -171,7 +175,7 @@ def server_run(k: int, steps: int, engine=None, comm=None, overrides=()):
     comm = comm or ThreadCollectives(Exchange(1), 0)
     cfg = load_config(None, [f"train.prompts_per_step={P * comm.world}", f"rollout.num_generations={G}",
                              "train.micro_batch_size=2", "rollout.engine=vllm_server", f"rollout.max_staleness={k}",
-                             f"train.max_steps={steps}", "rollout.vllm_server.startup_timeout=1", *overrides])
+                             f"train.max_steps={steps}", "rollout.vllm_server.reconnect_timeout=1", *overrides])
     run = SimpleNamespace(
         cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=engine or FakeServer(),
         task=SimpleNamespace(prompt_ids=lambda indices: [[i] for i in indices]),
@@ -279,7 +283,7 @@ def test_a_server_that_lost_its_weights_gets_them_again_and_every_untrained_batc
     meeting before step 2's push the queue pushes version 2 again and samples batch 3 again with it; batches
     are never trained twice or skipped."""
     step2 = threading.Event()  # the failure surfaces during step 2's update (a fixed meeting point for the test)
-    engine = FakeServer(gate=lambda call: call != 2 or step2.wait(WAIT), fail={2: WeightsLost("http://127.0.0.1:1 restarted")})
+    engine = FakeServer(gate=lambda call: call != 2 or step2.wait(WAIT), fail={2: WeightsLost([URL], 1)})
     run = server_run(1, 5, engine=engine)
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
         out = drive(run, train=lambda step: step == 2 and step2.set())
@@ -292,18 +296,24 @@ def test_a_server_that_lost_its_weights_gets_them_again_and_every_untrained_batc
     assert [m["rollout/staleness_max"] for *_, m in out] == [0, 1, 0, 1, 1]
 
 
-def test_a_server_that_never_comes_back_stops_every_rank_with_one_line_naming_it():
-    """Two ranks; rank 1's generation of batch 2 finds the server gone (ConnectionError), and the server does not
-    come back within the reconnect time: both ranks stop with ServerLostError, rank 1's naming the URL."""
+@pytest.mark.parametrize("gone", ["while sampling", "between calls"])
+def test_a_server_that_never_comes_back_stops_every_rank_with_one_line_naming_it(gone):
+    """Two ranks; rank 1's generation of batch 2 finds the server gone and it does not come back within
+    rollout.vllm_server.reconnect_timeout: both ranks stop with ServerLostError, rank 1's naming the URL. The
+    engine waits itself for a server that went away mid-request (and raises ServerUnreachable); one found gone
+    before a request (ServerGone, e.g. at its weight-version check) is waited for by the queue."""
+    error = (ServerUnreachable(f"vLLM server at {URL} went away and did not come back within 1s") if gone == "while sampling"
+             else ServerGone(URL, f"vLLM server at {URL} went away during GET /weight_info: connection refused"))
+
     def rank(r, comm):
-        engine = FakeServer(fail={1: ConnectionError("vLLM server at http://127.0.0.1:1 did not answer")} if r else {})
+        engine = FakeServer(fail={1: error} if r else {})
         run = server_run(1, 4, engine=engine, comm=comm)
         with pytest.raises(ServerLostError) as info:
             drive(run)
         return str(info.value)
 
     messages = run_ranks(2, rank)
-    assert "http://127.0.0.1:1" in messages[1] and "no server came back within 1s" in messages[1]
+    assert URL in messages[1] and "did not come back within 1s" in messages[1] and "\n" not in messages[1]
     assert "the last checkpoint in" in messages[1] and "is intact" in messages[1]
     assert "another rank's rollouts failed" in messages[0]
 
@@ -313,7 +323,7 @@ def test_one_ranks_lost_weights_resample_every_ranks_batches():
     1's batch 2 finished without error, yet may have been sampled after the restart: both ranks sample again."""
     def rank(r, comm):
         step1 = threading.Event()  # rank 0's failure surfaces during step 1's update
-        engine = FakeServer(gate=lambda call: call != 1 or step1.wait(WAIT), fail={1: WeightsLost("restarted")} if r == 0 else {})
+        engine = FakeServer(gate=lambda call: call != 1 or step1.wait(WAIT), fail={1: WeightsLost([URL], 0)} if r == 0 else {})
         run = server_run(1, 3, engine=engine, comm=comm)
         out = drive(run, train=lambda step: step == 1 and step1.set())
         return [mine for mine, *_ in out], [(prompts, version) for prompts, version, _ in engine.calls]
