@@ -53,7 +53,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed
 from .errors import TrainingError
 from .rollout import Rollout, mix_seed
 
@@ -368,24 +367,28 @@ def wait_for_server(engine, timeout: float) -> bool:
 def push_weights(run, version: int) -> None:
     """Make the engine sample with the trainer's current weights, labelled `version`, if it keeps its own copy.
     Every rank calls it: a server is pushed to by the main process, and under ZeRO-3 every rank takes part in
-    gathering the weights piece by piece (`weight_sync.zero3_gather`). The engine waits for a server that went
-    away; a push it could not finish (`WeightsLost`) is made again by every rank. Every rank returns, or
-    raises, together."""
+    gathering the weights piece by piece (`weight_sync.zero3_gather`: one decoder layer whole at a time, never
+    the whole model). The engine waits for a server that went away; a push it could not finish (`WeightsLost`)
+    is made again by every rank. Every rank returns, or raises, together. (Under ZeRO-3 a rank that raises in
+    the middle of the gathers leaves the others inside one: only the engine can avoid that, and does for a
+    server that goes away, `VLLMServerEngine.sync_weights`.)"""
     if not run.engine.needs_weight_sync:
         return  # the hf engine samples from the training model: nothing to push, nothing to gather
     bare_lm, gather = run.bare_lm(), zero3_gather(run.accelerator)
     for _ in range(MAX_RECOVERIES + 1):
         status, error = OK, None
         try:
-            _sync(run, bare_lm, version, gather)
+            run.engine.sync_weights(bare_lm, version=version, gather=gather)
         except WeightsLost as exc:
             status, error = LOST, exc
-        except ConnectionError as exc:  # the engine waited for the server, which did not come back
-            status, error = FATAL, exc
+        except Exception as exc:  # noqa: BLE001  every rank hears of it before any raises (none waits in the barrier)
+            status, error = FATAL, exc  # a ConnectionError: the engine waited for the server, which did not come back
         agreed = int(run.comm.max(torch.tensor([float(status)]))[0])  # also the barrier after a push
         if agreed == OK:
             return
         if agreed == FATAL:
+            if error is not None and not isinstance(error, ConnectionError):
+                raise error  # not a server that went away: a bug or a misconfigured server, as is
             raise ServerLostError(
                 f"pushing weights version {version}: {error or 'failed on the main process (see its error)'}; stopping: "
                 f"the last checkpoint in {run.cfg.output_dir}/checkpoints is intact (resume with checkpoint.resume=auto "
@@ -393,17 +396,3 @@ def push_weights(run, version: int) -> None:
             ) from None
         logger.warning("pushing weights version %d: %s; pushing again", version, error or "another rank's push failed")
     raise ServerLostError(f"pushing weights version {version} failed {MAX_RECOVERIES + 1} times in a row; stopping")
-
-
-def _sync(run, model, version: int, gather) -> None:
-    """engine.sync_weights, with the version and the piecewise ZeRO-3 gather for the engines that take them (an
-    engine that does not take `gather` gets the whole model gathered first, on every rank)."""
-    import inspect
-
-    accepted = inspect.signature(run.engine.sync_weights).parameters
-    kwargs = {"version": version} if "version" in accepted else {}
-    if gather is not None and "gather" in accepted:
-        run.engine.sync_weights(model, gather=gather, **kwargs)
-        return
-    with distributed.gathered_if_zero3(run.accelerator, model):
-        run.engine.sync_weights(model, **kwargs)

@@ -138,8 +138,9 @@ class FakeServer:
 
     needs_weight_sync = True
 
-    def __init__(self, gate=None, fail=None):
-        self.version, self.running, self.calls, self.pushes = 0, 0, [], []
+    def __init__(self, gate=None, fail=None, fail_push=None):
+        self.version, self.running, self.calls, self.pushes, self.gathers = 0, 0, [], [], []
+        self.fail_push = dict(fail_push or {})  # {version: exception raised by (only) the first push of it}
         self.gate, self.fail = gate, fail or {}  # fail: {call index: exception raised by that generate}
         self.lock = threading.Lock()
 
@@ -159,8 +160,11 @@ class FakeServer:
             with self.lock:
                 self.running -= 1
 
-    def sync_weights(self, model, version=None):
+    def sync_weights(self, model, version=None, gather=None):
         assert self.running == 0, "a push overlapped a generation"
+        self.gathers.append(gather)
+        if version in self.fail_push:
+            raise self.fail_push.pop(version)
         self.version = version
         self.pushes.append(version)
 
@@ -332,6 +336,39 @@ def test_one_ranks_lost_weights_resample_every_ranks_batches():
     assert mine0 == [[0, 1], [4, 5], [8, 9]] and mine1 == [[2, 3], [6, 7], [10, 11]]
     assert [version for _, version in calls0] == [0, 0, 1, 1] == [version for _, version in calls1]
     assert calls1[2][0] == [6, 7]  # rank 1's batch 2, sampled again after the push
+
+
+def test_every_rank_pushes_with_the_piecewise_zero3_gather_and_a_push_that_failed_is_made_again_by_all(monkeypatch, caplog):
+    """Under ZeRO-3 every rank calls engine.sync_weights(model, version=step, gather=weight_sync.zero3_gather(...)):
+    the engine gathers one decoder layer at a time, every rank in the same gathers (test_vllm_weights.py checks
+    that with DeepSpeed), and nothing gathers the whole model first. A push the engine could not finish
+    (WeightsLost: a server restarted under a ZeRO-3 push) is made again by every rank; any other error stops
+    every rank, the failing one with its own error."""
+    import grpo_trainer.rollout_queue as rollout_queue
+
+    gather = object()  # stands for DeepSpeed's GatheredParameters factory
+    monkeypatch.setattr(rollout_queue, "zero3_gather", lambda accelerator: gather)
+    monkeypatch.setattr(rollout_queue, "distributed", None, raising=False)  # nothing may gather the whole model
+
+    def rank(r, comm, fail_push):
+        engine = FakeServer(fail_push=fail_push if r == 0 else {})
+        drive(server_run(1, 3, engine=engine, comm=comm))
+        return engine.pushes, engine.gathers
+
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
+        (pushes0, gathers0), (pushes1, gathers1) = run_ranks(2, lambda r, comm: rank(r, comm, {2: WeightsLost([URL], 1)}))
+    assert pushes0 == [0, 1, 2, 3] and pushes1 == [0, 1, 2, 2, 3]  # rank 0's first push of 2 failed: both again
+    assert gathers0 == gathers1 == [gather] * 5
+    assert "pushing weights version 2: " in caplog.text and "pushing again" in caplog.text
+
+    def failing(r, comm):
+        with pytest.raises((RuntimeError, ServerLostError)) as info:
+            rank(r, comm, {1: RuntimeError("HTTP 500 from /update_weights")})
+        return info.value
+
+    errors = run_ranks(2, failing)
+    assert type(errors[0]) is RuntimeError and "HTTP 500" in str(errors[0])
+    assert isinstance(errors[1], ServerLostError) and "failed on the main process" in str(errors[1])
 
 
 @pytest.mark.parametrize("k", [1, 2])

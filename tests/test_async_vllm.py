@@ -5,7 +5,8 @@ killed and restarted for real:
   the reward saw, step by step, are those the sampler deals an uninterrupted run;
 - the server killed mid-generation and mid-push: the run waits for it, pushes the current weights to it again,
   and finishes; the server then samples exactly what the trained model scores;
-- a server that never comes back stops the run with one line naming it, its last checkpoint intact.
+- a server that never comes back stops the run with one line naming it, its last checkpoint intact;
+- two ranks sharded by DeepSpeed ZeRO-3 sample their halves in the background and push layer by layer.
 
 The model is test_vllm.py's small random Llama (head_dim 32: vLLM's CPU attention rejects the tiny model's 24).
 """
@@ -171,24 +172,30 @@ def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(s
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/stale_resampled"] == 0 for r in rows)
 
 
-def test_two_ranks_sample_their_halves_in_the_background_and_train_every_prompt_once(server, model_dir, tmp_path):
-    """K = 1 under `accelerate launch` with 2 CPU ranks (DDP over gloo): each rank's background thread samples its
-    half of every batch; the two halves scored at each step are that step's prompts; only the main process pushes."""
-    from helpers import accelerate_launch, cpu_launch_file, run_cli
+def test_two_zero3_ranks_sample_their_halves_in_the_background_push_piecewise_and_train_every_prompt_once(
+        server, model_dir, tmp_path):
+    """K = 1 under `accelerate launch` with 2 CPU ranks sharded by DeepSpeed ZeRO-3 (float32): each rank's background
+    thread samples its half of every batch; the two halves scored at each step are that step's prompts; every rank
+    takes part in each push's layer-by-layer gathers and the main process sends them (gloo). After the run the
+    server samples exactly what the saved final model scores: the piecewise gathered pushes delivered whole weights."""
+    from helpers import accelerate_launch, run_cli
+    from test_sharding import float32_launch_file
 
+    pytest.importorskip("deepspeed")
     out, log = tmp_path / "run", tmp_path / "scored.jsonl"
     args = ["train", "configs/demo_cpu.yaml", *overrides(tmp_path, model_dir, server.url, out, 3, log),
-            "checkpoint.save_every=0", "checkpoint.save_final_model=false", "train.micro_batch_size=8"]
-    result = run_cli(args, launcher=accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port",
-                                                      str(free_port())), env={"ACCELERATE_USE_CPU": "1"})
+            "checkpoint.save_every=0", "train.micro_batch_size=8"]
+    result = run_cli(args, launcher=accelerate_launch(float32_launch_file("zero3", tmp_path), "--main_process_port",
+                                                      str(free_port())))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "world_size=2" in result.stderr
+    assert "world_size=2 distributed_type=DEEPSPEED" in result.stderr
     halves = scored(log)
     assert len(halves) == 6 and all(len(half) == PROMPTS // 2 for half in halves)
     sampler = PromptSampler(40, seed=0, shuffle=True)
     for step in range(3):
         assert sorted(halves[2 * step] + halves[2 * step + 1]) == sorted(sampler.next_indices(PROMPTS))
     assert [r["rollout/staleness_max"] for r in read_metrics(out)] == [0, 1, 1]
+    assert_server_samples_what_the_model_scores(server.url, out / "model")
 
 
 def test_the_speed_script_runs_both_loops_against_a_server(server, model_dir, tmp_path):

@@ -162,7 +162,7 @@ class RecordingEngine:
         self.calls.append("generate")
         return self.inner.generate(*args, **kwargs)
 
-    def sync_weights(self, model, version=None):
+    def sync_weights(self, model, version=None, gather=None):
         self.calls.append("sync_weights")
 
     def sleep(self):

@@ -23,7 +23,7 @@ calls `model.generate` with the prompts repeated G times.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -61,8 +61,9 @@ class HFEngine:
                 raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
             self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to do: this engine samples from the training model itself."""
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
+        """Nothing to do: this engine samples from the training model itself (`needs_weight_sync` is False, so
+        the trainer never calls it; the keywords are the protocol's)."""
 
     def sleep(self) -> None:
         """Nothing to free: the weights are the training model's, and the KV cache lives only inside `generate`."""
