@@ -49,10 +49,11 @@ GPU_OVERRIDES = ["data.source=builtin:arithmetic", "data.system_prompt=null", "t
 
 
 def start_server(model: str, port: int, log: Path, args) -> subprocess.Popen:
-    """`python -m grpo_trainer serve` for the recipe (exactly the flags its engine needs, the weight push of
-    --weight-sync), pinned to --server-core on a CPU; on a GPU it takes 30% of the GPU."""
+    """`python -m grpo_trainer serve` for the recipe with the trainers' overrides (exactly the flags their engine
+    needs, the weight push of --weight-sync), pinned to --server-core on a CPU; on a GPU it takes 30% of the GPU."""
     cmd = [sys.executable, "-m", "grpo_trainer", "serve", str(CONFIG), f"model.name_or_path={model}",
-           "rollout.vllm.max_model_len=1024", f"rollout.vllm_server.weight_sync={args.weight_sync}", "--port", str(port)]
+           f"rollout.vllm_server.weight_sync={args.weight_sync}", *(GPU_OVERRIDES if args.gpu else []), *args.overrides,
+           "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if args.gpu:
         cmd += ["--", "--gpu-memory-utilization", "0.3"]
