@@ -32,7 +32,7 @@ def build_model(folder: Path, shape: dict, dtype) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_trainer.tiny import build_tokenizer
+    from grpo_trainer.builtin.charlm import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """The embedded tiny model, built once per machine (cached)."""
-    from grpo_trainer.tiny import ensure_tiny_model
+    from grpo_trainer.builtin import tiny
 
-    return ensure_tiny_model()
+    return tiny.ensure_model()

@@ -1,10 +1,10 @@
 """The demo's first steps, number for number: a refactor of the loop must not change what it computes.
 
 `tests/golden/demo_cpu_first5.json` holds every non-timing metric of the first 5 steps of
-`configs/demo_cpu.yaml`. Written by the loop before the phase redesign (issue 12); rewritten on 2026-12-01
-by the same commit's loop (6ba7fd5, before that session's changes) once the tiny model's build was made the
-same on every machine (tiny.CANONICAL_ENV; the first file held the weights of one machine's CPU). Floats
-are compared to 1e-6 relative (the golden file went through JSON; everything else is exact).
+`configs/demo_cpu.yaml`, written by a loop other than the one under test (6ba7fd5's, which predates the
+phase structure), so that a refactor is checked against numbers it did not produce, and with the tiny
+model's canonical build and float settings (build.CANONICAL_ENV), meant to make them those of any x86
+machine with AVX2 rather than of one CPU. Floats are compared to 1e-6 relative (the golden file went through JSON; everything else is exact).
 
 Regenerate only when a change is *meant* to alter the numbers, and say why in the commit:
     .venv/bin/python tests/test_golden.py
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from grpo_trainer.metrics import read_metrics
-from grpo_trainer.tiny import CANONICAL_ENV
+from grpo_trainer.builtin.build import CANONICAL_ENV
 from helpers import run_cli, without_timing
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_cpu_first5.json"
@@ -26,7 +26,7 @@ STEPS = 5
 
 
 def run_demo_steps(output_dir: Path) -> list[dict]:
-    # A fresh interpreter with the tiny model's canonical float settings (tiny.CANONICAL_ENV), read when torch
+    # A fresh interpreter with the tiny model's canonical float settings (build.CANONICAL_ENV), read when torch
     # starts: the numbers are then those of any x86 machine with AVX2, not only of the one that wrote them.
     result = run_cli(["train", "configs/demo_cpu.yaml", f"output_dir={output_dir}", f"train.max_steps={STEPS}",
                       "logging.progress_bar=false", "checkpoint.save_final_model=false"],

@@ -20,7 +20,7 @@ from grpo_trainer.errors import ConfigError, RewardError
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.reward_model import load_reward_model
 from grpo_trainer.rewards import compute_rewards, load_rewards
-from grpo_trainer.tiny import build_tokenizer
+from grpo_trainer.builtin.charlm import build_tokenizer
 from helpers import ROOT, run_cli, small_run_overrides
 
 PROMPTS = ["What is 1+2?", "What is 9+9?", "What is 4+4?", "What is 0+7?", "Hi"]

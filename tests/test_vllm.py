@@ -34,7 +34,7 @@ from grpo_trainer.models import TokenLogprobs, make_sequence_batch  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
 from grpo_trainer.rollout.vllm_server import VLLMServerEngine  # noqa: E402
-from grpo_trainer.tiny import ensure_tiny_model  # noqa: E402
+from grpo_trainer.builtin import tiny as tiny_model  # noqa: E402
 
 EOS = 2  # <|im_end|>, the tiny tokenizer's EOS
 MAX_LEN = 40
@@ -48,7 +48,7 @@ def build_model(folder: Path) -> Path:
     """A 2-layer Llama, head_dim 32, random weights, the tiny model's tokenizer and chat template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tiny = ensure_tiny_model()
+    tiny = tiny_model.ensure_model()
     cfg = json.loads((Path(tiny) / "config.json").read_text())
     for key in ("architectures", "transformers_version"):
         cfg.pop(key, None)
@@ -474,9 +474,10 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
     from grpo_trainer.config import RolloutConfig
     from grpo_trainer.rollout.multi_turn import MultiTurnEngine
     from grpo_trainer.rollout.tools import build_toolbox
-    from grpo_trainer.tiny_tools import PYTHON_TOOL, ensure_tiny_tools_model
+    from grpo_trainer.builtin import tiny_tools
+    from grpo_trainer.builtin.tiny_tools import PYTHON_TOOL
 
-    path = ensure_tiny_tools_model()
+    path = tiny_tools.ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = load_lm(path)
     box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=5.0))

@@ -24,11 +24,9 @@ from pathlib import Path
 
 import torch
 
+from ..models import is_lora
+
 PEFT_PREFIX = "base_model.model."
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
 def _lora_delta(module: torch.nn.Module) -> torch.Tensor | None:
@@ -65,7 +63,7 @@ def iter_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     Tensors are detached views of the live parameters (no copy) except merged LoRA
     layers, which are fresh tensors. Consume them before the next optimizer step.
     """
-    if not _is_peft(model):
+    if not is_lora(model):
         seen: set[int] = set()
         for name, tensor in model.state_dict(keep_vars=False).items():
             ptr = tensor.data_ptr()
