@@ -27,6 +27,7 @@ def train(out, steps, *extra, launcher=None, env=None, resume="never"):
     [[], ["train.num_iterations=2"], ["train.mini_batches=2", "loss.top_entropy_quantile=0.5", "loss.advantage=rloo"]],
     ids=["mu1", "mu2", "mini_batches"],
 )
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model_path, extra):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, 4, *extra)
@@ -37,6 +38,7 @@ def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model
     assert_same_run(straight, resumed)
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     overrides = [o for o in small_run_overrides(out, 6)] + ["checkpoint.save_every=2"]
@@ -79,6 +81,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model
     assert (out / "checkpoints" / "latest").read_text() == "step-000006"
 
 
+@pytest.mark.slow
 def test_incompatible_resume_is_refused_and_compatible_changes_continue(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     train(out, 2)
@@ -99,6 +102,7 @@ def _greedy(model, tokenizer):
         return model.generate(**ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)[0].tolist()
 
 
+@pytest.mark.slow
 def test_export_reloads_and_generates_the_same_tokens(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,6 +120,7 @@ def test_export_reloads_and_generates_the_same_tokens(tmp_path, tiny_model_path)
     assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), reloaded.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_lora_run_trains_only_adapters_and_exports_adapter_and_merged(tmp_path, tiny_model_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

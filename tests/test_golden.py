@@ -17,9 +17,13 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.builtin.build import CANONICAL_ENV
 from helpers import run_cli, without_timing
+
+pytestmark = pytest.mark.slow  # the demo in a fresh interpreter
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_cpu_first5.json"
 STEPS = 5

@@ -19,6 +19,8 @@ import yaml
 from grpo_trainer.metrics import read_metrics
 from helpers import ROOT, accelerate_launch, cpu_launch_file, free_port, run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
+
 LAUNCH_DIR = ROOT / "configs" / "accelerate"
 DEEPSPEED_FILES = ["zero2", "zero3", "zero3_offload"]
 

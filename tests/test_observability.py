@@ -9,6 +9,8 @@ import pytest
 from grpo_trainer.metrics import read_metrics
 from helpers import ROOT, run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # a training run through the CLI
+
 
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory, tiny_model_path):

@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from grpo_trainer.metrics import read_metrics
 from helpers import ROOT, accelerate_launch, assert_same_update, cpu_launch_file, free_port, run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
+
 SETUPS = {
     # name: (extra env, expected distributed type)
     "ddp": ({"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU"),

@@ -135,6 +135,7 @@ def test_a_users_function_is_described_from_its_signature_and_docstring(tmp_path
 
 
 @pytest.mark.xdist_group("sandbox")  # runs code as `nobody`, like tests/test_sandbox.py's process census
+@pytest.mark.slow
 class TestPythonTool:
     box = None
 
@@ -357,6 +358,7 @@ def train_tools(out: Path, steps: int, *extra: str, resume: str = "never"):
 
 
 @pytest.mark.xdist_group("sandbox")  # the python tool runs code as `nobody` (see TestPythonTool)
+@pytest.mark.slow
 def test_training_with_the_python_tool_logs_tool_metrics_and_resumes_bit_identically(tmp_path):
     """configs/tools_cpu.yaml (the tiny tool-calling model) for 4 steps straight, and 2 + 2 resumed: the same
     weights and metrics; the tool metrics are there and say tools were called and answered."""

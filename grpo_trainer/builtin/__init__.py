@@ -40,20 +40,21 @@ def resolve_model_path(name_or_path: str) -> str:
     """The folder of a `builtin:` model (built or fetched first where this machine has none); anything else as is."""
     if not is_builtin(name_or_path):
         return name_or_path
-    name = name_or_path.removeprefix(PREFIX)
-    if name not in MODELS:
-        raise ConfigError(f"model.name_or_path: unknown built-in model {name_or_path!r}; the built-ins are "
-                          + ", ".join(f"'{PREFIX}{model}'" for model in MODELS))
-    return str(MODELS[name]())
+    return str(_lookup(MODELS, name_or_path, "model.name_or_path", "model", ConfigError)())
 
 
 def task_records(source: str, split: str) -> list[dict[str, str]]:
     """The records of the split of a `builtin:` task, or a DataError naming the task or split that does not exist."""
-    name = source.removeprefix(PREFIX)
-    if name not in TASKS:
-        raise DataError(f"data.source: unknown built-in task {source!r}; the built-ins are "
-                        + ", ".join(f"'{PREFIX}{task}'" for task in TASKS))
+    records = _lookup(TASKS, source, "data.source", "task", DataError)
     try:
-        return TASKS[name](split)
+        return records(split)
     except ValueError as exc:  # an unknown split, named by the task
         raise DataError(str(exc)) from None
+
+
+def _lookup(table: dict, name: str, key: str, kind: str, error: type[Exception]):
+    """`table`'s entry for a `builtin:` name, or `error` naming the config key and listing the built-ins."""
+    entry = table.get(name.removeprefix(PREFIX))
+    if entry is None:
+        raise error(f"{key}: unknown built-in {kind} {name!r}; the built-ins are " + ", ".join(f"'{PREFIX}{n}'" for n in table))
+    return entry

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
@@ -63,6 +64,21 @@ def char_llama_config(tokenizer, **shape):
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaConfig(**{**defaults, **shape})
+
+
+def build_char_model(folder: Path, tokenizer, shape: dict, seed: int, warm_start: Callable[[Any], None],
+                     **config_json: float) -> None:
+    """The one builder of both tiny models: a Llama of `shape` for `tokenizer`, initialised from `seed`, trained by
+    `warm_start(model)` under the same seed (torch's global random state is left as it was), saved into `folder`."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = char_llama_config(tokenizer, **shape)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        warm_start(model)
+    save_char_model(model, tokenizer, folder, **config_json)
 
 
 def save_char_model(model, tokenizer, folder: Path, **config_json: float) -> None:

@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 
 from .build import build_canonically, cached_build
-from .charlm import build_tokenizer, char_llama_config, save_char_model
+from .charlm import build_char_model, build_tokenizer
 
 NAME = "tiny"
 # Bump when the recipe below changes, so stale caches are not reused.
@@ -75,16 +75,9 @@ def ensure_model() -> Path:
 
 def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
     """Build tokenizer and model into `folder`: random init, then the short supervised warm start."""
-    import torch
-    from transformers import LlamaForCausalLM
-
     tokenizer = build_tokenizer()
-    config = char_llama_config(tokenizer, **SHAPE)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
-    save_char_model(model, tokenizer, folder)
+    build_char_model(folder, tokenizer, SHAPE, seed,
+                     lambda model: _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed))
 
 
 def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 64) -> None:

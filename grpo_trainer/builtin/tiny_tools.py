@@ -47,7 +47,7 @@ import random
 from pathlib import Path
 
 from .build import build_canonically, cached_build
-from .charlm import build_tokenizer, char_llama_config, save_char_model
+from .charlm import build_char_model, build_tokenizer
 from .tiny import format_answer
 
 NAME = "tiny-tools"
@@ -148,17 +148,13 @@ def ensure_model() -> Path:
 
 def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
     """Build tokenizer and model into `folder`: copying heads at init, then the supervised warm start."""
-    import torch
-    from transformers import LlamaForCausalLM
-
     tokenizer = build_tokenizer(CHAT_TEMPLATE)
-    config = char_llama_config(tokenizer, **SHAPE)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+
+    def warm_start(model) -> None:
         _init_copying_heads(model, _copy_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
-    save_char_model(model, tokenizer, folder, rope_theta=ROPE_THETA)
+
+    build_char_model(folder, tokenizer, SHAPE, seed, warm_start, rope_theta=ROPE_THETA)
 
 
 def _conversation(tokenizer, prompt: str, record: dict[str, str], guess: str | None = None) -> list[tuple[str, bool]]:
