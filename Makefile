@@ -53,7 +53,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
-	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py
+	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py tests/test_vllm_*.py
 
 bench: $(STAMP)
 	$(UV) -e ".[$(EXTRAS),bench]"

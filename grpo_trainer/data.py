@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import builtin
+from . import builtin, in_memory
 from .config import DataConfig
 from .errors import DataError
 from .seeds import mix_seed
@@ -29,7 +29,9 @@ def load_records(cfg: DataConfig, split: str | None = None) -> list[dict[str, An
     """Read the configured source into a list of column dicts."""
     split = split or cfg.split
     source = cfg.source
-    if builtin.is_builtin(source):
+    if in_memory.is_reference(source):  # a dataset given to grpo_trainer.train() in Python: one split, as given
+        records = in_memory.records(source, "data.source", DataError)
+    elif builtin.is_builtin(source):
         records = builtin.task_records(source, split)
     else:
         records = _load_with_datasets(source, cfg.subset, split)
@@ -92,6 +94,11 @@ def read_json_records(path: Path) -> list[dict[str, Any]]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"data.source: {path}: record {i} is a JSON {type(row).__name__}, not an object of columns")
+    return with_every_column(rows)
+
+
+def with_every_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every record gets every column, as `datasets` gives them: a column a record lacks is None."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     return [{key: row.get(key) for key in columns} for row in rows]
 

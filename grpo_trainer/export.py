@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import load_checkpoint_model
+from .checkpoint import load_checkpoint_model, read_trainer_state
+from .model_card import Setup, write_model_card
 from .models import base_model, is_lora
 
 
@@ -44,11 +45,17 @@ def save_model(lm, tokenizer, folder: Path | None = None, *, adapter_folder: Pat
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
-    """Write `out` as a save_pretrained folder; LoRA checkpoints give the adapter unless `merge`."""
-    lm, tokenizer, _ = load_checkpoint_model(checkpoint)
+    """Write `out` as a save_pretrained folder with a model card; LoRA checkpoints give the adapter unless `merge`.
+
+    The card is made from the checkpoint's config and metrics; the checkpoint records the number of processes,
+    not the hardware."""
+    lm, tokenizer, cfg = load_checkpoint_model(checkpoint)
     out = Path(out)
-    if is_lora(lm) and not merge:
+    adapter = is_lora(lm) and not merge
+    if adapter:
         save_model(lm, tokenizer, adapter_folder=out)
     else:
         save_model(lm, tokenizer, out)
+    processes = read_trainer_state(checkpoint).get("world_size") or 1
+    write_model_card(out, cfg, checkpoint, Setup(processes=int(processes)), adapter=adapter)
     return out

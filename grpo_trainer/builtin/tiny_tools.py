@@ -52,7 +52,7 @@ from .tiny import format_answer
 
 NAME = "tiny-tools"
 # Bump when the recipe below changes, so stale caches are not reused.
-VERSION = 2
+VERSION = 3  # 3: built with build.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
 TOOL_SHARE = 0.27  # share of warm-start first turns that call the tool (see the module docstring)
 SFT_STEPS = 400
 ROPE_THETA = 100.0  # sharper positional attention than Llama's 10000, for copying digits at fixed distances
