@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="more config overrides for both Ks")
     args = p.parse_args()
 
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer.builtin import resolve_model_path
 
     load_before = Path("/proc/loadavg").read_text().strip()
     with tempfile.TemporaryDirectory(prefix="async-speed-") as tmp:
