@@ -53,6 +53,7 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when beta > 0
     entropy_mask: torch.Tensor | None = None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
     mini_batch: int = 0  # the optimizer step (within one pass over the batch) this micro-batch belongs to
+    rows: list[int] = field(default_factory=list)  # this rank's completions in it, in order; empty for a filler
 
     def to(self, device) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -146,8 +147,9 @@ def build_train_batch(
             plan = budget_micro_batches(plan, max(count, 1), cost, micro_batch_tokens)
         shortest = min(rows, key=lambda j: len(rollout.completion_ids[j]))
         for chunk in plan:
-            idx = chunk or [shortest]  # an empty micro-batch becomes a filler: all its tokens masked below
-            weight = row_weight[idx, None] if chunk else torch.zeros(1, 1)
+            filler = not wanted.intersection(chunk)  # nothing to train: only the backward call counts
+            idx = chunk or [shortest]
+            weight = torch.zeros(1, 1) if filler else row_weight[idx, None]
             layout = make_packed_batch if packing else make_sequence_batch
             batch = layout([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
             sampled = None
@@ -163,6 +165,7 @@ def build_train_batch(
                     advantages=advantages[idx],  # [mb]
                     sampling_logp=sampled,
                     mini_batch=k,
+                    rows=[] if filler else idx,
                 )
             )
     return TrainBatch(
