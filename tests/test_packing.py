@@ -129,12 +129,80 @@ def test_packed_forward_equals_padded_values_and_gradients(tiny_model_path, vari
     assert all(g.abs().sum() > 0 for n, g in results["packed"][2].items() if "lora_" in n or variant != "lora")
 
 
-def test_only_attention_paths_that_take_a_mask_can_pack(tiny_model_path):
+def tiny_qwen2(**changes):
+    """A random 2-layer Qwen2 (biases on q/k/v, grouped-query attention 4 on 2), float32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, **changes)
+    return Qwen2ForCausalLM(config).train()
+
+
+def test_qwen2_takes_the_packed_mask_and_positions(tiny_model_path):
+    """transformers 5.19's Qwen2 hands a 4D mask to attention unchanged, as Llama (tiny, SmolLM2) does."""
+    lm = tiny_qwen2()
+    check_packing_support(lm)
+    prompts, completions = [[5, 6, 7], [5, 6, 7], [9, 8]], [[10, 11, 12], [13], [14, 15, 16, 17]]
+    out = {}
+    for name, make in (("padded", make_sequence_batch), ("packed", make_packed_batch)):
+        lm.zero_grad(set_to_none=True)
+        batch = make(prompts, completions, PAD)
+        logp, _ = TokenLogprobs(lm)(**batch.tensors())
+        (logp * batch.completion_mask).sum().backward()
+        out[name] = logp.detach() * batch.completion_mask, [p.grad.clone() for p in lm.parameters()]
+    assert_same(out["packed"][0], out["padded"][0], "log-probs")
+    for i, (a, b) in enumerate(zip(out["packed"][1], out["padded"][1])):
+        assert_same(a, b, f"gradient {i}")
+
+
+def test_only_full_attention_through_a_mask_taking_path_can_pack(tiny_model_path):
     lm = tiny_lm()
     check_packing_support(lm)  # sdpa
     lm.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="train.packing.*flash_attention_2.*takes no custom mask"):
         check_packing_support(lm)
+    with pytest.raises(ConfigError, match="train.packing.*sliding-window attention layers"):
+        check_packing_support(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1))
+
+
+def worst_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over tensors, each relative to its scale max(1, max|b|)."""
+    return max(float((a[n] - b[n]).abs().max()) / max(1.0, float(b[n].abs().max())) for n in b)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_packed_equals_padded(tiny_model_path):
+    """The real model (30 layers, 9 query heads on 3 key/value heads, 49k vocabulary) on real text. Log-probs and
+    entropies to 1e-5. Through 30 float32 layers the padded shared-prompt path's gradients already differ from
+    every row run in full by ~3.6e-5 of their scale (measured here); the packed path must be at least as close to
+    the full computation as that (it measured 1.0e-5)."""
+    from grpo_trainer.config import load_config as load
+
+    cfg = load("configs/smollm2_cpu.yaml")
+    tokenizer = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model).train()
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in ("What is 12+7?", "Name a colour.")]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chat]
+    texts = ["12 + 7 = 19.<|im_end|>", "It is 19", "Blue, the colour of the sky.<|im_end|>"]
+    completions = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rows = [prompts[0], prompts[0], prompts[1]]
+    out = {}
+    for name, make, share in (("full", make_sequence_batch, False), ("padded", make_sequence_batch, True),
+                              ("packed", make_packed_batch, True)):
+        lm.zero_grad(set_to_none=True)
+        batch = make(rows, completions, tokenizer.pad_token_id)
+        logp, entropy = TokenLogprobs(lm, chunk_size=5, share_prompt=share)(**batch.tensors(), with_entropy=True)
+        (logp * batch.completion_mask).sum().backward()
+        kept = ("layers.0.", "layers.15.", "layers.29.", "embed_tokens")
+        out[name] = (logp.detach() * batch.completion_mask, entropy * batch.completion_mask,
+                     {n: p.grad.clone() for n, p in lm.named_parameters() if any(k in n for k in kept)})
+    assert_same(out["packed"][0], out["padded"][0], "log-probs")
+    assert_same(out["packed"][1], out["padded"][1], "entropies")
+    today = worst_difference(out["padded"][2], out["full"][2])
+    assert worst_difference(out["packed"][2], out["full"][2]) <= 2 * today
 
 
 # ----------------------------------------------------------------------------- the loss, over ranks and layouts
