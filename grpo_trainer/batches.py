@@ -45,7 +45,7 @@ from .rollout import Rollout
 
 @dataclass
 class MicroBatch:
-    sequences: dict[str, torch.Tensor]  # the policy's forward arguments (models.SequenceBatch.tensors)
+    sequences: dict[str, torch.Tensor]  # the policy's forward arguments (models.SequenceBatch / PackedBatch .tensors)
     mask: torch.Tensor  # [mb, C] 1 on completion tokens that carry loss
     advantages: torch.Tensor  # [mb]
     sampling_logp: torch.Tensor | None = None  # [mb, C] the sampler's own log-probs (vLLM engines)
@@ -149,25 +149,9 @@ def build_train_batch(
         for chunk in plan:
             filler = not wanted.intersection(chunk)  # nothing to train: only the backward call counts
             idx = chunk or [shortest]
-            weight = torch.zeros(1, 1) if filler else row_weight[idx, None]
-            layout = make_packed_batch if packing else make_sequence_batch
-            batch = layout([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
-            sampled = None
-            if rollout.sampling_logprobs is not None:
-                sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
-            mask = batch.completion_mask
-            if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
-                mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
-            micro_batches.append(
-                MicroBatch(
-                    sequences=batch.tensors(),
-                    mask=mask * weight,  # [mb, C]
-                    advantages=advantages[idx],  # [mb]
-                    sampling_logp=sampled,
-                    mini_batch=k,
-                    rows=[] if filler else idx,
-                )
-            )
+            weight = torch.zeros(len(idx)) if filler else row_weight[idx]
+            micro_batches.append(_micro_batch(prompt_ids, rollout, advantages, idx, weight, pad_token_id, packing, k,
+                                              rows=[] if filler else idx))
     return TrainBatch(
         micro_batches=micro_batches,
         lengths=lengths,
@@ -179,6 +163,22 @@ def build_train_batch(
         window_sizes=[len([mb for mb in micro_batches if mb.mini_batch == k]) for k in range(len(windows))],
         idle=[count == 0 for count in agreed],
     )
+
+
+def _micro_batch(prompt_ids: list[list[int]], rollout: Rollout, advantages: torch.Tensor, idx: list[int],
+                 weight: torch.Tensor, pad_token_id: int, packing: bool, mini_batch: int, rows: list[int]) -> MicroBatch:
+    """Completions `idx` in the chosen layout. The loss mask covers what the model wrote, times each completion's
+    `weight` (0: masked whole, as a truncated completion under DAPO or a filler)."""
+    layout = make_packed_batch if packing else make_sequence_batch
+    batch = layout([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
+    sampled = None
+    if rollout.sampling_logprobs is not None:
+        sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
+    mask = batch.completion_mask
+    if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
+        mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
+    return MicroBatch(sequences=batch.tensors(), mask=mask * weight[:, None], advantages=advantages[idx],
+                      sampling_logp=sampled, mini_batch=mini_batch, rows=rows)
 
 
 def mini_batch_rows(local_n: int, group_size: int, mini_batches: int) -> list[list[int]]:

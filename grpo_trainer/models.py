@@ -6,9 +6,16 @@ module handed to `accelerator.prepare`, so DDP/FSDP/DeepSpeed see an ordinary
 forward, while the full-vocabulary fp32 logits are only ever built for
 `chunk_size` tokens at a time, and never for prompt positions.
 
-Batches hold left-padded prompts (each distinct prompt once) and
-right-padded completions, with explicit position ids, the layout `generate`
-uses, so the log-probs of training match those of sampling.
+Two batch layouts, the same numbers up to float rounding. `SequenceBatch` holds left-padded prompts (each
+distinct prompt once) and right-padded completions, with explicit position ids, the layout `generate` uses, so
+the log-probs of training match those of sampling. `PackedBatch` (`train.packing`) holds a prompt once followed
+by its completions back to back in one row, with an explicit attention mask and positions that make each
+completion see exactly what it saw when sampled: nothing is padded to the longest completion.
+
+Deliberately not done: flex attention (block-sparse, it would skip the masked blocks that SDPA computes) has no
+backward on CPU in torch 2.13 and compiles per shape; nor flash-attention's varlen kernels, which cannot express
+"the prompt and itself" for a completion. Packing therefore needs an attention path that takes a 4D mask (sdpa,
+eager) and full attention in every layer (`check_packing_support`).
 """
 
 from __future__ import annotations
