@@ -372,7 +372,7 @@ class TrainConfig(_Section):
         description="Prefix-shared packing in the training passes: a group is laid out as its prompt once, then its "
         "completions back to back, each attending to the prompt and to itself; short groups share a row. No "
         "completion is padded to the longest. Same numbers as the padded layout up to float rounding "
-        "(docs/performance.md).",
+        "(docs/performance.md); model.share_prompt then concerns sampling only. Needs sdpa or eager attention.",
     )
     num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
     mini_batches: int = Field(

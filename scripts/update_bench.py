@@ -149,14 +149,15 @@ def bench_layouts(args) -> dict:
     if args.budget:
         layouts.update({f"padded, {args.budget} tokens": (False, args.budget), f"packed, {args.budget} tokens": (True, args.budget)})
     runs = {name: run_for(cfg, accelerator, policy, optimizer, scheduler, *spec) for name, spec in layouts.items()}
-    for run in runs.values():  # warm-up: allocator, kernels
-        update_phase(run, step)
+    for name, run in runs.items():  # warm-up: allocator, kernels
+        print(f"warm-up {name}: {update_phase(run, step)[0]:.2f} s", file=sys.stderr, flush=True)
     times = {name: [] for name in runs}
     peaks = {name: [] for name in runs}
     counts = {}
     for _ in range(args.reps):
         for name, run in runs.items():
             seconds, peak, counts[name] = update_phase(run, step)
+            print(f"{name}: {seconds:.2f} s, peak {peak:.0f} MiB", file=sys.stderr, flush=True)
             times[name].append(seconds)
             peaks[name].append(peak)
     base = statistics.median(times["padded"])
@@ -202,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--zero-advantage", action="store_true")
     p.add_argument("--top", type=int, default=12, help="profile rows (--zero-advantage)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's own); 1 is far less sensitive to other load on a shared machine")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     load = open("/proc/loadavg").read().split()[:3]
     if args.zero_advantage:
         out = bench_zero_advantage(args)
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{out['skipped_s']:.3f} s (median of {args.reps}; load {' '.join(load)})")
     else:
         out = bench_layouts(args)
-        print(f"{args.model}, spread {args.spread}: completions mean {out['mean_length']:.1f} tokens, max "
+        print(f"{args.model}, spread {args.spread}, threads {args.threads or 'default'}: completions mean {out['mean_length']:.1f} tokens, max "
               f"{max(out['lengths'])}; prompts {out['prompt_lengths']} tokens; load before {' '.join(load)}")
         print("| layout | update (s) | / padded | peak MiB | micro-batches | tokens computed | of which padding |")
         print("|---|---|---|---|---|---|---|")
