@@ -4,6 +4,7 @@
     MALLOC_MMAP_THRESHOLD_=65536 python scripts/update_bench.py --spread longtail --budget 2048
     python scripts/update_bench.py --zero-advantage      # a step where every advantage is 0, fillers vs none
     python scripts/update_bench.py --model builtin:tiny --reps 1    # seconds, for a smoke test
+    python scripts/update_bench.py --spread longtail --budget 2048 --count-only   # tokens per layout, no passes
 
 One process, the model loaded once; the configuration is `configs/smollm2_cpu.yaml`'s (4 prompts x G 8, Dr. GRPO,
 beta 0, one iteration) with the recipe's real prompts, and completions of random tokens with the chosen length
@@ -50,7 +51,9 @@ def completion_lengths(spread: str, n: int, seed: int = 0) -> list[int]:
     if spread == "start":
         cut = torch.rand(n, generator=g) < 0.88
         return [64 if c else int(x) for c, x in zip(cut, torch.randint(20, 64, (n,), generator=g))]
-    # A gamma(2) shape (many short, a tail), mean ~20; `end` caps it at 64 with ~2% cut off.
+    # A gamma(2) shape (many short, a tail), mean ~20; `end` caps it at 64 with ~2% cut off. Gamma samples from
+    # torch's global generator (it takes none), so seed that too: the same spread every run.
+    torch.manual_seed(seed)
     short = (torch.distributions.Gamma(2.0, 0.1).sample((n,)) + 1).round().int().tolist()
     if spread == "end":
         return [min(max(x, 2), 64) for x in short]
@@ -119,28 +122,38 @@ def layout_tokens(mb) -> tuple[int, int]:
     return computed, int((seq["prompt_mask"] == 0).sum() + (seq["completion_mask"] == 0).sum())
 
 
-def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
-    """One step's phases 3-5 as trainer.train_step runs them: seconds, peak MiB over the start, and layout counts."""
+def layout_batch(run, step, advantages=None):
+    """The step's `TrainBatch` in this run's layout (phase 3), as trainer.train_step builds it."""
     from grpo_trainer.batches import build_train_batch
     from grpo_trainer.trainer import skips_zero_advantage
-    from grpo_trainer.update import add_logprobs, update
 
     cfg, geometry = run.cfg, run.geometry
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status_mib("VmRSS")
-    started = time.perf_counter()
-    batch = build_train_batch(
+    return build_train_batch(
         step.prompts, step.rollout, step.advantages if advantages is None else advantages, 0,
         micro_batch_size=geometry.micro_batch_size, micro_batch_tokens=geometry.micro_batch_tokens,
         packing=cfg.train.packing, mask_truncated=cfg.loss.mask_truncated_completions,
         skip_zero_advantage=skips_zero_advantage(cfg), group_size=geometry.group_size, mini_batches=geometry.mini_batches,
     )
+
+
+def layout_counts(batch) -> dict:
+    computed, padding = (sum(x) for x in zip(*(layout_tokens(mb) for mb in batch.micro_batches)))
+    return {"micro_batches": len(batch.micro_batches), "computed_tokens": computed, "padding": padding}
+
+
+def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
+    """One step's phases 3-5 as trainer.train_step runs them: seconds, peak MiB over the start, and layout counts."""
+    from grpo_trainer.update import add_logprobs, update
+
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status_mib("VmRSS")
+    started = time.perf_counter()
+    batch = layout_batch(run, step, advantages)
     add_logprobs(run, batch)
     update(run, batch, step=1)
     seconds = time.perf_counter() - started
     peak = status_mib("VmHWM") - before
-    computed, padding = (sum(x) for x in zip(*(layout_tokens(mb) for mb in batch.micro_batches)))
-    return seconds, peak, {"micro_batches": len(batch.micro_batches), "computed_tokens": computed, "padding": padding}
+    return seconds, peak, layout_counts(batch)
 
 
 def bench_layouts(args) -> dict:
@@ -149,6 +162,11 @@ def bench_layouts(args) -> dict:
     if args.budget:
         layouts.update({f"padded, {args.budget} tokens": (False, args.budget), f"packed, {args.budget} tokens": (True, args.budget)})
     runs = {name: run_for(cfg, accelerator, policy, optimizer, scheduler, *spec) for name, spec in layouts.items()}
+    if args.count_only:  # the layouts' token counts: no forward or backward, seconds
+        rows = {name: {"seconds": float("nan"), "ratio": float("nan"), "peak_mib": float("nan"),
+                       **layout_counts(layout_batch(run, step))} for name, run in runs.items()}
+        return {"spread": args.spread, "lengths": step.lengths, "prompt_lengths": sorted(set(step.prompt_lengths)),
+                "mean_length": statistics.mean(step.lengths), "layouts": rows}
     for name, run in runs.items():  # warm-up: allocator, kernels
         print(f"warm-up {name}: {update_phase(run, step)[0]:.2f} s", file=sys.stderr, flush=True)
     times = {name: [] for name in runs}
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--zero-advantage", action="store_true")
     p.add_argument("--top", type=int, default=12, help="profile rows (--zero-advantage)")
+    p.add_argument("--count-only", action="store_true", help="only the tokens each layout computes (no passes)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 is far less sensitive to other load on a shared machine")
     p.add_argument("--json", type=Path, default=None)

@@ -340,3 +340,26 @@ def test_every_loss_matches_the_padded_layout_on_one_and_two_ranks(tiny_model_pa
 def test_lora_matches_the_padded_layout(tiny_model_path, loss_type):
     """LoRA: gradients of the adapters only; the reference is the same model with its adapters switched off."""
     assert_same_step(run_step(loss_type, 2, "packed, token budget", lora=True), reference_step(loss_type, True))
+
+
+# ----------------------------------------------------------------------------- the measuring script
+
+
+def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path):
+    """scripts/update_bench.py --count-only (the token table of docs/performance.md): the same seeded spread every
+    run, the packed layout computes no padding and fewer tokens, a budget bounds every layout's passes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "update_bench.py"
+    spec = importlib.util.spec_from_file_location("update_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.completion_lengths("longtail", 32) == bench.completion_lengths("longtail", 32)
+    out = tmp_path / "counts.json"
+    assert bench.main(["--model", "builtin:tiny", "--count-only", "--budget", "600", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert rows["packed"]["padding"] == 0 < rows["padded"]["padding"]
+    assert rows["packed"]["computed_tokens"] < rows["padded"]["computed_tokens"]
+    assert rows["packed, 600 tokens"]["micro_batches"] < rows["padded, 600 tokens"]["micro_batches"]
