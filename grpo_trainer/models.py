@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import in_memory
 from .config import ModelConfig
 from .errors import ConfigError
-from .tiny import resolve_model_path
+from .builtin import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +37,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    source = cfg.tokenizer or cfg.name_or_path
+    if in_memory.is_reference(source):  # given to grpo_trainer.train() in Python
+        tokenizer = in_memory.tokenizer(source, "model.tokenizer")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=cfg.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -49,9 +54,12 @@ def load_causal_lm(cfg: ModelConfig):
     """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-    )
+    if in_memory.is_reference(cfg.name_or_path):  # given to grpo_trainer.train() in Python
+        model = in_memory.model(cfg.name_or_path, "model.name_or_path")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
     model.config.use_cache = False  # training forwards never need the KV cache
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
@@ -68,12 +76,14 @@ def load_causal_lm(cfg: ModelConfig):
 
 
 def is_lora(lm) -> bool:
-    return hasattr(lm, "disable_adapter") and hasattr(lm, "merge_and_unload")
+    """Whether `lm` is a PEFT model with LoRA adapters: the one test of it in the package (duck-typed, so that
+    peft is imported only by runs that use it)."""
+    return hasattr(lm, "disable_adapter") and hasattr(lm, "merge_and_unload") and hasattr(lm, "get_base_model")
 
 
-def plain_model(lm):
-    """A LoRA model merged into plain weights (a copy's worth of memory), or the model itself."""
-    return lm.merge_and_unload() if is_lora(lm) else lm
+def base_model(lm):
+    """The transformers model under a LoRA model's adapters, or the model itself."""
+    return lm.get_base_model() if is_lora(lm) else lm
 
 
 def eos_token_ids(tokenizer, lm) -> list[int]:
@@ -116,6 +126,8 @@ class TokenLogprobs(nn.Module):
 
     forward(**SequenceBatch.tensors()) or forward(**PackedBatch.tensors())
         -> logprobs [B, C] (fp32), entropy [B, C] or None; 0 where completion b has no token t.
+    The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term):
+    its graph holds another [B, C, V] tensor per chunk until the backward pass.
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
 
@@ -140,12 +152,17 @@ class TokenLogprobs(nn.Module):
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
     def forward(
-        self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, with_entropy: bool = False, **layout: torch.Tensor
+        self,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+        **layout: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        base = base_model(self.lm)
         decoder, head = base.get_decoder(), base.get_output_embeddings()
         if "input_ids" in layout:  # PackedBatch
-            return self._packed(decoder, head, completion_ids, completion_mask, with_entropy, **layout)
+            return self._packed(decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, **layout)
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
         if self.share_prompt and not checkpointing:
             hidden_states = self._hidden_shared_prompt
@@ -153,7 +170,7 @@ class TokenLogprobs(nn.Module):
             hidden_states = self._hidden_full
         hidden = hidden_states(decoder, layout["prompt_ids"], layout["prompt_mask"], layout["prompt_index"],
                                completion_ids, completion_mask)
-        return self._score(head, hidden, completion_ids, with_entropy)
+        return self._score(head, hidden, completion_ids, with_entropy, entropy_grad)
 
     @staticmethod
     def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
@@ -190,22 +207,22 @@ class TokenLogprobs(nn.Module):
         ).last_hidden_state
         return torch.cat([first, rest], 1)  # [B, C, H]
 
-    def _packed(self, decoder, head, completion_ids, completion_mask, with_entropy, input_ids, position_ids, piece_ids,
-                member_ids, score_index):
+    def _packed(self, decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, input_ids, position_ids,
+                piece_ids, member_ids, score_index):
         """The packed rows [R, L] through the model once; only the N states that predict a completion token go
         through the LM head, and the results are laid out as [B, C] again for the loss."""
         mask = packed_attention_mask(piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder))
         hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
         scored = completion_mask > 0  # [B, C]
         states = hidden.flatten(0, 1)[score_index[scored]]  # [N, H]
-        logp, entropy = self._score(head, states[None], completion_ids[scored][None], with_entropy)
+        logp, entropy = self._score(head, states[None], completion_ids[scored][None], with_entropy, entropy_grad)
         return _unflatten(logp[0], scored), (None if entropy is None else _unflatten(entropy[0], scored))
 
     @staticmethod
     def _dtype(decoder) -> torch.dtype:
         return next(decoder.parameters()).dtype
 
-    def _score(self, head, hidden, targets, with_entropy):
+    def _score(self, head, hidden, targets, with_entropy, entropy_grad=False):
         """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
         logps, entropies = [], []
         for start in range(0, targets.shape[1], self.chunk_size):
@@ -214,7 +231,7 @@ class TokenLogprobs(nn.Module):
             logp_all = logits.log_softmax(-1)
             logps.append(logp_all.gather(-1, targets[:, start:stop, None]).squeeze(-1))
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     entropies.append(-(logp_all.exp() * logp_all).sum(-1))
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
 
@@ -409,7 +426,7 @@ PACKED_ATTENTION = ("sdpa", "eager")
 def check_packing_support(lm) -> None:
     """`train.packing` needs an attention path that takes an explicit 4D mask, and full attention in every layer:
     say so before training rather than inside the first update."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = base_model(lm)
     config = base.config
     implementation = config._attn_implementation
     if implementation not in PACKED_ATTENTION:

@@ -15,6 +15,7 @@ from .checkpoint import require_complete
 from .config import Config
 from .errors import ConfigError
 from .geometry import geometry_of
+from .trackers import check_installed as check_trackers_installed
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -30,6 +31,7 @@ def preflight(cfg: Config) -> list[str]:
         require_complete(cfg.checkpoint.resume)
     if cfg.rollout.engine == "vllm_colocate":
         _check_vllm_can_run(cfg)
+    check_trackers_installed(cfg)
     warnings = []
     optimizer_steps = geometry_of(cfg).optimizer_steps  # what the learning-rate schedule counts
     if cfg.train.warmup_steps >= optimizer_steps:
@@ -94,7 +96,7 @@ def _check_vllm_can_run(cfg: Config) -> None:
 
 def model_head_dim(cfg: Config) -> int | None:
     """The model's attention head size from its config.json, or None when the config cannot be read here."""
-    from .tiny import resolve_model_path
+    from .builtin import resolve_model_path
 
     try:
         from transformers import AutoConfig

@@ -5,7 +5,8 @@ collectives, the batch geometry, the tokenizer, the policy (wrapped by
 Accelerate), the reference, the optimizer and schedule, the rollout engine, the
 task (prompts + rewards), the prompt sampler and the writers. Counters that
 change during the run and go into checkpoints (`start_step`,
-`nonfinite_in_a_row`) live here too.
+`nonfinite_in_a_row`, the adaptive entropy coefficient `entropy_control`)
+live here too.
 
 Order matters for exact resume and for "same seed, same run": every rank seeds
 identically before any model is loaded (so random inits agree), and only after
@@ -15,7 +16,7 @@ the engine exists does each rank switch to its own random stream for sampling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,18 @@ from .config import Config
 from .data import PromptSampler
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
+from .losses import EntropyControl
 from .metrics import MetricsWriter
+from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
-from .models import TokenLogprobs, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
+from .export import save_model
+from .models import TokenLogprobs, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
 from .report import ProgressBar, flat_hparams
-from .rollout import RolloutEngine, build_engine, sampling_settings
+from .rollout import RolloutEngine, sampling_settings
+from .rollout.registry import build_engine
 from .rollout.tools import build_toolbox
 from .task import Task, load_task
+from .trackers import start_trackers
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -58,6 +64,7 @@ class Run:
     progress: ProgressBar | None = None
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
+    entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
 
     @property
     def output_dir(self) -> Path:
@@ -69,7 +76,7 @@ class Run:
 
     def bare_lm(self) -> torch.nn.Module:
         """The causal LM inside the wrappers (DDP, DeepSpeed, TokenLogprobs): what engines and saving need."""
-        return self.accelerator.unwrap_model(self.policy).lm
+        return distributed.unwrap(self.accelerator, self.policy).lm
 
 
 def build_run(cfg: Config) -> Run:
@@ -112,7 +119,7 @@ def build_run(cfg: Config) -> Run:
     engine = build_engine(
         cfg,
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
-        get_model=lambda: accelerator.unwrap_model(policy).lm,
+        get_model=lambda: distributed.unwrap(accelerator, policy).lm,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
@@ -129,6 +136,7 @@ def build_run(cfg: Config) -> Run:
         tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
         engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,
+        entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
 
 
@@ -181,6 +189,8 @@ def resume(run: Run) -> None:
         run.sampler.load_state_dict(saved["sampler"])
         run.start_step = int(saved["step"])
         run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
+        if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
+            run.entropy_control = EntropyControl(**saved["entropy_control"])
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
         logger.info("resumed from %s at step %d", found, run.start_step)
     else:
@@ -192,8 +202,7 @@ def resume(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
         ckpt.remove_incomplete(run.output_dir)
-    if run.trackers:
-        accelerator.init_trackers(cfg.logging.project, config=flat_hparams(cfg))
+    start_trackers(accelerator, cfg, flat_hparams(cfg))
     run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
 
 
@@ -202,6 +211,7 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
     state = {
         "sampler": run.sampler.state_dict(),
         "nonfinite_in_a_row": run.nonfinite_in_a_row,
+        "entropy_control": asdict(run.entropy_control),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
     }
@@ -227,20 +237,21 @@ def stop_run(run: Run) -> None:
 
 
 def _save_final_model(run: Run, folder: Path) -> None:
-    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded).
+    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded; collective).
 
     LoRA runs write the adapter alone to `adapter/` beside it, and the merged model to `folder`.
     """
-    state_dict = run.accelerator.get_state_dict(run.policy)  # collective under ZeRO-3 / FSDP
+    lm = run.bare_lm()
+    if is_lora(lm):  # PEFT and the merge read the live parameters: whole ones under ZeRO-3 while gathered
+        with distributed.gathered_if_zero3(run.accelerator, lm):
+            if run.is_main_process:
+                save_model(lm, run.tokenizer, folder, adapter_folder=folder.parent / "adapter")
+    else:
+        state_dict = distributed.full_state_dict(run.accelerator, run.policy)  # collective under ZeRO-3 / FSDP
+        if run.is_main_process:
+            save_model(lm, run.tokenizer, folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
     if run.is_main_process:
-        lm = run.bare_lm()
-        if is_lora(lm):
-            lm.save_pretrained(folder.parent / "adapter")
-            run.tokenizer.save_pretrained(folder.parent / "adapter")
-            plain_model(lm).save_pretrained(folder)
-        else:
-            lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
-        run.tokenizer.save_pretrained(folder)
+        write_model_card(folder, run.cfg, run.output_dir, setup_of(run.accelerator))  # README.md for the Hub
         logger.info("saved the final model to %s", folder)
 
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import scaling
     from grpo_trainer.rollout.decode import weight_stationary_linear
     from grpo_trainer.rollout.hf import sample_next_token
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer.builtin import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
     weights = {id(t): t for t in model.parameters()}.values()  # tied embeddings once

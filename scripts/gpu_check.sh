@@ -2,6 +2,7 @@
 # Every GPU-only path, one command, one line per check, on the day a GPU is lent:
 #
 #   bash scripts/gpu_check.sh            # writes JSON details to ${OUT:-.}; about 5-8 minutes on one H200
+#   DRY_RUN=1 bash scripts/gpu_check.sh  # prints each check's command instead (tests/test_gpu_check.py runs them)
 #
 # What CPU tests cannot reach, each check with its own time limit:
 #   hf_bf16           a random-init Qwen2.5-0.5B-shaped model (gpu_check.py), bf16, the hf engine
@@ -12,12 +13,15 @@
 #   deepspeed_bf16    the shipped zero3.yaml on 1 GPU: bf16 from its JSON, ZeRO-3 gathering for sampling and eval
 #   fsdp              the shipped fsdp.yaml on 1 GPU (FSDP v2, bf16)
 #   vllm_tp2          vLLM colocate with tensor_parallel_size 2; skipped with fewer than 2 GPUs
-# Not here because not built: NCCL weight pushes to a vLLM server (the config refuses weight_sync: nccl).
+#   vllm_nccl_push    a vLLM server (`grpo_trainer serve`, GPU 1) takes the trainer's weights (GPU 0) over vLLM's NCCL
+#                     backend; its log-probs follow them, the tied head included (gpu_check_push.py); needs 2 GPUs
+#   vllm_gloo_push    the same over our gloo backend (through host memory), server and trainer on GPU 0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 mkdir -p "$out"
-python3 -m pip install -q -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
+dry="${DRY_RUN:-}"
+[ -n "$dry" ] || python3 -m pip install -q -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "gpu_check: ${gpus} GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 failed=0
@@ -25,6 +29,7 @@ failed=0
 check() {  # check NAME SECONDS COMMAND...: one line, PASS/FAIL with the time and the log's last line on failure
   local name=$1 limit=$2; shift 2
   local log="$out/gpu_check_${name}.log" start=$SECONDS
+  if [ -n "$dry" ]; then echo "CHECK ${name} $*"; return; fi
   if timeout "$limit" "$@" >"$log" 2>&1; then
     echo "PASS ${name} ($((SECONDS - start)) s) $(grep -h '^RESULT' "$log" | tail -1 | cut -c8-)"
   else
@@ -57,6 +62,16 @@ if [ "$gpus" -ge 2 ] && python3 -c "import vllm" 2>/dev/null; then
   check vllm_tp2 240 python3 scripts/gpu_check.py --engine vllm_colocate --tensor-parallel 2 --json "$out/gpu_check_tp2.json"
 else
   skip vllm_tp2 "needs 2 GPUs and vllm (found ${gpus} GPU(s))"
+fi
+if [ "$gpus" -ge 2 ] && python3 -c "import vllm" 2>/dev/null; then
+  check vllm_nccl_push 420 python3 scripts/gpu_check_push.py --backend nccl --json "$out/gpu_check_nccl_push.json"
+else
+  skip vllm_nccl_push "needs 2 GPUs (NCCL puts no two ranks on one GPU) and vllm (found ${gpus} GPU(s))"
+fi
+if python3 -c "import vllm" 2>/dev/null; then
+  check vllm_gloo_push 420 python3 scripts/gpu_check_push.py --backend gloo --json "$out/gpu_check_gloo_push.json"
+else
+  skip vllm_gloo_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
 echo "gpu_check: ${failed} failed"
 exit $((failed > 0))

@@ -69,7 +69,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     [
         ("train.max_steps=abc", "train.max_steps"),
         ("train.max_steps=0", "train.max_steps: Input should be greater than 0"),
-        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo' or 'cispo'"),
+        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
         ("rollout.num_generations=1", "rollout.num_generations"),
         ("loss.scale_rewards=std", "loss.scale_rewards"),
     ],
@@ -86,7 +86,10 @@ def test_wrong_types_and_values_name_the_key(override, expected):
         (["train.micro_batch_size=5"], "train.micro_batch_size (5) must divide the completions per step"),
         (["train.micro_batch_size=1024"], "larger than the completions per step"),
         (["loss.delta=1.1"], "loss.delta (1.1) must be larger than 1 + epsilon_high"),
-        (["rollout.vllm_server.weight_sync=nccl"], "rollout.vllm_server.weight_sync: nccl is not implemented"),
+        (["rollout.vllm_server.weight_sync=nfs"], "rollout.vllm_server.weight_sync: Input should be 'nccl', 'gloo', 'disk' or 'none'"),
+        (["rollout.vllm_server.base_url=http://a:1", "rollout.vllm_server.urls=[http://b:1]"],
+         "rollout.vllm_server: give either base_url (one server) or urls (several), not both"),
+        (["rollout.vllm_server.urls=[b:1]"], "rollout.vllm_server.urls: 'b:1' is not an http:// or https:// address"),
         (["rollout.vllm.base_url=http://x"], "rollout.vllm.base_url: moved to 'rollout.vllm_server.base_url'"),
         (["rewards=[]"], "rewards: at least one reward is needed"),
     ],
@@ -126,6 +129,7 @@ def test_resolved_config_round_trips():
     assert again == cfg
 
 
+@pytest.mark.slow
 def test_validate_command_prints_resolved_config_or_fails_clearly():
     ok = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=7"])
     assert ok.returncode == 0, ok.stderr
@@ -144,6 +148,7 @@ def test_validate_command_prints_resolved_config_or_fails_clearly():
         (["rollout.engine=vllm_colocate"], "error: rollout.engine: vLLM's CPU build cannot run 'builtin:tiny' (attention head size 24"),
     ],
 )
+@pytest.mark.slow
 def test_validate_refuses_what_cannot_run_here_in_one_line(overrides, expected, tiny_model_path):
     result = run_cli(["validate", "configs/demo_cpu.yaml", *overrides])
     assert result.returncode == 2
@@ -151,6 +156,7 @@ def test_validate_refuses_what_cannot_run_here_in_one_line(overrides, expected, 
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.slow
 def test_warmup_longer_than_the_run_is_a_warning_and_a_smoke_test_trains(tmp_path, tiny_model_path):
     """The first thing a user tries: the demo with train.max_steps=2 (its warmup is 3 steps)."""
     validated = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=2"])
