@@ -23,11 +23,11 @@ from grpo_trainer.batches import build_train_batch, budget_micro_batches, first_
 from grpo_trainer.config import ModelConfig, load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.geometry import batch_geometry
-from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, EntropyControl
 from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_causal_lm, load_tokenizer,
                                  make_packed_batch, make_sequence_batch, pack_rows)
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.update import add_logprobs, micro_batch_loss
+from grpo_trainer.update import EntropyTerm, add_logprobs, micro_batch_loss
 from helpers import run_ranks
 
 PAD = 0
@@ -267,7 +267,7 @@ def models(lora: bool):
     return TokenLogprobs(lm), old, reference
 
 
-def run_step(loss_type: str, world: int, layout: str, lora: bool = False):
+def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entropy_coef: float = 0.0):
     """Phases 3-5 of a step without the optimizer, on `world` thread ranks: micro-batches, the log-prob passes
     (old policy, entropy selection over all ranks, reference), then every micro-batch's loss share and its
     gradient. Returns the batch loss, the gradient (summed over ranks: DDP's average x world, which update.py's
@@ -284,6 +284,8 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False):
         overrides.append("loss.epsilon_low=0.005")
     if budget:
         overrides.append(f"train.micro_batch_tokens={budget}")
+    if entropy_coef:
+        overrides.append(f"loss.entropy_coef={entropy_coef}")
     cfg = load_config(None, overrides)
     prompts, rollout, advantages = scored_rollout()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -301,18 +303,20 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False):
             assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
         # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
         run = SimpleNamespace(cfg=cfg, geometry=geometry, policy=olds[r], reference=reference, comm=comm,
-                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO))
+                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO),
+                              entropy_control=EntropyControl(entropy_coef))
         add_logprobs(run, batch)
+        term = EntropyTerm.for_step(run, batch) if entropy_coef else None  # a collective: every rank
         loss, grad, tokens = torch.zeros(()), [torch.zeros_like(p) for p in params], {}
         for mb in batch.micro_batches:
-            logp, entropy = policy(**mb.sequences, with_entropy=True)
-            share, _ = micro_batch_loss(run, batch, mb, logp)
+            logp, entropy = policy(**mb.sequences, with_entropy=True, entropy_grad=term is not None)
+            share, _ = micro_batch_loss(run, batch, mb, logp, entropy, term)
             for total, g in zip(grad, torch.autograd.grad(share, params, allow_unused=True)):
                 total += 0 if g is None else g
             loss += share.detach()
             for i, j in enumerate(mb.rows):
                 n = len(rollout.completion_ids[mine[j]])
-                tokens[mine[j]] = (logp[i, :n].detach(), entropy[i, :n])
+                tokens[mine[j]] = (logp[i, :n].detach(), entropy[i, :n].detach())
         return loss, grad, tokens, batch.window_sizes
 
     results = run_ranks(world, rank)
@@ -353,6 +357,15 @@ def test_every_loss_matches_the_padded_layout_on_one_and_two_ranks(tiny_model_pa
     tolerance = 5e-5 if LOSS_VARIANTS[loss_type].ratio == "sequence_product" else 1e-5
     for layout in layouts:
         assert_same_step(run_step(loss_type, world, layout), want, tolerance)
+
+
+def test_the_entropy_term_matches_the_padded_layout_on_two_ranks(tiny_model_path):
+    """loss.entropy_coef > 0: the entropies carry a gradient (TokenLogprobs(entropy_grad=True)) in the packed layout
+    as in the padded one, and the term's token count is agreed over ranks whatever the micro-batches."""
+    want = run_step("dapo", 1, "padded", entropy_coef=0.01)
+    assert_same_step(run_step("dapo", 2, "packed, token budget", entropy_coef=0.01), want)
+    without = reference_step("dapo", False)
+    assert float((want[0] - without[0]).abs()) > 1e-4  # the term is in the loss
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
