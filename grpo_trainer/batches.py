@@ -69,7 +69,7 @@ class TrainBatch:
     trained_completions: int  # completions on this rank that go through the passes
     local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
     mini_batch_tokens: list[float] = field(default_factory=list)  # local_tokens split by mini-batch
-    total_tokens: float = math.nan  # local_tokens summed over ranks (set by `count_tokens`, a collective)
+    total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
     mini_batch_totals: list[float] = field(default_factory=list)  # mini_batch_tokens summed over ranks (likewise)
     metrics: dict[str, float] = field(default_factory=dict)  # what the log-prob phase measured (entropy selection)
     # Micro-batches of each mini-batch, the same on every rank: the accumulation steps of its optimizer step.

@@ -19,6 +19,7 @@ from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
 
 PAD = 0
+ONE_RANK = SimpleNamespace(sum=lambda t: t)  # the collectives of a single process
 
 
 def four_completions(advantages, truncated=(False, False, False, True)):
