@@ -1,4 +1,4 @@
-"""Phase 3, batches: this rank's completions as micro-batches of padded tensors -> `TrainBatch`.
+"""Phase 3, batches: this rank's completions as micro-batches of tensors -> `TrainBatch`.
 
 CPU only and free of models, so it is tested directly. The loss mask is the completion's tokens, less the
 tool output of a multi-turn completion (`Rollout.completion_mask`). Two more masks meet here:
@@ -13,22 +13,39 @@ With `train.mini_batches` = M > 1, the rows are first dealt into M mini-batches 
 prompt: the prompt at position p of the whole batch goes to mini-batch p mod M. Groups stay whole, and since
 every rank holds a contiguous slice of prompts whose length M divides, each mini-batch holds the same
 completions whatever the number of ranks (and each rank the same number of them).
+
+Each mini-batch is then cut into micro-batches (one forward/backward each), and every rank must cut it into
+the same number: gradient accumulation, DDP and ZeRO count backward calls. Two ways:
+- `train.micro_batch_size`: a fixed number of completions per micro-batch (`micro_batch_rows`).
+- `train.micro_batch_tokens` N: as many micro-batches as the most demanding rank needs to keep each under N
+  tokens (agreed by a collective), the pieces of a rank spread over them by tokens (`budget_micro_batches`).
+  A piece is a prompt with some of its group's completions: a whole group, or, for a group over N, parts of
+  it (its prompt then runs once per part).
+A rank with less to train than the others fills the count with *filler* micro-batches (a short row, all its
+tokens masked: no gradient, no metrics, only the backward call); a mini-batch that no rank trains anything
+in (every advantage 0) is marked `idle`: its fillers skip the log-prob passes, and update.py steps the
+optimizer on zero gradients without them where the backend allows (not DeepSpeed: it steps inside backward).
+
+Micro-batch tensors come in one of two layouts (models.py): padded, each distinct prompt once and the
+completions padded to the longest (`SequenceBatch`), or packed with `train.packing` (`PackedBatch`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from typing import Callable
 
 import torch
 
-from .models import make_sequence_batch
+from .errors import ConfigError
+from .models import make_packed_batch, make_sequence_batch, packed_tokens, piece_tokens
 from .rollout import Rollout
 
 
 @dataclass
 class MicroBatch:
-    sequences: dict[str, torch.Tensor]  # the policy's forward arguments (models.SequenceBatch.tensors)
+    sequences: dict[str, torch.Tensor]  # the policy's forward arguments (models.SequenceBatch / PackedBatch .tensors)
     mask: torch.Tensor  # [mb, C] 1 on completion tokens that carry loss
     advantages: torch.Tensor  # [mb]
     sampling_logp: torch.Tensor | None = None  # [mb, C] the sampler's own log-probs (vLLM engines)
@@ -36,6 +53,7 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when beta > 0
     entropy_mask: torch.Tensor | None = None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
     mini_batch: int = 0  # the optimizer step (within one pass over the batch) this micro-batch belongs to
+    rows: list[int] = field(default_factory=list)  # this rank's completions in it, in order; empty for a filler
 
     def to(self, device) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -51,17 +69,33 @@ class TrainBatch:
     trained_completions: int  # completions on this rank that go through the passes
     local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
     mini_batch_tokens: list[float] = field(default_factory=list)  # local_tokens split by mini-batch
-    total_tokens: float = math.nan  # local_tokens summed over ranks (set by `count_tokens`, a collective)
+    total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
     mini_batch_totals: list[float] = field(default_factory=list)  # mini_batch_tokens summed over ranks (likewise)
     metrics: dict[str, float] = field(default_factory=dict)  # what the log-prob phase measured (entropy selection)
+    # Micro-batches of each mini-batch, the same on every rank: the accumulation steps of its optimizer step.
+    window_sizes: list[int] = field(default_factory=list)
+    # Per mini-batch: no rank trains anything in it (every advantage 0), so it holds fillers only.
+    idle: list[bool] = field(default_factory=list)
 
-    def count_tokens(self, comm) -> None:
-        """The normalisers' token counts over all ranks: per mini-batch, and for the whole batch."""
-        self.mini_batch_totals = [float(t) for t in comm.sum(torch.tensor(self.mini_batch_tokens))]
-        self.total_tokens = float(sum(self.mini_batch_totals))
+    def window(self, mini_batch: int) -> list[MicroBatch]:
+        """The micro-batches of one mini-batch (one optimizer step), in order."""
+        return [mb for mb in self.micro_batches if mb.mini_batch == mini_batch]
 
     def to(self, device) -> TrainBatch:
         return replace(self, micro_batches=[mb.to(device) for mb in self.micro_batches])
+
+
+
+class _OneRank:
+    """The collectives of a single process."""
+
+    @staticmethod
+    def sum(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def max(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
 
 
 def build_train_batch(
@@ -70,13 +104,20 @@ def build_train_batch(
     advantages: torch.Tensor,
     pad_token_id: int,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
+    packing: bool = False,
     mask_truncated: bool,
     skip_zero_advantage: bool,
     group_size: int = 1,
     mini_batches: int = 1,
+    comm=None,
 ) -> TrainBatch:
-    """prompt_ids[j] is the prompt completion j continues; advantages [local_n], one per completion, G per group."""
+    """prompt_ids[j] is the prompt completion j continues; advantages [local_n], one per completion, G per group.
+
+    A collective (every rank calls it, with its `comm`; None: one process): the normalisers' token totals
+    and each mini-batch's micro-batch count are agreed over all ranks."""
+    comm = comm or _OneRank()
     local_n = len(rollout.completion_ids)
     lengths = torch.tensor(rollout.model_tokens(), dtype=torch.float32)  # tool output (multi-turn) is not counted
     keep = torch.ones(local_n)
@@ -87,33 +128,57 @@ def build_train_batch(
     if skip_zero_advantage:
         trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0]
         row_weight = torch.zeros(local_n).index_fill_(0, torch.tensor(trainable, dtype=torch.long), 1.0)
-    micro_batches, mini_batch_tokens = [], []
-    for k, rows in enumerate(mini_batch_rows(local_n, group_size, mini_batches)):
-        mini_batch_tokens.append(float((lengths * keep)[rows].sum()))
-        for idx in _micro_batches_of(rows, micro_batch_size, trainable, lengths):
-            batch = make_sequence_batch([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
-            sampled = None
-            if rollout.sampling_logprobs is not None:
-                sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
-            mask = batch.completion_mask
-            if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
-                mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
-            micro_batches.append(
-                MicroBatch(
-                    sequences=batch.tensors(),
-                    mask=mask * row_weight[idx, None],  # [mb, C]
-                    advantages=advantages[idx],  # [mb]
-                    sampling_logp=sampled,
-                    mini_batch=k,
-                )
-            )
+    windows = mini_batch_rows(local_n, group_size, mini_batches)
+    wanted = set(range(local_n) if trainable is None else trainable)
+    if micro_batch_tokens is None:
+        plans = [_micro_batches_of(rows, micro_batch_size, trainable, lengths) for rows in windows]
+        needed = [len(plan) if wanted.intersection(rows) else 0 for rows, plan in zip(windows, plans)]
+    else:
+        cost = tokens_of(prompt_ids, [len(c) for c in rollout.completion_ids], group_size, packing)
+        plans = [pieces_within([j for j in rows if j in wanted], group_size, cost, micro_batch_tokens) for rows in windows]
+        needed = [len(first_fit_decreasing(pieces, cost, micro_batch_tokens)) for pieces in plans]
+    mini_batch_tokens = [float((lengths * keep)[rows].sum()) for rows in windows]
+    mini_batch_totals = [float(t) for t in comm.sum(torch.tensor(mini_batch_tokens))]
+    agreed = [int(n) for n in comm.max(torch.tensor(needed, dtype=torch.long))]
+
+    micro_batches = []
+    for k, (rows, plan, count) in enumerate(zip(windows, plans, agreed)):
+        if micro_batch_tokens is not None:  # an idle mini-batch (count 0) keeps one filler
+            plan = budget_micro_batches(plan, max(count, 1), cost, micro_batch_tokens)
+        shortest = min(rows, key=lambda j: len(rollout.completion_ids[j]))
+        for chunk in plan:
+            filler = not wanted.intersection(chunk)  # nothing to train: only the backward call counts
+            idx = chunk or [shortest]
+            weight = torch.zeros(len(idx)) if filler else row_weight[idx]
+            micro_batches.append(_micro_batch(prompt_ids, rollout, advantages, idx, weight, pad_token_id, packing, k,
+                                              rows=[] if filler else idx))
     return TrainBatch(
         micro_batches=micro_batches,
         lengths=lengths,
         trained_completions=local_n if trainable is None else len(trainable),
         local_tokens=float((lengths * keep).sum()),
         mini_batch_tokens=mini_batch_tokens,
+        total_tokens=float(sum(mini_batch_totals)),
+        mini_batch_totals=mini_batch_totals,
+        window_sizes=[len([mb for mb in micro_batches if mb.mini_batch == k]) for k in range(len(windows))],
+        idle=[count == 0 for count in agreed],
     )
+
+
+def _micro_batch(prompt_ids: list[list[int]], rollout: Rollout, advantages: torch.Tensor, idx: list[int],
+                 weight: torch.Tensor, pad_token_id: int, packing: bool, mini_batch: int, rows: list[int]) -> MicroBatch:
+    """Completions `idx` in the chosen layout. The loss mask covers what the model wrote, times each completion's
+    `weight` (0: masked whole, as a truncated completion under DAPO or a filler)."""
+    layout = make_packed_batch if packing else make_sequence_batch
+    batch = layout([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
+    sampled = None
+    if rollout.sampling_logprobs is not None:
+        sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
+    mask = batch.completion_mask
+    if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
+        mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
+    return MicroBatch(sequences=batch.tensors(), mask=mask * weight[:, None], advantages=advantages[idx],
+                      sampling_logp=sampled, mini_batch=mini_batch, rows=rows)
 
 
 def mini_batch_rows(local_n: int, group_size: int, mini_batches: int) -> list[list[int]]:
@@ -132,7 +197,7 @@ def _micro_batches_of(rows: list[int], micro: int, trainable: list[int] | None, 
 
 
 def micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, lengths: torch.Tensor) -> list[list[int]]:
-    """The completions (row indices) each micro-batch trains on.
+    """The completions (row indices) each micro-batch trains on, `micro` per micro-batch (`train.micro_batch_size`).
 
     All rows, `micro` at a time, unless `trainable` lists the rows worth a pass. Then those rows are
     spread evenly, in order (groups stay together), over the *same number* of micro-batches: gradient
@@ -154,6 +219,78 @@ def micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, leng
         filler = min((j for j in range(local_n) if j not in chosen), key=lambda j: float(lengths[j]))
         chunks = [chunk or [filler] for chunk in chunks]
     return chunks
+
+
+# ----------------------------------------------------------------------------- token budgets
+
+Cost = Callable[[list[int]], int]  # rows -> tokens the model computes for them as one micro-batch
+
+
+def tokens_of(prompt_ids: list[list[int]], completion_lengths: list[int], group_size: int, packing: bool) -> Cost:
+    """What a micro-batch of these rows costs in tokens through the model, in the layout it will have:
+    packed, each group's prompt once and its completions back to back in rows (`models.packed_tokens`); padded,
+    each prompt once padded to the longest, each completion padded to the longest."""
+
+    def packed(rows: list[int]) -> int:
+        groups: dict[int, list[int]] = {}
+        for j in rows:
+            groups.setdefault(j // group_size, []).append(j)
+        return packed_tokens([piece_tokens(len(prompt_ids[g[0]]), [completion_lengths[j] for j in g]) for g in groups.values()])
+
+    def padded(rows: list[int]) -> int:
+        if not rows:
+            return 0
+        prompts = {j // group_size: len(prompt_ids[j]) for j in rows}
+        return len(prompts) * max(prompts.values()) + len(rows) * max(completion_lengths[j] for j in rows)
+
+    return packed if packing else padded
+
+
+def pieces_within(rows: list[int], group_size: int, cost: Cost, budget: int) -> list[list[int]]:
+    """The rows as pieces that each fit `budget`: whole groups, or a group over it cut, in order, into parts that
+    fit (each part then carries the prompt). A completion that does not fit with its prompt alone is an error."""
+    pieces: list[list[int]] = []
+    for g in dict.fromkeys(j // group_size for j in rows):
+        piece: list[int] = []
+        for j in (j for j in rows if j // group_size == g):
+            if cost([j]) > budget:
+                raise ConfigError(
+                    f"train.micro_batch_tokens ({budget}) cannot hold one completion with its prompt ({cost([j])} tokens): "
+                    "raise it to at least the longest prompt + rollout.max_completion_length"
+                )
+            if piece and cost(piece + [j]) > budget:
+                pieces.append(piece)
+                piece = []
+            piece.append(j)
+        pieces.append(piece)
+    return pieces
+
+
+def first_fit_decreasing(pieces: list[list[int]], cost: Cost, budget: int) -> list[list[int]]:
+    """Pieces into as few micro-batches of at most `budget` tokens as first-fit decreasing finds: how many this
+    rank needs."""
+    bins: list[list[int]] = []
+    for piece in sorted(pieces, key=lambda p: -cost(p)):
+        home = next((b for b in bins if cost(b + piece) <= budget), None)
+        if home is None:
+            bins.append(list(piece))
+        else:
+            home.extend(piece)
+    return [sorted(b) for b in bins]
+
+
+def budget_micro_batches(pieces: list[list[int]], count: int, cost: Cost, budget: int) -> list[list[int]]:
+    """Exactly `count` micro-batches (the most any rank needs, >= what first-fit decreasing found here), each
+    under `budget`, balanced by tokens: largest piece first into the lightest micro-batch it fits. Empty ones
+    are left for fillers. Should that greedy fail to place a piece, the first-fit bins are used as they are."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for piece in sorted(pieces, key=lambda p: -cost(p)):
+        fits = [b for b in bins if cost(b + piece) <= budget]
+        if not fits:
+            found = first_fit_decreasing(pieces, cost, budget)
+            return found + [[] for _ in range(count - len(found))]
+        min(fits, key=cost).extend(piece)
+    return [sorted(b) for b in bins]
 
 
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:

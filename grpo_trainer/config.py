@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .geometry import geometry_of
 from .advantages import ESTIMATORS
 from .losses import IS_MODES, LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate
 
@@ -490,6 +491,20 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(
         16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
     )
+    micro_batch_tokens: int | None = Field(
+        None, gt=0,
+        description="Instead of micro_batch_size: each forward/backward pass holds at most this many tokens (a group's "
+        "prompt once, plus its completions; padding included where there is any), so memory is set by this budget, not by "
+        "the longest completion. The number of passes then follows the step's tokens; every rank makes the same number. "
+        "A group too long for it is split over passes (its prompt runs once in each).",
+    )
+    packing: bool = Field(
+        False,
+        description="Prefix-shared packing in the training passes: a group is laid out as its prompt once, then its "
+        "completions back to back, each attending to the prompt and to itself; short groups share a row. No "
+        "completion is padded to the longest. Same numbers as the padded layout up to float rounding "
+        "(docs/performance.md); model.share_prompt then concerns sampling only. Needs sdpa or eager attention.",
+    )
     num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
     mini_batches: int = Field(
         1, ge=1,
@@ -589,24 +604,7 @@ class Config(_Section):
     def _check_combinations(self) -> "Config":
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
-        completions = self.train.prompts_per_step * self.rollout.num_generations
-        if self.train.micro_batch_size > completions:
-            raise ValueError(
-                f"train.micro_batch_size ({self.train.micro_batch_size}) is larger than the completions per step "
-                f"(train.prompts_per_step x rollout.num_generations = {completions})"
-            )
-        if completions % self.train.micro_batch_size:
-            raise ValueError(
-                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide the completions per step "
-                f"(train.prompts_per_step x rollout.num_generations = {completions})"
-            )
-        groups_per_mini_batch, rest = divmod(self.train.prompts_per_step, self.train.mini_batches)
-        if rest or (groups_per_mini_batch * self.rollout.num_generations) % self.train.micro_batch_size:
-            raise ValueError(
-                f"train.mini_batches ({self.train.mini_batches}) must divide train.prompts_per_step "
-                f"({self.train.prompts_per_step}: whole groups per mini-batch), and train.micro_batch_size "
-                f"({self.train.micro_batch_size}) the completions of one mini-batch"
-            )
+        geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
         if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
             raise ValueError(
                 "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "

@@ -63,8 +63,10 @@ def fill_deepspeed_config(accelerator, cfg: Config) -> None:
     if plugin is None:
         return
     ds = plugin.deepspeed_config
-    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
-    ds["train_batch_size"] = cfg.train.micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
+    # Under train.micro_batch_tokens a micro-batch has no fixed size (and accumulation is set per step): 1 each.
+    micro = cfg.train.micro_batch_size if cfg.train.micro_batch_tokens is None else 1
+    ds["train_micro_batch_size_per_gpu"] = micro
+    ds["train_batch_size"] = micro * accelerator.gradient_accumulation_steps * accelerator.num_processes
     ds["gradient_clipping"] = cfg.train.max_grad_norm or 0.0
 
 
@@ -128,6 +130,31 @@ def zero3_sampling_context(accelerator, engine):
 
         return unwrap_model_for_generation(engine)
     return contextlib.nullcontext()
+
+
+def start_accumulation(accelerator, steps: int) -> None:
+    """The next `steps` backward calls make one optimizer step (`accelerator.accumulate` syncs gradients on the last).
+
+    Accelerate counts backward calls from the start of the run against a fixed `gradient_accumulation_steps`; under
+    a token budget the count changes from one optimizer step to the next, so it is set, and the count restarted, at
+    the start of each (which changes nothing when the count is fixed)."""
+    accelerator.gradient_accumulation_steps = steps
+    accelerator.step = 0
+
+
+def backward_divisor(accelerator) -> int:
+    """What `accelerator.backward` divides a loss by: under DeepSpeed its engine's configured accumulation steps
+    (fixed when the engine is built), elsewhere Accelerate's current `gradient_accumulation_steps`."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        return int(plugin.deepspeed_config["gradient_accumulation_steps"])
+    return accelerator.gradient_accumulation_steps
+
+
+def steps_without_backward(accelerator) -> bool:
+    """Whether the optimizer can step on gradients set by hand (zeros), with no backward call: not under DeepSpeed
+    (its engine steps inside `backward`) or FSDP / XLA / Megatron (gradients live in their own structures)."""
+    return accelerator.distributed_type.value not in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
 
 
 def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:

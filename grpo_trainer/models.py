@@ -6,9 +6,16 @@ module handed to `accelerator.prepare`, so DDP/FSDP/DeepSpeed see an ordinary
 forward, while the full-vocabulary fp32 logits are only ever built for
 `chunk_size` tokens at a time, and never for prompt positions.
 
-Batches hold left-padded prompts (each distinct prompt once) and
-right-padded completions, with explicit position ids, the layout `generate`
-uses, so the log-probs of training match those of sampling.
+Two batch layouts, the same numbers up to float rounding. `SequenceBatch` holds left-padded prompts (each
+distinct prompt once) and right-padded completions, with explicit position ids, the layout `generate` uses, so
+the log-probs of training match those of sampling. `PackedBatch` (`train.packing`) holds a prompt once followed
+by its completions back to back in one row, with an explicit attention mask and positions that make each
+completion see exactly what it saw when sampled: nothing is padded to the longest completion.
+
+Deliberately not done: flex attention (block-sparse, it would skip the masked blocks that SDPA computes) has no
+backward on CPU in torch 2.13 and compiles per shape; nor flash-attention's varlen kernels, which cannot express
+"the prompt and itself" for a completion. Packing therefore needs an attention path that takes a 4D mask (sdpa,
+eager) and full attention in every layer (`check_packing_support`).
 """
 
 from __future__ import annotations
@@ -117,18 +124,22 @@ def context_length(model) -> int | None:
 class TokenLogprobs(nn.Module):
     """A causal LM whose forward gives per-token log-probs of the completion tokens.
 
-    forward(**SequenceBatch.tensors()) -> logprobs [B, C] (fp32), entropy [B, C] or None
+    forward(**SequenceBatch.tensors()) or forward(**PackedBatch.tensors())
+        -> logprobs [B, C] (fp32), entropy [B, C] or None; 0 where completion b has no token t.
     The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term):
     its graph holds another [B, C, V] tensor per chunk until the backward pass.
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
 
-    With `share_prompt`, each distinct prompt of the batch goes through the model
-    once and its KV cache is copied to the completions that continue it (G of
-    them in a group), which then run on their own tokens only. Attention is
-    causal, so this is the same computation as running every prompt+completion
-    in full, and gradients reach the prompt positions through the cache. Under
-    gradient checkpointing transformers drops the cache, so the full path is used.
+    Two layouts of the same computation (the batch chooses, by its tensors):
+    - padded (`SequenceBatch`): with `share_prompt`, each distinct prompt of the batch goes through the model
+      once and its KV cache is copied to the completions that continue it (G of them in a group), which then
+      run on their own tokens only, padded to the longest. Attention is causal, so this is the same
+      computation as running every prompt+completion in full, and gradients reach the prompt positions
+      through the cache. Under gradient checkpointing transformers drops the cache, so the full path is used.
+    - packed (`PackedBatch`, `train.packing`): rows hold a prompt once followed by its completions back to back,
+      an explicit attention mask letting each completion see the prompt and itself only. Nothing is padded
+      but the slack at the end of a row; works under gradient checkpointing too (no cache).
     """
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, share_prompt: bool = True):
@@ -142,23 +153,24 @@ class TokenLogprobs(nn.Module):
 
     def forward(
         self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        prompt_index: torch.Tensor,
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         with_entropy: bool = False,
         entropy_grad: bool = False,
+        **layout: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         base = base_model(self.lm)
-        decoder = base.get_decoder()
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+        if "input_ids" in layout:  # PackedBatch
+            return self._packed(decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, **layout)
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
         if self.share_prompt and not checkpointing:
             hidden_states = self._hidden_shared_prompt
         else:
             hidden_states = self._hidden_full
-        hidden = hidden_states(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
-        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy, entropy_grad)
+        hidden = hidden_states(decoder, layout["prompt_ids"], layout["prompt_mask"], layout["prompt_index"],
+                               completion_ids, completion_mask)
+        return self._score(head, hidden, completion_ids, with_entropy, entropy_grad)
 
     @staticmethod
     def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
@@ -195,6 +207,21 @@ class TokenLogprobs(nn.Module):
         ).last_hidden_state
         return torch.cat([first, rest], 1)  # [B, C, H]
 
+    def _packed(self, decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, input_ids, position_ids,
+                piece_ids, member_ids, score_index):
+        """The packed rows [R, L] through the model once; only the N states that predict a completion token go
+        through the LM head, and the results are laid out as [B, C] again for the loss."""
+        mask = packed_attention_mask(piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder))
+        hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        scored = completion_mask > 0  # [B, C]
+        states = hidden.flatten(0, 1)[score_index[scored]]  # [N, H]
+        logp, entropy = self._score(head, states[None], completion_ids[scored][None], with_entropy, entropy_grad)
+        return _unflatten(logp[0], scored), (None if entropy is None else _unflatten(entropy[0], scored))
+
+    @staticmethod
+    def _dtype(decoder) -> torch.dtype:
+        return next(decoder.parameters()).dtype
+
     def _score(self, head, hidden, targets, with_entropy, entropy_grad=False):
         """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
         logps, entropies = [], []
@@ -207,6 +234,11 @@ class TokenLogprobs(nn.Module):
                 with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     entropies.append(-(logp_all.exp() * logp_all).sum(-1))
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
+
+
+def _unflatten(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """values [N] back to the [B, C] positions `where` marks (differentiable); 0 elsewhere."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
 
 
 @dataclass
@@ -258,3 +290,154 @@ def make_sequence_batch(prompts: list[list[int]], completions: list[list[int]], 
         completion_ids=torch.tensor([c + [pad_id] * (c_len - len(c)) for c in completions], dtype=torch.long),
         completion_mask=torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for c in completions]),
     )
+
+
+@dataclass
+class PackedBatch:
+    """Completions laid out with their prompts shared and nothing padded but row slack (`train.packing`).
+
+    A *piece* is a prompt followed by some of its completions (a whole group, or part of one): the prompt's
+    tokens, then each completion's tokens but the last (whose state predicts nothing scored) back to back.
+    Pieces are packed into rows [R, L]; each completion sees its prompt and its own earlier tokens only
+    (`packed_attention_mask`), its positions continuing from the end of the prompt: the numbers of running
+    prompt + completion alone. The outputs come back as [B, C] (`score_index`), the layout the loss reads.
+    """
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    piece_ids: torch.Tensor  # [R, L] the piece a token belongs to (unique within its row); -1 on row slack
+    member_ids: torch.Tensor  # [R, L] 0 on prompt tokens (and slack), i + 1 on the piece's i-th completion
+    score_index: torch.Tensor  # [B, C] index into the flattened [R * L] states of the one predicting token t of b
+    completion_ids: torch.Tensor  # [B, C] right-padded: the targets
+    completion_mask: torch.Tensor  # [B, C] 1.0 for real completion tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.completion_mask.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model computes: rows x row length, slack included."""
+        return self.input_ids.numel()
+
+    def tensors(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The keyword arguments of `TokenLogprobs.forward`, on `device`."""
+        return {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
+
+
+def piece_tokens(prompt_length: int, completion_lengths: list[int]) -> int:
+    """Tokens a piece puts through the model when packed: the prompt once, each completion less its last token."""
+    return prompt_length + sum(max(c - 1, 0) for c in completion_lengths)
+
+
+def pack_rows(sizes: list[int]) -> list[list[int]]:
+    """Pieces (by size) into rows: first-fit decreasing into rows as long as the longest piece.
+
+    Attention in a row costs its length squared whatever the mask hides (the CPU's SDPA computes the masked
+    blocks too; docs/performance.md), so a row is no longer than the longest piece; short pieces share one,
+    and rows differ in length only by the slack first-fit leaves."""
+    capacity = max(sizes, default=0)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        row = next((r for r, free in enumerate(room) if free >= sizes[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= sizes[i]
+    return rows
+
+
+def packed_tokens(sizes: list[int]) -> int:
+    """Tokens `make_packed_batch` will compute for pieces of these sizes: rows x the longest row."""
+    rows = pack_rows(sizes)
+    return len(rows) * max((sum(sizes[i] for i in row) for row in rows), default=0)
+
+
+def make_packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
+    """Row b of the outputs is completions[b], continuing prompts[b]; completions of the same prompt form one piece."""
+    pieces: dict[tuple[int, ...], list[int]] = {}
+    for b, prompt in enumerate(prompts):
+        pieces.setdefault(tuple(prompt), []).append(b)
+    keys = list(pieces)
+    if not all(keys):
+        raise ValueError("an empty prompt cannot be packed: no state would predict its completions' first tokens")
+    sizes = [piece_tokens(len(p), [len(completions[b]) for b in pieces[p]]) for p in keys]
+    rows = pack_rows(sizes)
+    width = max(sum(sizes[i] for i in row) for row in rows)
+    shape = (len(rows), width)
+    ids, positions = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    piece_ids, member_ids = torch.full(shape, -1, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    c_len = max(max((len(c) for c in completions), default=1), 1)
+    score_index = torch.zeros(len(completions), c_len, dtype=torch.long)
+    ends = [0] * len(rows)  # the next free position of each row
+
+    def put(r: int, tokens: list[int], first_position: int, piece: int, member: int) -> int:
+        """Write a span at the end of row r; returns the flat index (into R * L) of its first token."""
+        start, n = ends[r], len(tokens)
+        ids[r, start : start + n] = torch.tensor(tokens, dtype=torch.long)
+        positions[r, start : start + n] = torch.arange(first_position, first_position + n)
+        piece_ids[r, start : start + n], member_ids[r, start : start + n] = piece, member
+        ends[r] += n
+        return r * width + start
+
+    for r, row in enumerate(rows):
+        for k, i in enumerate(row):
+            prompt = keys[i]
+            last_prompt_state = put(r, list(prompt), 0, k, 0) + len(prompt) - 1
+            for j, b in enumerate(pieces[prompt]):
+                n = len(completions[b])
+                first = put(r, completions[b][:-1], len(prompt), k, j + 1)  # its last token predicts nothing scored
+                # token 0 is predicted by the prompt's last state, token t > 0 by the state of token t - 1
+                score_index[b, :n] = torch.tensor([last_prompt_state] + list(range(first, first + n - 1)))[:n]
+    return PackedBatch(
+        input_ids=ids, position_ids=positions, piece_ids=piece_ids, member_ids=member_ids, score_index=score_index,
+        completion_ids=torch.tensor([c + [pad_id] * (c_len - len(c)) for c in completions], dtype=torch.long),
+        completion_mask=torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for c in completions]),
+    )
+
+
+def packed_attention_mask(piece_ids: torch.Tensor, member_ids: torch.Tensor, implementation: str,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The [R, 1, L, L] mask of packed rows: token q sees token k <= q of its own piece when k is a prompt token or
+    a token of q's own completion. Slack sees earlier slack (never a real token), so no row of the softmax is empty.
+
+    A 4D mask goes to the model's attention as it is (transformers' `create_causal_mask` returns it unchanged):
+    boolean for SDPA (True: attend), additive for the eager path."""
+    positions = torch.arange(piece_ids.shape[1], device=piece_ids.device)
+    causal = positions[:, None] >= positions[None, :]  # [L, L]
+    same_piece = piece_ids[:, :, None] == piece_ids[:, None, :]  # [R, L, L]
+    key_member = member_ids[:, None, :]
+    visible = (key_member == 0) | (key_member == member_ids[:, :, None])
+    allowed = (causal & same_piece & visible)[:, None]  # [R, 1, L, L]
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"packed rows need an attention path that takes a 4D mask ({', '.join(PACKED_ATTENTION)}), "
+                     f"not {implementation!r} (models.check_packing_support)")
+
+
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
+def check_packing_support(lm) -> None:
+    """`train.packing` needs an attention path that takes an explicit 4D mask, and full attention in every layer:
+    say so before training rather than inside the first update."""
+    base = base_model(lm)
+    config = base.config
+    implementation = config._attn_implementation
+    if implementation not in PACKED_ATTENTION:
+        raise ConfigError(
+            f"train.packing: {type(base).__name__} runs attention with {implementation!r}, which takes no custom mask; "
+            f"packing needs one of {', '.join(PACKED_ATTENTION)}; set train.packing=false"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [t for t in layer_types if t != "full_attention"]
+    if sliding or (not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        raise ConfigError(
+            f"train.packing: {type(base).__name__} has sliding-window attention layers ({sliding[:1] or 'sliding_window'}); "
+            "packing builds one full-attention mask; set train.packing=false"
+        )

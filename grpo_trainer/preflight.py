@@ -14,6 +14,7 @@ import os
 from .checkpoint import require_complete
 from .config import Config
 from .errors import ConfigError
+from .geometry import geometry_of
 from .trackers import check_installed as check_trackers_installed
 
 logger = logging.getLogger("grpo_trainer")
@@ -32,7 +33,7 @@ def preflight(cfg: Config) -> list[str]:
         _check_vllm_can_run(cfg)
     check_trackers_installed(cfg)
     warnings = []
-    optimizer_steps = cfg.train.max_steps * cfg.train.num_iterations
+    optimizer_steps = geometry_of(cfg).optimizer_steps  # what the learning-rate schedule counts
     if cfg.train.warmup_steps >= optimizer_steps:
         warnings.append(
             f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "

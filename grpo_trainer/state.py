@@ -26,14 +26,14 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
-from .errors import ConfigError
 from .evaluate import load_eval_task
+from .geometry import Geometry, batch_geometry
 from .losses import EntropyControl
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
-from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
+from .models import TokenLogprobs, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
@@ -43,64 +43,6 @@ from .task import Task, load_task
 from .trackers import start_trackers
 
 logger = logging.getLogger("grpo_trainer")
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """How one step's batch is laid out: prompts over ranks, G completions each, mini-batches (optimizer steps
-    per pass), micro-batches per rank and mini-batch."""
-
-    world: int
-    rank: int
-    prompts_per_rank: int
-    group_size: int  # G
-    micro_batch_size: int
-    mini_batches: int = 1
-
-    @property
-    def completions_per_rank(self) -> int:
-        return self.prompts_per_rank * self.group_size
-
-    @property
-    def total_completions(self) -> int:
-        return self.completions_per_rank * self.world
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches per rank and optimizer step (one mini-batch): Accelerate's gradient accumulation steps."""
-        return self.completions_per_rank // self.mini_batches // self.micro_batch_size
-
-    def my_prompts(self, batch: list) -> list:
-        """This rank's contiguous slice of a list with one item per prompt of the whole batch."""
-        return batch[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
-
-    def my_completions(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a tensor with one row per completion of the whole batch."""
-        n = self.completions_per_rank
-        return values[self.rank * n : (self.rank + 1) * n]
-
-
-def batch_geometry(cfg: Config, world: int, rank: int = 0) -> Geometry:
-    """The geometry for `world` ranks, or a ConfigError saying what to change."""
-    if cfg.train.prompts_per_step % world:
-        raise ConfigError(
-            f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by the number of processes ({world})"
-        )
-    geometry = Geometry(world, rank, cfg.train.prompts_per_step // world, cfg.rollout.num_generations,
-                        cfg.train.micro_batch_size, cfg.train.mini_batches)
-    if geometry.completions_per_rank % geometry.micro_batch_size:
-        raise ConfigError(
-            f"train.micro_batch_size ({cfg.train.micro_batch_size}) must divide the completions per process "
-            f"({geometry.prompts_per_rank} prompts x {geometry.group_size} generations = {geometry.completions_per_rank})"
-        )
-    per_mini, rest = divmod(geometry.prompts_per_rank, geometry.mini_batches)
-    if rest or (per_mini * geometry.group_size) % geometry.micro_batch_size:
-        raise ConfigError(
-            f"train.mini_batches ({geometry.mini_batches}) must divide the prompts per process ({geometry.prompts_per_rank}: "
-            f"every rank takes whole groups into every mini-batch), and train.micro_batch_size ({geometry.micro_batch_size}) "
-            f"the completions of one mini-batch on one process ({per_mini} x {geometry.group_size})"
-        )
-    return geometry
 
 
 @dataclass
@@ -149,7 +91,8 @@ def build_run(cfg: Config) -> Run:
     trackers = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
-        gradient_accumulation_steps=geometry.micro_batches,
+        # Fixed by train.micro_batch_size; under a token budget update.py sets it per optimizer step.
+        gradient_accumulation_steps=geometry.accumulation_steps or 1,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "trackers")),
     )
@@ -159,18 +102,21 @@ def build_run(cfg: Config) -> Run:
     run_preflight(cfg)  # what cannot work here stops now, before any model loads
     logger.info(
         "world_size=%d distributed_type=%s device=%s mixed_precision=%s prompts_per_rank=%d completions_per_rank=%d "
-        "grad_accum=%d", geometry.world, accelerator.distributed_type.value, accelerator.device,
+        "grad_accum=%s", geometry.world, accelerator.distributed_type.value, accelerator.device,
         distributed.mixed_precision(accelerator), geometry.prompts_per_rank, geometry.completions_per_rank,
-        geometry.micro_batches,
+        geometry.accumulation_steps or f"per step (train.micro_batch_tokens={geometry.micro_batch_tokens})",
     )
 
     set_seed(cfg.seed)  # identical on every rank: same random inits
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     lm = load_causal_lm(cfg.model)
+    if cfg.train.packing:
+        check_packing_support(lm)
     toolbox = build_toolbox(cfg.rollout)
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
                      tools=toolbox and toolbox.schemas)
-    policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm)
+    geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
+    policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
     engine = build_engine(
         cfg,
@@ -198,7 +144,7 @@ def build_run(cfg: Config) -> Run:
     return run
 
 
-def _policy_and_optimizer(cfg: Config, accelerator, lm):
+def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
     from transformers import get_scheduler
 
     if cfg.model.gradient_checkpointing:
@@ -214,7 +160,7 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm):
         "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler,
         optimizer,
         num_warmup_steps=cfg.train.warmup_steps,
-        num_training_steps=cfg.train.max_steps * cfg.train.num_iterations * cfg.train.mini_batches,
+        num_training_steps=geometry.optimizer_steps,
     )
     distributed.fill_deepspeed_config(accelerator, cfg)
     policy, optimizer = accelerator.prepare(policy, optimizer)

@@ -8,7 +8,8 @@ One step, as named phases (each a function with a typed input and output):
                                   rollout.max_staleness K >= 1, while the K steps before trained
                     engine.sleep()                 the sampler frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
-    3. batches      (batches.py)  this rank's completions as micro-batches (CPU)  -> TrainBatch
+    3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
+                                  packed, fixed size or a token budget               -> TrainBatch
     4. log-probs    (update.py)   old (num_iterations or mini_batches > 1), entropy selection
                                   (top_entropy_quantile < 1), reference (beta > 0)   -> into the TrainBatch
     5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss, backward,
@@ -26,7 +27,7 @@ loss of each micro-batch is scaled so that gradient accumulation and the
 cross-rank gradient average add up to exactly the batch loss `losses.aggregate`
 defines. The math lives in `losses` and `advantages`; the phases only move data.
 
-Deliberately simple: no sample packing. Backend-specific plumbing (DeepSpeed, ZeRO-3 gathering, CPU
+Backend-specific plumbing (DeepSpeed, ZeRO-3 gathering, CPU
 process groups) lives in `distributed`.
 """
 
@@ -108,13 +109,15 @@ def train_step(run: Run, step: int) -> dict:
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
             run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
-            micro_batch_size=cfg.train.micro_batch_size,
+            micro_batch_size=geometry.micro_batch_size,
+            micro_batch_tokens=geometry.micro_batch_tokens,
+            packing=cfg.train.packing,
             mask_truncated=cfg.loss.mask_truncated_completions,
             skip_zero_advantage=skips_zero_advantage(cfg),
             group_size=geometry.group_size,
             mini_batches=geometry.mini_batches,
+            comm=run.comm,
         ).to(run.accelerator.device)
-        batch.count_tokens(run.comm)
         add_logprobs(run, batch)
     with timer.phase("timing/update"):
         stats = update(run, batch, step)

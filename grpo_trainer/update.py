@@ -32,6 +32,9 @@ def add_logprobs(run, batch: TrainBatch) -> None:
     rho = cfg.loss.top_entropy_quantile
     entropies = []
     for mb in batch.micro_batches:
+        if batch.idle[mb.mini_batch]:  # fillers only, on every rank: nothing to score
+            entropies.append(torch.zeros_like(mb.mask))
+            continue
         if needs_old or rho < 1:
             logp, entropy = run.policy(**mb.sequences, with_entropy=rho < 1)
             mb.old_logp = logp if needs_old else None
@@ -48,8 +51,8 @@ def select_high_entropy_tokens(comm, batch: TrainBatch, entropies: list[torch.Te
     the same set whether or not zero-advantage completions skip the passes). One threshold for the batch, from
     the sampling-time policy, so the selection does not depend on micro-batches, mini-batches or ranks."""
     ranked = [(mb.mask > 0) & (mb.advantages[:, None] != 0) for mb in batch.micro_batches]
-    local = torch.cat([e[r].double().cpu() for e, r in zip(entropies, ranked)] + [torch.zeros(0, dtype=torch.float64)])
-    everything = torch.cat(comm.gather_objects([local]))
+    local = torch.cat([e[r].float().cpu() for e, r in zip(entropies, ranked)] + [torch.zeros(0)])
+    everything = gather_ragged(comm, local).double()  # float32 -> float64 is exact: the same threshold as before
     threshold = losses.entropy_threshold(everything, rho)
     for mb, entropy in zip(batch.micro_batches, entropies):
         mb.entropy_mask = (entropy.double() >= threshold).to(mb.mask.dtype)
@@ -57,6 +60,16 @@ def select_high_entropy_tokens(comm, batch: TrainBatch, entropies: list[torch.Te
         return {"entropy/threshold": math.nan, "entropy/masked_fraction": 0.0}
     kept = int((everything >= threshold).sum())
     return {"entropy/threshold": threshold, "entropy/masked_fraction": 1 - kept / everything.numel()}
+
+
+def gather_ragged(comm, values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values` (of any length), concatenated in rank order: two tensor collectives (the lengths,
+    then the values padded to the longest), so a long batch moves as one float tensor, not as pickled objects."""
+    counts = comm.gather(torch.tensor([values.numel()]))  # [world]
+    padded = torch.zeros(1, int(counts.max()), dtype=values.dtype)
+    padded[0, : values.numel()] = values
+    rows = comm.gather(padded)  # [world, longest]
+    return torch.cat([row[:n] for row, n in zip(rows, counts.tolist())])
 
 
 def _reference_logprobs(run, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -139,15 +152,22 @@ class StepStats:
 
 def update(run, batch: TrainBatch, step: int) -> StepStats:
     """`train.num_iterations` passes over the micro-batches, an optimizer step per mini-batch of each pass (the
-    micro-batches come ordered by mini-batch, and Accelerate steps after `geometry.micro_batches` of them)."""
+    micro-batches come ordered by mini-batch, `batch.window_sizes[k]` of them in mini-batch k on every rank)."""
     cfg, geometry, accelerator = run.cfg, run.geometry, run.accelerator
     iterations = cfg.train.num_iterations
     steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
     term = EntropyTerm.for_step(run, batch) if cfg.loss.entropy_term else None
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
+    skip_idle = distributed.steps_without_backward(accelerator)
     for iteration in range(iterations):
-        for mb in batch.micro_batches:
+        for i, mb in enumerate(batch.micro_batches):
+            if i == 0 or mb.mini_batch != batch.micro_batches[i - 1].mini_batch:  # an optimizer step begins
+                distributed.start_accumulation(accelerator, batch.window_sizes[mb.mini_batch])
+                if batch.idle[mb.mini_batch] and skip_idle:
+                    _step_on_zero_gradients(run, stats, step)
+            if batch.idle[mb.mini_batch] and skip_idle:
+                continue
             with accelerator.accumulate(run.policy):
                 # The entropy term needs H with its gradient in every pass; otherwise H is a first-pass statistic.
                 wanted = {"with_entropy": iteration == 0}
@@ -155,9 +175,9 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                     wanted = {"with_entropy": True, "entropy_grad": True}
                 logp, entropy = run.policy(**mb.sequences, **wanted)
                 share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
-                # Accelerate divides by the accumulation steps and the ranks' gradients are averaged: undo
+                # The backend divides by the accumulation steps and the ranks' gradients are averaged: undo
                 # both, so the shares of all micro-batches on all ranks add up to the batch loss.
-                accelerator.backward(share * geometry.micro_batches * geometry.world)
+                accelerator.backward(share * distributed.backward_divisor(accelerator) * geometry.world)
                 window_loss = window_loss + share.detach()
                 if accelerator.sync_gradients:
                     _optimizer_step(run, stats, step, window_loss)
@@ -188,6 +208,19 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
         stats.entropy_coef = term.coef
         term.adapt(run, stats)
     return stats
+
+
+def _step_on_zero_gradients(run, stats: StepStats, step: int) -> None:
+    """An optimizer step for a mini-batch no rank trains anything in, without forward or backward passes.
+
+    Its fillers would give every parameter a gradient of exactly 0 and add 0 to every statistic; the step itself
+    must still happen (Adam's moments and weight decay move the weights, the schedule advances), so it is taken
+    on explicit zero gradients: the same update, without the passes."""
+    for parameter in run.policy.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device))
+    run.optimizer.zero_grad(set_to_none=True)
 
 
 def micro_batch_loss(
@@ -230,7 +263,7 @@ def micro_batch_loss(
         total_sequences=geometry.total_completions // geometry.mini_batches,
         total_tokens=batch.mini_batch_totals[mb.mini_batch],
         max_completion_length=cfg.rollout.max_completion_length,
-        total_micro_batches=len(batch.micro_batches) // geometry.mini_batches * geometry.world,
+        total_micro_batches=batch.window_sizes[mb.mini_batch] * geometry.world,
     )
     if term is not None:  # L - c * H
         bonus = term.coef * losses.entropy_share(entropy, term.mask(mb), term.tokens[mb.mini_batch])

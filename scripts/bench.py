@@ -154,7 +154,7 @@ def ours_config(spec: dict, output_dir: Path) -> dict:
         "train": {"max_steps": spec["steps"], "prompts_per_step": spec["prompts_per_step"],
                   "micro_batch_size": spec["micro_batch_size"], "learning_rate": spec["learning_rate"],
                   "warmup_steps": 0, "lr_scheduler": "constant", "adam_beta2": 0.99, "max_grad_norm": 1.0,
-                  "skip_zero_advantage": spec.get("skip_zero_advantage", True)},
+                  "skip_zero_advantage": spec.get("skip_zero_advantage", True), "packing": spec.get("packing", False)},
         "checkpoint": {"save_every": 0, "resume": "never", "save_final_model": False},
         "logging": {"progress_bar": False, "report_to": ["jsonl"]},
     }
@@ -381,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("prompts_per_step", "num_generations", "max_completion_length", "micro_batch_size", "steps", "warmup", "reps"):
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="default: per --model preset")
     p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--packing", choices=["true", "false"], default=None,
+                   help="ours: train.packing (default: the --model preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch/OpenMP threads per run (OMP_NUM_THREADS); default: torch's own (all cores). "
@@ -424,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "micro_batch_size", "steps", "learning_rate")},
                 "seed": args.seed, "model_path": path, "engine": args.engine,
                 "skip_zero_advantage": preset.get("skip_zero_advantage", True),
-                "loss_type": preset.get("loss_type", "grpo"), "task": preset.get("task", "arithmetic")}
+                "loss_type": preset.get("loss_type", "grpo"), "task": preset.get("task", "arithmetic"),
+                "packing": preset.get("packing", False) if args.packing is None else args.packing == "true"}
         plen = prompt_tokens(path, spec["task"])
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
         runs: dict[str, list[dict]] = {t: [] for t in trainers}

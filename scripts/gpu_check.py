@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", default="hf")
     parser.add_argument("--sleep-mode", action="store_true", help="vllm_colocate: rollout.vllm.enable_sleep_mode")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="vllm_colocate: rollout.vllm.tensor_parallel_size")
+    parser.add_argument("--packing", action="store_true",
+                        help="train.packing (prefix-shared rows through SDPA with a 4D mask; docs/performance.md)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="train.micro_batch_tokens (a token budget)")
     parser.add_argument("--json", help="write the numbers here")
     return parser
 
@@ -76,7 +79,8 @@ def main() -> int:
             "train.learning_rate=1e-6", "checkpoint.save_final_model=false", "checkpoint.save_every=0",
             "checkpoint.resume=never", "logging.progress_bar=false",
             f"rollout.vllm.enable_sleep_mode={str(args.sleep_mode).lower()}",
-            f"rollout.vllm.tensor_parallel_size={args.tensor_parallel}",
+            f"rollout.vllm.tensor_parallel_size={args.tensor_parallel}", f"train.packing={str(args.packing).lower()}",
+            *([f"train.micro_batch_tokens={args.micro_batch_tokens}"] if args.micro_batch_tokens else []),
         ])
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -88,6 +92,9 @@ def main() -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "model": "random-init Qwen2.5-0.5B shape" if not args.small else "small smoke shape",
         "engine": args.engine,
+        "packing": args.packing,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "median_update_s": statistics.median(r["timing/update"] for r in timed),
         "median_step_time_s": statistics.median(r["step_time"] for r in timed),
         "median_rollout_s": statistics.median(r["timing/rollout"] for r in timed),
         "completion_tokens_per_s": statistics.median(t / r["timing/rollout"] for t, r in zip(tokens, timed)),

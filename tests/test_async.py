@@ -25,7 +25,7 @@ from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.rollout.vllm_server import ServerGone, ServerUnreachable, WeightsLost
 from grpo_trainer.rollout_queue import RolloutQueue, ServerLostError
-from grpo_trainer.state import batch_geometry
+from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.update import micro_batch_loss
 from helpers import Exchange, ThreadCollectives, run_ranks
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)

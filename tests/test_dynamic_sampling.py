@@ -15,7 +15,7 @@ from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.rollout_queue import RolloutQueue
-from grpo_trainer.state import batch_geometry
+from grpo_trainer.geometry import batch_geometry
 from helpers import ThreadCollectives, Exchange, run_ranks
 
 G = 4

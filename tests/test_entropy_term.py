@@ -18,7 +18,7 @@ from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import EntropyControl, entropy_share
-from grpo_trainer.state import batch_geometry
+from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.trainer import skips_zero_advantage
 from grpo_trainer.update import EntropyTerm, micro_batch_loss, update
 from helpers import run_ranks
@@ -100,8 +100,7 @@ def toy_batch(advantages):
     """test_phases' two prompts x G = 2, with 3, 1, 2 and 4 completion tokens (10 in all), in two micro-batches."""
     prompts, rollout, advantages = four_completions(advantages, truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
-                              skip_zero_advantage=False)
-    batch.count_tokens(ONE_RANK)
+                              skip_zero_advantage=False)  # one rank: build_train_batch counts the tokens itself
     return batch
 
 
@@ -138,7 +137,7 @@ def test_the_term_acts_on_the_top_entropy_tokens_when_top_entropy_quantile_selec
     run = SimpleNamespace(cfg=cfg, geometry=batch_geometry(cfg, 1), comm=ONE_RANK, entropy_control=EntropyControl(0.1))
     mb = SimpleNamespace(mask=torch.tensor([[1.0, 1.0], [1.0, 1.0]]), entropy_mask=torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
                          advantages=torch.zeros(2), old_logp=None, ref_logp=None, sampling_logp=None, mini_batch=0)
-    batch = SimpleNamespace(micro_batches=[mb], mini_batch_totals=[4.0])
+    batch = SimpleNamespace(micro_batches=[mb], mini_batch_totals=[4.0], window_sizes=[1])
     term = EntropyTerm.for_step(run, batch)
     assert term.tokens == [2.0] and term.coef == 0.1
     entropy = torch.tensor([[0.2, 0.9], [0.5, 1.0]], requires_grad=True)
@@ -162,7 +161,7 @@ def test_the_entropy_term_does_not_depend_on_micro_batches_or_ranks():
         run = SimpleNamespace(cfg=cfg, geometry=batch_geometry(cfg, 1), comm=comm, entropy_control=EntropyControl(0.3))
         mbs = [SimpleNamespace(mask=mask[rows], entropy_mask=None, advantages=torch.zeros(len(rows)), old_logp=None,
                                ref_logp=None, sampling_logp=None, mini_batch=0) for rows in rows_per_micro_batch]
-        batch = SimpleNamespace(micro_batches=mbs, mini_batch_totals=[10.0])
+        batch = SimpleNamespace(micro_batches=mbs, mini_batch_totals=[10.0], window_sizes=[len(mbs)])
         term = EntropyTerm.for_step(run, batch)
         return sum(micro_batch_loss(run, batch, mb, torch.zeros(len(rows), 4), entropies[rows], term)[0].item()
                    for mb, rows in zip(mbs, rows_per_micro_batch))

@@ -13,7 +13,7 @@ from torch import nn
 from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.state import batch_geometry
+from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.rollout_queue import push_weights
 from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
@@ -86,7 +86,7 @@ def toy_run(accelerator_factory, overrides=()):
     cfg = load_config(None, ["train.prompts_per_step=2", "rollout.num_generations=2", "train.micro_batch_size=2",
                              "train.max_grad_norm=null", *overrides])
     geometry = batch_geometry(cfg, 1)
-    accelerator = accelerator_factory(geometry.micro_batches)
+    accelerator = accelerator_factory(geometry.accumulation_steps)
     policy = ToyPolicy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
@@ -102,7 +102,6 @@ def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_fac
     prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    batch.count_tokens(ONE_RANK)
     w0 = run.policy.w.detach().clone()
     w = w0.clone().requires_grad_(True)
     logp_all = w.log_softmax(-1)
@@ -122,7 +121,6 @@ def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(ac
     prompts, rollout, advantages = four_completions([3e38, 3e38, 0.5, -0.5], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    batch.count_tokens(ONE_RANK)
     w0 = run.policy.w.detach().clone()
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
         stats = update(run, batch, step=7)

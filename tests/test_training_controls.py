@@ -22,7 +22,7 @@ from helpers import accelerate_launch, cpu_launch_file, free_port, run_cli, run_
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
 NAN = float("nan")
-ONE_RANK = SimpleNamespace(sum=lambda t: t, gather_objects=lambda items: list(items))
+ONE_RANK = SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t)  # one process's collectives
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -188,7 +188,6 @@ def mini_batch_run(accelerator_factory, micro: int, overrides=()):
     prompts, rollout, advantages = four_completions([1.0, -0.5, -0.5, 1.0], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
                               skip_zero_advantage=False, group_size=2, mini_batches=2)
-    batch.count_tokens(run.comm)
     add_logprobs(run, batch)
     return run, batch, rollout, advantages
 
@@ -227,7 +226,7 @@ def test_mini_batch_updates_do_not_depend_on_micro_batches(accelerator_factory):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     two, batch2, _, _ = mini_batch_run(accelerator_factory, micro=1)  # 2 micro-batches per mini-batch
-    assert len(batch2.micro_batches) == 4 and two.geometry.micro_batches == 2
+    assert len(batch2.micro_batches) == 4 and two.geometry.accumulation_steps == 2
     update(two, batch2, step=1)
     torch.testing.assert_close(one.policy.w.detach(), two.policy.w.detach(), rtol=0, atol=1e-6)
 

@@ -1,0 +1,397 @@
+"""Prefix-shared packing (`train.packing`) and token-budget micro-batches (`train.micro_batch_tokens`) against
+today's padded shared-prompt layout with a fixed micro-batch size: the same per-token log-probs, entropies, batch
+loss and parameter gradients, for every loss type, on 1 and 2 ranks (threads standing in for ranks,
+helpers.ThreadCollectives), with and without LoRA. (The multi-process run: tests/test_packing_ranks.py.)
+
+"Equal" is float32's: two layouts sum the same products in different orders. Every tensor is compared to 1e-5 of
+its own scale, |a - b| <= 1e-5 * max(1, max|b|); per-token values (log-probs, entropies) are of order 1-10, so that
+is 1e-5 absolute to ~1e-4. A real error (a token attending to the wrong place, a row lost or counted twice, a
+normaliser off) is of the order of the values themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from grpo_trainer.batches import build_train_batch, budget_micro_batches, first_fit_decreasing, pieces_within, tokens_of
+from grpo_trainer.config import ModelConfig, load_config
+from grpo_trainer.errors import ConfigError
+from grpo_trainer.geometry import batch_geometry
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, EntropyControl
+from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_causal_lm, load_tokenizer,
+                                 make_packed_batch, make_sequence_batch, pack_rows)
+from grpo_trainer.rollout import Rollout
+from grpo_trainer.update import EntropyTerm, add_logprobs, micro_batch_loss
+from helpers import run_ranks
+
+PAD = 0
+G = 4
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what: str, tolerance: float = 1e-5) -> None:
+    scale = max(1.0, float(b.abs().max()))
+    worst = float((a - b).abs().max())
+    assert worst <= tolerance * scale, f"{what}: differs by {worst:.3g} (scale {scale:.3g})"
+
+
+# ----------------------------------------------------------------------------- the layout, by hand
+
+
+def test_a_group_is_its_prompt_once_then_its_completions_without_their_last_tokens():
+    """Prompt [1 2 3] with completions [4 5 6] and [7]; prompt [8 9] with [10 11]. Pieces of 3 + 2 + 0 = 5 and
+    2 + 1 = 3 tokens: rows as long as the longest piece, so the second piece gets a row of its own (3 + 5 > 5)."""
+    batch = make_packed_batch([[1, 2, 3], [1, 2, 3], [8, 9]], [[4, 5, 6], [7], [10, 11]], PAD)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [8, 9, 10, PAD, PAD]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]  # completions continue their prompt
+    assert batch.piece_ids.tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, -1, -1]]
+    assert batch.member_ids.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
+    # [4 5 6] is predicted by the prompt's last state (2), then by the states of 4 and 5 (3, 4); [7] by 2 alone;
+    # [10 11] by row 1's states 1 and 2 (flat 5 + 1, 5 + 2).
+    assert batch.score_index.tolist() == [[2, 3, 4], [2, 0, 0], [6, 7, 0]]
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    # Short pieces share a row: four pieces of 4, 2, 2 and 1 tokens fill rows of 4 as [4], [2 2], [1].
+    assert pack_rows([2, 4, 1, 2]) == [[1], [0, 3], [2]]
+
+
+def test_each_completion_sees_its_prompt_and_itself_only():
+    from grpo_trainer.models import packed_attention_mask
+
+    batch = make_packed_batch([[1, 2], [1, 2]], [[3, 4, 5], [6, 7]], PAD)  # one row: 1 2 | 3 4 | 6
+    allowed = packed_attention_mask(batch.piece_ids, batch.member_ids, "sdpa", torch.float32)[0, 0].int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # token 6 sees the prompt and itself, not the other completion
+    ]
+    additive = packed_attention_mask(batch.piece_ids, batch.member_ids, "eager", torch.float32)[0, 0]
+    assert ((additive == 0) == torch.tensor(allowed, dtype=torch.bool)).all()
+
+
+# ----------------------------------------------------------------------------- the model's forward
+
+
+@lru_cache(maxsize=1)
+def tiny_batch():
+    """4 prompts x G 4 from the tiny model's chat template; completions of 1 to 30 tokens."""
+    tokenizer = load_tokenizer(ModelConfig())
+    questions = ["What is 1+2?", "What is 13+40?", "What is 7+75?", "Add 12 and 9."]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3, 30, 2, 7, 4, 1, 1, 12, 6, 8, 3, 17, 2]
+    completions = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
+    return [prompts[j // G] for j in range(len(completions))], completions
+
+
+def tiny_lm(lora: bool = False, attention: str = "sdpa"):
+    torch.manual_seed(0)
+    lm = load_causal_lm(ModelConfig())
+    if attention != "sdpa":
+        lm.set_attn_implementation(attention)
+    if lora:
+        import peft
+
+        lm = peft.get_peft_model(lm, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return lm.train()
+
+
+# float64 too: there packed and the shared-prompt padded path agree to ~1e-15 (LoRA, measured), so what float32 shows
+# is rounding, not a token seeing the wrong thing. (Under gradient checkpointing the padded reference is every row in
+# full, left-padded, which differs from both by ~1e-7 of scale even in float64: hence 1e-6 there.) In float32 LoRA's
+# gradients differ by up to 1.03e-5 of their scale on tiny-v4 (packed vs the full computation 9.7e-6, padded vs full
+# 8.9e-7: a packed row sums more masked terms), hence 2e-5 for float32 gradients.
+TOLERANCE = {torch.float64: (1e-6, 1e-6), torch.float32: (1e-5, 2e-5)}  # (values, gradients)
+
+
+# Not eager in float64: there the padded path itself gives NaN log-probs (the left-padded rows under transformers'
+# eager mask; float32 is fine), so it is no reference.
+@pytest.mark.parametrize("variant,dtype", [(v, d) for v in ("plain", "lora", "eager", "gradient-checkpointing")
+                                           for d in (torch.float64, torch.float32) if not (v == "eager" and d == torch.float64)],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_packed_forward_equals_padded_values_and_gradients(tiny_model_path, variant, dtype):
+    """Every completion token's log-prob and entropy, and every trainable parameter's gradient, through the packed
+    rows vs the padded shared-prompt layout (vs every row in full under gradient checkpointing, the padded path's
+    own fallback there)."""
+    lm = tiny_lm(lora=variant == "lora", attention="eager" if variant == "eager" else "sdpa").to(dtype)
+    values, gradients = TOLERANCE[dtype]
+    if variant == "gradient-checkpointing":
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, completions = tiny_batch()
+    rows = [0, 1, 4, 5, 6, 9, 12, 15, 2]  # groups split and out of order
+    weights = torch.linspace(0.5, 1.5, 30)
+    results = {}
+    for name, make in (("padded", make_sequence_batch), ("packed", make_packed_batch)):
+        batch = make([prompts[j] for j in rows], [completions[j] for j in rows], PAD)
+        lm.zero_grad(set_to_none=True)
+        logp, entropy = TokenLogprobs(lm, chunk_size=7)(**batch.tensors(), with_entropy=True)
+        (logp * batch.completion_mask * weights[: logp.shape[1]]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.requires_grad}
+        results[name] = logp.detach() * batch.completion_mask, entropy * batch.completion_mask, grads
+    assert_same(results["packed"][0], results["padded"][0], "log-probs", values)
+    assert_same(results["packed"][1], results["padded"][1], "entropies", values)
+    for name, grad in results["padded"][2].items():
+        assert_same(results["packed"][2][name], grad, name, gradients)
+    assert all(g.abs().sum() > 0 for n, g in results["packed"][2].items() if "lora_" in n or variant != "lora")
+
+
+def tiny_qwen2(**changes):
+    """A random 2-layer Qwen2 (biases on q/k/v, grouped-query attention 4 on 2), float32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, **changes)
+    return Qwen2ForCausalLM(config).train()
+
+
+def test_qwen2_takes_the_packed_mask_and_positions(tiny_model_path):
+    """transformers 5.19's Qwen2 hands a 4D mask to attention unchanged, as Llama (tiny, SmolLM2) does."""
+    lm = tiny_qwen2()
+    check_packing_support(lm)
+    prompts, completions = [[5, 6, 7], [5, 6, 7], [9, 8]], [[10, 11, 12], [13], [14, 15, 16, 17]]
+    out = {}
+    for name, make in (("padded", make_sequence_batch), ("packed", make_packed_batch)):
+        lm.zero_grad(set_to_none=True)
+        batch = make(prompts, completions, PAD)
+        logp, _ = TokenLogprobs(lm)(**batch.tensors())
+        (logp * batch.completion_mask).sum().backward()
+        out[name] = logp.detach() * batch.completion_mask, [p.grad.clone() for p in lm.parameters()]
+    assert_same(out["packed"][0], out["padded"][0], "log-probs")
+    for i, (a, b) in enumerate(zip(out["packed"][1], out["padded"][1])):
+        assert_same(a, b, f"gradient {i}")
+
+
+def test_only_full_attention_through_a_mask_taking_path_can_pack(tiny_model_path):
+    lm = tiny_lm()
+    check_packing_support(lm)  # sdpa
+    lm.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="train.packing.*flash_attention_2.*takes no custom mask"):
+        check_packing_support(lm)
+    with pytest.raises(ConfigError, match="train.packing.*sliding-window attention layers"):
+        check_packing_support(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1))
+
+
+def worst_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over tensors, each relative to its scale max(1, max|b|)."""
+    return max(float((a[n] - b[n]).abs().max()) / max(1.0, float(b[n].abs().max())) for n in b)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_packed_equals_padded(tiny_model_path):
+    """The real model (30 layers, 9 query heads on 3 key/value heads, 49k vocabulary) on real text. Log-probs and
+    entropies to 1e-5. Through 30 float32 layers the padded shared-prompt path's gradients already differ from
+    every row run in full by ~3.6e-5 of their scale (measured here); the packed path must be at least as close to
+    the full computation as that (it measured 1.0e-5)."""
+    from grpo_trainer.config import load_config as load
+
+    cfg = load("configs/smollm2_cpu.yaml")
+    tokenizer = load_tokenizer(cfg.model)
+    lm = load_causal_lm(cfg.model).train()
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in ("What is 12+7?", "Name a colour.")]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chat]
+    texts = ["12 + 7 = 19.<|im_end|>", "It is 19", "Blue, the colour of the sky.<|im_end|>"]
+    completions = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rows = [prompts[0], prompts[0], prompts[1]]
+    out = {}
+    for name, make, share in (("full", make_sequence_batch, False), ("padded", make_sequence_batch, True),
+                              ("packed", make_packed_batch, True)):
+        lm.zero_grad(set_to_none=True)
+        batch = make(rows, completions, tokenizer.pad_token_id)
+        logp, entropy = TokenLogprobs(lm, chunk_size=5, share_prompt=share)(**batch.tensors(), with_entropy=True)
+        (logp * batch.completion_mask).sum().backward()
+        kept = ("layers.0.", "layers.15.", "layers.29.", "embed_tokens")
+        out[name] = (logp.detach() * batch.completion_mask, entropy * batch.completion_mask,
+                     {n: p.grad.clone() for n, p in lm.named_parameters() if any(k in n for k in kept)})
+    assert_same(out["packed"][0], out["padded"][0], "log-probs")
+    assert_same(out["packed"][1], out["padded"][1], "entropies")
+    today = worst_difference(out["padded"][2], out["full"][2])
+    assert worst_difference(out["packed"][2], out["full"][2]) <= 2 * today
+
+
+# ----------------------------------------------------------------------------- the loss, over ranks and layouts
+
+LAYOUTS = {
+    # name: (packing, micro_batch_tokens)
+    "padded": (False, None),  # today's layout: the reference
+    "packed": (True, None),
+    "padded, token budget": (False, 70),
+    "packed, token budget": (True, 70),
+}
+
+
+def scored_rollout():
+    """The tiny batch as a step's rollout: advantages with a zero group, a truncated completion (masked: DAPO),
+    tool output inside two completions (no loss there), sampler log-probs."""
+    prompts, completions = tiny_batch()
+    g = torch.Generator().manual_seed(1)
+    advantages = torch.randn(len(completions), generator=g)
+    advantages[8:12] = 0.0  # a group whose rewards were all equal
+    tool_mask = [[1] * len(c) for c in completions]
+    tool_mask[4][10:20] = [0] * 10
+    tool_mask[14][3:6] = [0] * 3
+    rollout = Rollout(
+        completion_ids=completions, truncated=[j == 6 for j in range(len(completions))],
+        sampling_logprobs=[(-torch.rand(len(c), generator=g)).tolist() for c in completions], completion_mask=tool_mask,
+    )
+    return prompts, rollout, advantages
+
+
+def perturbed(lm, scale: float, seed: int):
+    """A copy of `lm` with every trainable weight moved a little: the old policy / the reference, so that ratios
+    are not 1 and clipping and the KL term act."""
+    other = copy.deepcopy(lm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    return other
+
+
+@lru_cache(maxsize=None)
+def models(lora: bool):
+    lm = tiny_lm(lora=lora)
+    old = TokenLogprobs(perturbed(lm, 0.02, 1)).eval()
+    reference = None if lora else TokenLogprobs(perturbed(lm, 0.02, 2)).eval()  # LoRA: the adapter-disabled base
+    return TokenLogprobs(lm), old, reference
+
+
+def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entropy_coef: float = 0.0):
+    """Phases 3-5 of a step without the optimizer, on `world` thread ranks: micro-batches, the log-prob passes
+    (old policy, entropy selection over all ranks, reference), then every micro-batch's loss share and its
+    gradient. Returns the batch loss, the gradient (summed over ranks: DDP's average x world, which update.py's
+    scaling undoes), and each completion's log-probs and entropies, by global row."""
+    policy, old, reference = models(lora)
+    # A model of its own per rank for the passes that switch LoRA adapters off (a context, not thread-safe).
+    olds = [old] + [copy.deepcopy(old) for _ in range(world - 1)]
+    packing, budget = LAYOUTS[layout]
+    overrides = ["train.prompts_per_step=4", f"rollout.num_generations={G}", "train.micro_batch_size=4",
+                 "train.mini_batches=2", "train.num_iterations=2", "rollout.max_completion_length=32",
+                 f"loss.type={loss_type}", "loss.beta=0.04", "loss.top_entropy_quantile=0.5",
+                 "loss.mask_truncated_completions=true"]
+    if "epsilon_low" in LOSS_VARIANTS[loss_type].options:  # a key its surrogate does not read is refused
+        overrides.append("loss.epsilon_low=0.005")
+    if budget:
+        overrides.append(f"train.micro_batch_tokens={budget}")
+    if entropy_coef:
+        overrides.append(f"loss.entropy_coef={entropy_coef}")
+    cfg = load_config(None, overrides)
+    prompts, rollout, advantages = scored_rollout()
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def rank(r, comm):
+        geometry = batch_geometry(cfg, world, r)
+        mine = list(range(r * geometry.completions_per_rank, (r + 1) * geometry.completions_per_rank))
+        batch = build_train_batch(
+            [prompts[j] for j in mine], rollout.select(mine), advantages[mine], PAD, micro_batch_size=geometry.micro_batch_size,
+            micro_batch_tokens=budget, packing=packing, mask_truncated=True, skip_zero_advantage=False, group_size=G,
+            mini_batches=geometry.mini_batches, comm=comm,
+        )
+        if budget:
+            cost = tokens_of([prompts[j] for j in mine], [len(rollout.completion_ids[j]) for j in mine], G, packing)
+            assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
+        # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
+        run = SimpleNamespace(cfg=cfg, geometry=geometry, policy=olds[r], reference=reference, comm=comm,
+                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO),
+                              entropy_control=EntropyControl(entropy_coef))
+        add_logprobs(run, batch)
+        term = EntropyTerm.for_step(run, batch) if entropy_coef else None  # a collective: every rank
+        loss, grad, tokens = torch.zeros(()), [torch.zeros_like(p) for p in params], {}
+        for mb in batch.micro_batches:
+            logp, entropy = policy(**mb.sequences, with_entropy=True, entropy_grad=term is not None)
+            share, _ = micro_batch_loss(run, batch, mb, logp, entropy, term)
+            for total, g in zip(grad, torch.autograd.grad(share, params, allow_unused=True)):
+                total += 0 if g is None else g
+            loss += share.detach()
+            for i, j in enumerate(mb.rows):
+                n = len(rollout.completion_ids[mine[j]])
+                tokens[mine[j]] = (logp[i, :n].detach(), entropy[i, :n].detach())
+        return loss, grad, tokens, batch.window_sizes
+
+    results = run_ranks(world, rank)
+    tokens = {j: v for _, _, t, _ in results for j, v in t.items()}
+    assert sorted(tokens) == list(range(16))  # every completion once, on some rank
+    loss = sum(r[0] for r in results)
+    grad = [sum(parts) for parts in zip(*(r[1] for r in results))]
+    assert len({tuple(r[3]) for r in results}) == 1  # every rank makes the same number of backward passes
+    return loss, grad, tokens
+
+
+@lru_cache(maxsize=None)
+def reference_step(loss_type: str, lora: bool):
+    return run_step(loss_type, 1, "padded", lora)
+
+
+def assert_same_step(got, want, tolerance: float = 1e-5):
+    loss, grad, tokens = got
+    assert_same(loss, want[0], "loss", tolerance)
+    for i, (g, w) in enumerate(zip(grad, want[1])):
+        assert_same(g, w, f"gradient of parameter {i}", tolerance)
+    for j, (logp, entropy) in want[2].items():
+        assert_same(tokens[j][0], logp, f"log-probs of completion {j}")
+        assert_same(tokens[j][1], entropy, f"entropies of completion {j}")
+    assert any(float(w.abs().sum()) > 0 for w in want[1])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_matches_the_padded_layout_on_one_and_two_ranks(tiny_model_path, loss_type, world):
+    """num_iterations 2 (old log-probs), mini_batches 2, beta > 0 (reference), top-entropy selection, tool masks,
+    a truncated completion masked, sampler log-probs. bnpo normalises per micro-batch, so it is compared only where
+    the micro-batches hold the same completions (packed vs padded at a fixed size)."""
+    want = reference_step(loss_type, False)
+    layouts = ["packed"] if loss_type == "bnpo" else [name for name in LAYOUTS if name != "padded" or world > 1]
+    # VESPO's ratio is a product over a completion's tokens, so float32 rounding of each log-prob adds up (loss off
+    # by 1.6e-5 of scale here; in float64 packed and padded agree to 1e-16, measured): 5e-5 for it.
+    tolerance = 5e-5 if LOSS_VARIANTS[loss_type].ratio == "sequence_product" else 1e-5
+    for layout in layouts:
+        assert_same_step(run_step(loss_type, world, layout), want, tolerance)
+
+
+def test_the_entropy_term_matches_the_padded_layout_on_two_ranks(tiny_model_path):
+    """loss.entropy_coef > 0: the entropies carry a gradient (TokenLogprobs(entropy_grad=True)) in the packed layout
+    as in the padded one, and the term's token count is agreed over ranks whatever the micro-batches."""
+    want = run_step("dapo", 1, "padded", entropy_coef=0.01)
+    assert_same_step(run_step("dapo", 2, "packed, token budget", entropy_coef=0.01), want)
+    without = reference_step("dapo", False)
+    assert float((want[0] - without[0]).abs()) > 1e-4  # the term is in the loss
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_lora_matches_the_padded_layout(tiny_model_path, loss_type):
+    """LoRA: gradients of the adapters only; the reference is the same model with its adapters switched off."""
+    assert_same_step(run_step(loss_type, 2, "packed, token budget", lora=True), reference_step(loss_type, True))
+
+
+# ----------------------------------------------------------------------------- the measuring script
+
+
+def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path):
+    """scripts/update_bench.py --count-only (the token table of docs/performance.md): the same seeded spread every
+    run, the packed layout computes no padding and fewer tokens, a budget bounds every layout's passes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "update_bench.py"
+    spec = importlib.util.spec_from_file_location("update_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.completion_lengths("longtail", 32) == bench.completion_lengths("longtail", 32)
+    out = tmp_path / "counts.json"
+    assert bench.main(["--model", "builtin:tiny", "--count-only", "--budget", "600", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert rows["packed"]["padding"] == 0 < rows["padded"]["padding"]
+    assert rows["packed"]["computed_tokens"] < rows["padded"]["computed_tokens"]
+    assert rows["packed, 600 tokens"]["micro_batches"] < rows["padded, 600 tokens"]["micro_batches"]
