@@ -30,6 +30,7 @@ import torch
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
 from .decode import decode_kernels, reserve_room
+from .draw import draw_torch
 from .stop import StopStrings
 
 
@@ -119,12 +120,13 @@ class HFEngine:
             occurred = torch.zeros(len(prompts), out.logits.shape[-1], dtype=torch.int32, device=ids.device)
             occurred.scatter_add_(1, ids, mask.to(torch.int32))
             occurred = (occurred > 0)[rows]
-        with decode_kernels(model):
-            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred, limit)
+        with decode_kernels(model) as kernels:
+            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred, limit,
+                                                   kernels.draw)
         return tokens, [not done for done in finished]
 
-    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor,
-                       occurred: torch.Tensor | None, limit: int) -> tuple[list[list[int]], list[bool]]:
+    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor, occurred: torch.Tensor | None,
+                       limit: int, draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
         Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit."""
@@ -134,7 +136,7 @@ class HFEngine:
         finished = [False] * len(logits)
         live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
         for step in range(limit):
-            nxt = sample_next_token(logits, **self.sampling, occurred=occurred)  # [live]
+            nxt = sample_next_token(logits, **self.sampling, occurred=occurred, draw=draw)  # [live]
             if occurred is not None:
                 occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
             going = ~torch.isin(nxt, eos)
@@ -194,10 +196,11 @@ class HFEngine:
 
 def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
                       top_k: int | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                      occurred: torch.Tensor | None = None) -> torch.Tensor:
+                      occurred: torch.Tensor | None = None, draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch) -> torch.Tensor:
     """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
-    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw. vLLM applies the same
-    penalty and min-p (alone: config refuses min-p with top-k/top-p, where the two orders differ)."""
+    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of draw.py's,
+    which all give torch.multinomial's token). vLLM applies the same penalty and min-p (alone: config refuses
+    min-p with top-k/top-p, where the two orders differ)."""
     scores = logits.float()
     if repetition_penalty != 1.0 and occurred is not None:
         penalised = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
@@ -220,7 +223,4 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature:
     probs = scores.softmax(-1)
     if not torch.isfinite(probs).all():
         raise FloatingPointError("sampling: the model's next-token distribution is not finite (NaN or inf logits)")
-    # What torch.multinomial(probs, 1) does, minus its argument checks: one Exp(1) draw per vocabulary entry,
-    # then argmax(p / q). Same random stream, same tokens (tested); on a 49k vocabulary the checks were a
-    # third of its time, and sampling a tenth of a decode step.
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    return draw(probs)
