@@ -103,6 +103,14 @@ def zero3_sampling_context(accelerator, engine):
     return contextlib.nullcontext()
 
 
+def forward_is_collective(accelerator) -> bool:
+    """Whether every forward of the model is itself a collective while the hf engine samples, so that all ranks
+    must make the same forward calls (the engine then runs in lockstep): under FSDP each layer all-gathers its
+    parameters in its forward. Not under ZeRO-3, whose hooks are removed for sampling
+    (`zero3_sampling_context`), nor DDP, nor one process: there ranks stop when their own completions end."""
+    return accelerator.num_processes > 1 and accelerator.distributed_type.value == "FSDP"
+
+
 def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
     """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
 

@@ -3,6 +3,7 @@
     python scripts/decode_roofline.py                 # SmolLM2-135M, 16 rows (4 prompts x G 4), ~2 min on 2 cores
     python scripts/decode_roofline.py --rows 32       # G 8
     python scripts/decode_roofline.py --json out.json
+    ATEN_CPU_CAPABILITY=avx2 python scripts/decode_roofline.py   # the AVX2 kernels on an AVX-512 machine
 
 A decode step reads every weight once to produce one token per row. With 16 rows a weight is used for
 16 multiply-adds per read, far below what keeps a CPU core's FMA units busy, so the step's floor is the
@@ -13,50 +14,35 @@ memory traffic: float32 weights / read bandwidth. Both are measured here, not lo
   matmul peak        best `torch.mm` rate over square float32 matrices (scripts/scaling.py)
   roofline step      max(weight bytes / bandwidth, step FLOPs / matmul peak)
 
-Then it times the engine's own decode step (reserved KV room, grouped-query attention, weight-stationary linears)
-at a context of prompt + half the completion, and its parts: the whole step, the LM head alone (as the
-engine computes it and as `nn.Linear` does), the sampler alone, and transformers' plain decode step
-(DynamicCache, repeat_kv, `nn.Linear`) for comparison. Every
-number is the best of `--reps` after warm-up: on a shared 2-core machine the best is the least
-disturbed run.
+Then it times the engine's own decode step (reserved KV room, and the kernels the engine chose on this
+machine: rollout/kernels.py, measured on first use and cached) at a context of prompt + half the completion,
+and its parts: the whole step, the LM head alone in each linear form, the sampler with each exact draw and
+with the engine's choice, and transformers' plain decode step (DynamicCache, repeat_kv, `nn.Linear`) for
+comparison. Every number is the best of `--reps` after warm-up: on a shared 2-core machine the best is the
+least disturbed run. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
+capability, threads, load average before and after) and the kernel choices in force.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: allocator, oneDNN primitives
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(n_bytes: int, reps: int) -> float:
-    import torch
-
-    x = torch.ones(n_bytes // 4)
-    return n_bytes / best_seconds(lambda: x.sum(), reps)
-
-
 def decode_step(model, rows: int, context: int, in_place: bool):
-    """A function that runs one decode step of `rows` rows after a `context`-token cache (built once here)."""
+    """A function that runs one decode step of `rows` rows after a `context`-token cache (built once here);
+    `in_place`: the engine's (reserved KV room, its measured kernel choices), else transformers' own."""
     import contextlib
 
     import torch
 
-    from grpo_trainer.rollout.decode import decode_kernels, reserve_room
+    from grpo_trainer.rollout.decode import DecodeKernels, reserve_room
 
     ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(rows, context + 1, dtype=torch.long)
@@ -66,9 +52,10 @@ def decode_step(model, rows: int, context: int, in_place: bool):
         reserve_room(cache, 1)
     length = cache.get_seq_length()
     nxt, position = ids[:, -1:], torch.full((rows, 1), context)
+    kernels = DecodeKernels(model) if in_place else contextlib.nullcontext()
 
     def step():
-        with torch.no_grad(), decode_kernels(model) if in_place else contextlib.nullcontext():
+        with torch.no_grad(), kernels:
             model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
         rewind(cache, length)  # back to `context` tokens for the next rep
 
@@ -98,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import scaling
-    from grpo_trainer.rollout.decode import weight_stationary_linear
+    import machine
+    from grpo_trainer.rollout.decode import LINEAR, DecodeKernels
+    from grpo_trainer.rollout.draw import DRAWS, available_draws
     from grpo_trainer.rollout.hf import sample_next_token
+    from grpo_trainer.rollout.kernels import default_table, machine_key
     from grpo_trainer.tiny import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
@@ -111,17 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     attention_width = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     step_flops = args.rows * (2 * linear_params + 4 * cfg.num_hidden_layers * args.context * attention_width)
 
-    bandwidth = read_bandwidth(weight_bytes, args.reps)
-    peak = scaling.matmul_peak_flops(None)
+    host = machine.describe(bandwidth_bytes=max(weight_bytes, 256 * 2**20), reps=args.reps)
+    bandwidth, peak = host["read_bandwidth_gb_s"] * 1e9, host["matmul_peak_gflop_s"] * 1e9
     floor = max(weight_bytes / bandwidth, step_flops / peak)
     logits = torch.randn(args.rows, cfg.vocab_size) * 4
     hidden = torch.randn(args.rows, 1, cfg.hidden_size)
+    best = machine.best_seconds
+    kernels = DecodeKernels(model)
     timings = {
-        "engine_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=True), args.reps),
-        "transformers_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=False), args.reps),
-        "lm_head_s": best_seconds(lambda: model.lm_head(hidden), args.reps),
-        "lm_head_engine_s": best_seconds(lambda: weight_stationary_linear(model.lm_head, hidden), args.reps),
-        "sampler_s": best_seconds(lambda: sample_next_token(logits), args.reps),
+        "engine_step_s": best(decode_step(model, args.rows, args.context, in_place=True), args.reps),
+        "transformers_step_s": best(decode_step(model, args.rows, args.context, in_place=False), args.reps),
+        **{f"lm_head_{form}_s": best(lambda form=form: LINEAR[form](model.lm_head, hidden), args.reps) for form in LINEAR},
+        **{f"sampler_{name}_s": best(lambda name=name: sample_next_token(logits, draw=DRAWS[name]), args.reps)
+           for name in available_draws()},
+        "sampler_s": best(lambda: sample_next_token(logits, draw=kernels.draw), args.reps),  # the engine's choice
     }
     engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
     report = {
@@ -131,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         **timings,
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
+        "kernel_choices": {key.split("/", 1)[1]: entry["choice"] for key, entry in default_table().entries().items()
+                           if key.startswith(machine_key("cpu"))},
+        "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
-    print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}, "
-          f"{report['threads']} threads")
-    print(f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s, matmul peak {report['matmul_peak_gflop_s']:.0f} GFLOP/s "
-          f"-> roofline {floor * 1e3:.0f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
-    for key in ("engine_step_s", "transformers_step_s", "lm_head_engine_s", "lm_head_s", "sampler_s"):
-        print(f"  {key[:-2]:20s} {timings[key] * 1e3:7.1f} ms")
-    print(f"engine: {report['engine_tokens_per_s']:.0f} tok/s = {100 * report['engine_share_of_roofline']:.0f}% of the roofline")
+    print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}")
+    print(f"machine: {machine.one_line(host)}")
+    print(f"roofline: max({report['weight_mib']:.0f} MiB / {bandwidth / 1e9:.1f} GB/s, {step_flops / 1e9:.1f} GFLOP / "
+          f"{peak / 1e9:.0f} GFLOP/s) = {floor * 1e3:.1f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
+    for key, value in timings.items():
+        print(f"  {key[:-2]:24s} {value * 1e3:7.1f} ms")
+    print("kernel choices: " + ", ".join(f"{k} -> {v}" for k, v in sorted(report["kernel_choices"].items())))
+    print(f"engine: step + sampler {engine_token_s * 1e3:.1f} ms, {report['engine_tokens_per_s']:.0f} tok/s = "
+          f"{100 * report['engine_share_of_roofline']:.0f}% of the roofline")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

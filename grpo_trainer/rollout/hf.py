@@ -23,7 +23,8 @@ calls `model.generate` with the prompts repeated G times.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+import itertools
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -32,6 +33,9 @@ from . import Rollout, SamplingSettings
 from .decode import decode_kernels, reserve_room
 from .draw import draw_torch
 from .stop import StopStrings
+
+if TYPE_CHECKING:
+    from ..distributed import Collectives
 
 
 class HFEngine:
@@ -45,11 +49,17 @@ class HFEngine:
         share_prompt: bool = True,
         full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
         tokenizer=None,
+        lockstep: Collectives | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
         self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
         self.pad_token_id = pad_token_id
+        # The ranks' collectives where every forward is itself a collective (FSDP: each layer's parameters are
+        # all-gathered in its forward): then all ranks make the same forward calls, the ranks whose completions
+        # ended early idling until the last has finished, as transformers' `synced_gpus`. None: each rank
+        # stops when its own completions end (DDP, ZeRO-3 with its hooks removed for sampling, one process).
+        self.lockstep = lockstep
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
@@ -84,16 +94,23 @@ class HFEngine:
         use_cache = model.config.use_cache
         model.config.use_cache = True
         # Seeded groups are generated one prompt at a time: generate has one RNG stream per call.
-        step = 1 if seeds is not None else self.batch_size or len(prompt_ids)
+        step = 1 if seeds is not None else self.batch_size or len(prompt_ids) or 1
+        starts = list(range(0, len(prompt_ids), step))
+        # In lockstep every rank runs as many batches as the busiest one, idling through those it has not.
+        batches = len(starts) if self.lockstep is None else self._max_over_ranks(len(starts))
         completions: list[list[int]] = []
         truncated: list[bool] = []
+        generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
         try:
             with self.full_parameters(model):
-                for start in range(0, len(prompt_ids), step):
+                for batch in range(batches):
+                    if batch >= len(starts):
+                        generate(model, [], num_generations, limit)  # nothing of ours: keep the others company
+                        continue
+                    start = starts[batch]
                     with torch.random.fork_rng(devices=[]) if seeds is not None else contextlib.nullcontext():
                         if seeds is not None:
                             torch.manual_seed(seeds[start])
-                        generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
                         c, t = generate(model, prompt_ids[start : start + step], num_generations, limit)
                     completions += c
                     truncated += t
@@ -102,6 +119,15 @@ class HFEngine:
             model.train(was_training)
         return Rollout(completion_ids=completions, truncated=truncated)
 
+    def _max_over_ranks(self, value: int) -> int:
+        return int(self.lockstep.max(torch.tensor([value]))[0])
+
+    def _idle_forward(self, model) -> None:
+        """A one-token forward whose result nobody reads: under FSDP it makes the same parameter all-gathers
+        as the other ranks' real forwards, which is all they wait for."""
+        device = next(model.parameters()).device
+        model(input_ids=torch.full((1, 1), self.pad_token_id, device=device), use_cache=False)
+
     def _left_padded(self, model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(model.parameters()).device
         ids, mask = left_padded(prompts, self.pad_token_id)
@@ -109,6 +135,12 @@ class HFEngine:
 
     def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int, limit: int):
         """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
+        if not prompts:  # only in lockstep, for a batch only other ranks have
+            with decode_kernels(model):
+                self._idle_forward(model)
+                while self._max_over_ranks(0):
+                    self._idle_forward(model)
+            return [], []
         ids, mask = self._left_padded(model, prompts)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
         rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
@@ -129,27 +161,36 @@ class HFEngine:
                        limit: int, draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
-        Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit."""
+        Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit.
+
+        In lockstep (`self.lockstep`: forwards are collectives) the loop ends when no rank has a row left:
+        one all-reduce per token, and a rank whose rows have all finished makes idle forwards until then."""
         next_position = mask.sum(-1)  # [B]
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         tokens: list[list[int]] = [[] for _ in range(len(logits))]
         finished = [False] * len(logits)
         live = torch.arange(len(logits), device=logits.device)  # completion index of each row still in the batch
-        for step in range(limit):
-            nxt = sample_next_token(logits, **self.sampling, occurred=occurred, draw=draw)  # [live]
-            if occurred is not None:
-                occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
-            going = ~torch.isin(nxt, eos)
-            flags = going.tolist()
-            for i, (row, token) in enumerate(zip(live.tolist(), nxt.tolist())):
-                tokens[row].append(token)
-                if flags[i] and self.stop is not None and self.stop.completes_stop(tokens[row]):
-                    flags[i] = False
-                finished[row] = not flags[i]
-            if self.stop is not None:
-                going = torch.tensor(flags, device=going.device)
-            if step == limit - 1 or not going.any():
+        done_here = False
+        for step in itertools.count():
+            if not done_here:
+                nxt = sample_next_token(logits, **self.sampling, occurred=occurred, draw=draw)  # [live]
+                if occurred is not None:
+                    occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
+                going = ~torch.isin(nxt, eos)
+                flags = going.tolist()
+                for i, (row, token) in enumerate(zip(live.tolist(), nxt.tolist())):
+                    tokens[row].append(token)
+                    if flags[i] and self.stop is not None and self.stop.completes_stop(tokens[row]):
+                        flags[i] = False
+                    finished[row] = not flags[i]
+                if self.stop is not None:
+                    going = torch.tensor(flags, device=going.device)
+                done_here = step >= limit - 1 or not going.any()
+            if not (self._max_over_ranks(not done_here) if self.lockstep is not None else not done_here):
                 break
+            if done_here:
+                self._idle_forward(model)
+                continue
             if not going.all():  # finished rows leave the batch: no more compute spent on padding
                 keep = going.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
@@ -164,7 +205,8 @@ class HFEngine:
     def _generate_batch(self, model, prompts: list[list[int]], g: int, limit: int):
         from transformers import GenerationConfig
 
-        ids, mask = self._left_padded(model, prompts)
+        idle = not prompts  # only in lockstep, for a batch only other ranks have: a stand-in prompt, dropped
+        ids, mask = self._left_padded(model, prompts or [[self.pad_token_id]])
         # Only our settings: `generate` fills every setting left unset from the checkpoint's generation
         # config (Qwen2.5-Instruct ships top_k 20 and repetition_penalty 1.05), which would change the
         # distribution the completions are drawn from. So the checkpoint's is swapped out for the call.
@@ -177,9 +219,13 @@ class HFEngine:
         )
         checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            # In lockstep, transformers' own: finished ranks keep stepping until every rank is done.
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 synced_gpus=True if self.lockstep is not None else None)
         finally:
             model.generation_config = checkpoint_config
+        if idle:
+            return [], []
         new_tokens = out[:, ids.shape[1] :].cpu()  # [B*G, <=L]
         eos = torch.tensor(self.eos_token_ids)
         completions, truncated = [], []
