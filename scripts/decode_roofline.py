@@ -4,13 +4,14 @@
     python scripts/decode_roofline.py --rows 32       # G 8
     python scripts/decode_roofline.py --json out.json
     ATEN_CPU_CAPABILITY=avx2 python scripts/decode_roofline.py   # the AVX2 kernels on an AVX-512 machine
+    python scripts/decode_roofline.py --compile       # + the compiled static-cache step (minutes to compile here)
 
 A decode step reads every weight once to produce one token per row. With 16 rows a weight is used for
 16 multiply-adds per read, far below what keeps a CPU core's FMA units busy, so the step's floor is the
 memory traffic: float32 weights / read bandwidth. Both are measured here, not looked up:
 
-  read bandwidth     best `tensor.sum()` rate over a float32 tensor the size of the model's weights
-                     (larger than the caches, so it streams from DRAM)
+  read bandwidth     best `tensor.sum()` rate over a float32 tensor the size of the model's weights (at
+                     least 256 MiB: larger than the caches, so it streams from DRAM)
   matmul peak        best `torch.mm` rate over square float32 matrices (scripts/scaling.py)
   roofline step      max(weight bytes / bandwidth, step FLOPs / matmul peak)
 
@@ -62,6 +63,32 @@ def decode_step(model, rows: int, context: int, in_place: bool):
     return step
 
 
+def compiled_step(model, rows: int, context: int, reps: int, mode: str = "default") -> tuple[float, float]:
+    """The compiled static-cache step (`rollout.hf.compile`): (seconds of the first call, which compiles; best
+    seconds of a step after it)."""
+    import time
+
+    import torch
+
+    from grpo_trainer.rollout.static_decode import CompiledForward, StaticDecoder
+
+    ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(rows, context, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+        decoder = StaticDecoder(CompiledForward(model, mode), cache, mask, reps + 2)
+        nxt, position = ids[:, -1], torch.full((rows,), context)
+        start = time.perf_counter()
+        decoder.forward(nxt, position)
+        compile_s = time.perf_counter() - start
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            decoder.forward(nxt, position)
+            best = min(best, time.perf_counter() - start)
+    return compile_s, best
+
+
 def rewind(cache, length: int) -> None:
     from grpo_trainer.rollout.decode import ReservedLayer
 
@@ -80,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=100, help="tokens in the cache: ~prompt + half a 64-token completion")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="also time the compiled static-cache step (rollout.hf.compile): compile seconds, ms per step")
     args = p.parse_args(argv)
 
     import torch
@@ -116,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         "sampler_s": best(lambda: sample_next_token(logits, draw=kernels.draw), args.reps),  # the engine's choice
     }
     engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
+    compile_s = None
+    if args.compile:
+        model.config.use_cache = True
+        compile_s, timings["compiled_step_s"] = compiled_step(model, args.rows, args.context, args.reps)
     report = {
         "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),
         "weight_mib": weight_bytes / 2**20, "step_gflop": step_flops / 1e9,
@@ -123,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         **timings,
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
+        "compile_s": compile_s,
         "kernel_choices": {key.split("/", 1)[1]: entry["choice"] for key, entry in default_table().entries().items()
                            if key.startswith(machine_key("cpu"))},
         "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
@@ -133,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{peak / 1e9:.0f} GFLOP/s) = {floor * 1e3:.1f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
     for key, value in timings.items():
         print(f"  {key[:-2]:24s} {value * 1e3:7.1f} ms")
+    if compile_s is not None:
+        print(f"compiled step: first call (compiling) {compile_s:.1f} s")
     print("kernel choices: " + ", ".join(f"{k} -> {v}" for k, v in sorted(report["kernel_choices"].items())))
     print(f"engine: step + sampler {engine_token_s * 1e3:.1f} ms, {report['engine_tokens_per_s']:.0f} tok/s = "
           f"{100 * report['engine_share_of_roofline']:.0f}% of the roofline")

@@ -158,6 +158,7 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
         return HFEngine(
             sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
             full_parameters=full_parameters or (lambda model: contextlib.nullcontext()), lockstep=lockstep,
+            compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
         )
     seed = cfg.seed + rank  # ranks must not share a random stream
     if name == "vllm_colocate":

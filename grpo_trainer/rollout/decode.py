@@ -107,6 +107,25 @@ def reserve_room(cache: DynamicCache, room: int) -> bool:
     return True
 
 
+class EagerDecoder:
+    """The decode loop's forward on the eager model: KV cache with reserved room, padding mask grown a column a
+    token (the compiled alternative is static_decode.StaticDecoder, with the same two methods)."""
+
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor):
+        self.model, self.cache, self.mask = model, cache, mask
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)
+        return self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions[:, None],
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep the live rows `indices`: the cache's only copy, made when rows finish, not per token."""
+        self.cache.reorder_cache(indices)
+        self.mask = self.mask[indices]
+
+
 def grouped_attention(query, key, value, attention_mask, scaling):
     """SDPA without `repeat_kv`: query [B, H, 1, D], key/value [B, Hkv, L, D]; query head h reads key/value
     head h // (H / Hkv), so the H / Hkv query heads of one group become that group's "query positions"

@@ -30,8 +30,9 @@ import torch
 
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
-from .decode import decode_kernels, reserve_room
+from .decode import EagerDecoder, decode_kernels, reserve_room
 from .draw import draw_torch
+from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class HFEngine:
         full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
         tokenizer=None,
         lockstep: Collectives | None = None,
+        compile: str | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
@@ -60,6 +62,10 @@ class HFEngine:
         # ended early idling until the last has finished, as transformers' `synced_gpus`. None: each rank
         # stops when its own completions end (DDP, ZeRO-3 with its hooks removed for sampling, one process).
         self.lockstep = lockstep
+        # rollout.hf.compile: the decode step under torch.compile over a static KV cache (static_decode.py), with
+        # this torch.compile mode ("default" for torch's default); None: the eager loop with measured kernels.
+        self.compile = compile
+        self._compiled: CompiledForward | None = None
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
@@ -145,27 +151,40 @@ class HFEngine:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
         rows = torch.arange(len(prompts), device=ids.device).repeat_interleave(g)  # grouped: prompt 0 x G, 1 x G, ...
         cache = out.past_key_values
-        reserve_room(cache, limit)  # new tokens are written in place, not concatenated
-        cache.reorder_cache(rows)
         occurred = None
         if self.sampling["repetition_penalty"] != 1.0:  # which tokens each row has seen: its prompt's, not padding
             occurred = torch.zeros(len(prompts), out.logits.shape[-1], dtype=torch.int32, device=ids.device)
             occurred.scatter_add_(1, ids, mask.to(torch.int32))
             occurred = (occurred > 0)[rows]
-        with decode_kernels(model) as kernels:
-            tokens, finished = self._sample_tokens(model, cache, out.logits[rows, -1], mask[rows], occurred, limit,
-                                                   kernels.draw)
+        kernels = decode_kernels(model)
+        if self.compile is not None:  # plain modules under torch.compile; only the (exact) draw is chosen here
+            cache.reorder_cache(rows)
+            decoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
+            context = contextlib.nullcontext()
+        else:
+            reserve_room(cache, limit)  # new tokens are written in place, not concatenated
+            cache.reorder_cache(rows)
+            decoder, context = EagerDecoder(model, cache, mask[rows]), kernels
+        with context:
+            tokens, finished = self._sample_tokens(model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred,
+                                                   limit, kernels.draw)
         return tokens, [not done for done in finished]
 
-    def _sample_tokens(self, model, cache, logits: torch.Tensor, mask: torch.Tensor, occurred: torch.Tensor | None,
-                       limit: int, draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[int]], list[bool]]:
-        """Token by token from the prefilled `cache` and first `logits` [B, V]; finished rows leave the batch.
+    def _compiled_forward(self, model) -> CompiledForward:
+        if self._compiled is None or self._compiled.model is not model:
+            self._compiled = CompiledForward(model, self.compile)
+        return self._compiled
+
+    def _sample_tokens(self, model, decoder, logits: torch.Tensor, next_position: torch.Tensor,
+                       occurred: torch.Tensor | None, limit: int,
+                       draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[int]], list[bool]]:
+        """Token by token from the first `logits` [B, V] through `decoder` (`forward(tokens, positions)`,
+        `keep(rows)`), whose rows sit at `next_position` [B]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
         Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit.
 
         In lockstep (`self.lockstep`: forwards are collectives) the loop ends when no rank has a row left:
         one all-reduce per token, and a rank whose rows have all finished makes idle forwards until then."""
-        next_position = mask.sum(-1)  # [B]
         eos = torch.tensor(self.eos_token_ids, device=logits.device)
         tokens: list[list[int]] = [[] for _ in range(len(logits))]
         finished = [False] * len(logits)
@@ -193,12 +212,10 @@ class HFEngine:
                 continue
             if not going.all():  # finished rows leave the batch: no more compute spent on padding
                 keep = going.nonzero().squeeze(-1)
-                cache.reorder_cache(keep)
-                live, nxt, mask, next_position = live[keep], nxt[keep], mask[keep], next_position[keep]
+                decoder.keep(keep)
+                live, nxt, next_position = live[keep], nxt[keep], next_position[keep]
                 occurred = occurred[keep] if occurred is not None else None
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = decoder.forward(nxt, next_position)
             next_position = next_position + 1
         return tokens, finished
 
