@@ -221,3 +221,19 @@ def test_the_engine_samples_generates_tokens_with_every_draw(tiny_model_path, dr
     out = {share: HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=share)
            .generate(prompts, 1, seeds=[5, 6, 7]).completion_ids for share in (True, False)}
     assert out[True] == out[False]
+
+
+def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_it_is_quiet(tmp_path, monkeypatch):
+    path = tmp_path / "decode_kernels.json"
+    monkeypatch.setattr(kernels.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {"a": 2.0, "b": 1.0})
+    measure, calls = _counting({"a": 0, "b": 0})
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 1  # still busy: the cached choice stands
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (0.3, 0.5, 1.0))
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 2 and next(iter(json.loads(path.read_text())["choices"].values()))["loadavg"] == 0.3
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 2  # measured quietly: kept

@@ -12,13 +12,15 @@ model and its flags (or the GPU's name), ATen's CPU capability (`ATEN_CPU_CAPABI
 kernels on an AVX-512 machine), torch's version and thread count; then by decision and shape. Each entry
 keeps its timings and the load average when measured.
 
-Two rules keep the measurement honest:
+Three rules keep the measurement honest:
 * A decision is measured only where it can matter (`worth_measuring`, decided by the caller: e.g. the
   weights or KV cache a kernel class reads per decode step are at least `MIN_WORK_BYTES`). Below that a
   kernel class costs microseconds per step, the timings are noise, and the incumbent (the first
   alternative, today's behaviour) stays. Alternatives of the linear form and the attention path round
   differently, so this also keeps small models (the demo's, the golden test's) on one path on every machine.
 * An alternative replaces the incumbent only when it is at least `MARGIN` faster.
+* A choice timed on an overloaded machine (load average above its CPU count) is timed again when the
+  machine is next quiet (below half of it).
 
 `GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native"` forces choices
 (the tests do so to check every alternative); an unknown name is an error naming the choices.
@@ -140,7 +142,7 @@ class KernelTable:
             return alternatives[0]
         key = f"{machine_key(device_type)}/{decision}/{'x'.join(map(str, shape))}"
         entry = self._load().get(key)
-        if entry is not None and entry.get("choice") in alternatives:
+        if entry is not None and entry.get("choice") in alternatives and not _measured_busy_now_quiet(entry):
             return entry["choice"]
         ms = time_alternatives(measure(), device_type=device_type)
         incumbent = alternatives[0]
@@ -187,6 +189,13 @@ class KernelTable:
             self._choices = merged
         except OSError as exc:  # a read-only cache costs a re-measurement next time, nothing else
             logger.warning("decode kernels: could not write %s (%s)", self.path, exc)
+
+
+def _measured_busy_now_quiet(entry: dict) -> bool:
+    """A choice timed while the machine was overloaded (load average above its CPU count) is timed again once
+    it is quiet (below half of it): a busy machine's timings are the weakest evidence there is."""
+    cpus = os.cpu_count() or 1
+    return entry.get("loadavg", 0.0) > cpus and os.getloadavg()[0] < cpus / 2
 
 
 @functools.lru_cache(maxsize=1)
