@@ -29,10 +29,9 @@ def _prefill(lm, prompts, pad_token_id):
 def test_the_static_compiled_decoder_gives_the_eager_logits_as_rows_finish(tiny_model_path):
     tokenizer, lm = load_tokenizer(ModelConfig()), load_causal_lm(ModelConfig())
     lm.eval().config.use_cache = True
-    prompts = [tokenizer("12+7=", add_special_tokens=False)["input_ids"],
-               tokenizer("3*45-6=", add_special_tokens=False)["input_ids"]]  # left padding on the first
-    feed = torch.tensor([tokenizer("19 done", add_special_tokens=False)["input_ids"][:6],
-                         tokenizer("129 yes", add_special_tokens=False)["input_ids"][:6]])
+    texts = [("12+7=", "19 done"), ("3*45-6=", "129 yes"), ("8-1=", "7 ok it"), ("100+23=", "123 done")]
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in texts]  # left padding on the short ones
+    feed = torch.tensor([tokenizer(c, add_special_tokens=False)["input_ids"][:6] for _, c in texts])
     compiled = CompiledForward(lm)
     runs = {}
     for kind in ("eager", "static"):
@@ -42,24 +41,26 @@ def test_the_static_compiled_decoder_gives_the_eager_logits_as_rows_finish(tiny_
             decoder = EagerDecoder(lm, cache, mask)
         else:
             decoder = StaticDecoder(compiled, cache, mask, 8)
-        rows, position, seen = torch.arange(2), mask.sum(-1), []
+        rows, position, seen = torch.arange(4), mask.sum(-1), []
         with torch.no_grad():
             for step in range(feed.shape[1]):
-                if step == 3:  # row 0 finishes: the static cache shrinks from a bucket of 2 rows to 1
-                    rows, position = rows[1:], position[1:]
-                    decoder.keep(torch.tensor([1]))
+                # Rows finish: 4 -> 3 live rows stay in the bucket of 4 (moved in place), then 1 (a bucket of 1).
+                for at, keep in ((2, [1, 2, 3]), (4, [2])):
+                    if step == at:
+                        rows, position = rows[keep], position[keep]
+                        decoder.keep(torch.tensor(keep))
                 seen.append(decoder.forward(feed[rows, step], position))
                 position = position + 1
         runs[kind] = seen
-    assert [s.shape[0] for s in runs["static"]] == [2, 2, 2, 1, 1, 1]
+    assert [s.shape[0] for s in runs["static"]] == [4, 4, 3, 3, 1, 1]
     for eager, static in zip(runs["eager"], runs["static"]):
         torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
 
-    # The engine with `rollout.hf.compile` samples through the same graphs (same row buckets, same cache length).
+    # The engine with `rollout.hf.compile` samples through the same graphs (a bucket of 1 row, the same cache length).
     settings = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=8)
     engine = HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, compile="default")
     engine._compiled = compiled
-    rollout = engine.generate(prompts[1:], 2, seeds=[0])
-    assert len(rollout.completion_ids) == 2
+    rollout = engine.generate(prompts[1:], 1, seeds=[0, 1, 2])
+    assert len(rollout.completion_ids) == 3
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert 0 < len(ids) <= 8 and (ids[-1] == tokenizer.eos_token_id) != truncated

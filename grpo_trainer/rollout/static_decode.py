@@ -83,6 +83,11 @@ class StaticDecoder:
         bucket = row_bucket(len(indices))
         order = _padded(indices, bucket)
         self.mask = self.mask[order]
+        if bucket == self.cache.layers[0].keys.shape[0]:
+            for layer in self.cache.layers:  # in place: the same buffers (CUDA graphs keep their addresses)
+                layer.keys.copy_(layer.keys[order])
+                layer.values.copy_(layer.values[order])
+            return
         self.cache = self._static_cache([(layer.keys[order], layer.values[order]) for layer in self.cache.layers])
 
 
