@@ -17,11 +17,11 @@ every alternative against torch, draw for draw):
   generator's state), 53-bit uniforms and logarithms as whole-array operations, then the exact float32
   ratio recomputed for the few entries within rounding distance of each row's maximum (so a logarithm that
   differs from ATen's in the last bit cannot change the token).
-* `native`: one C loop (compiled once per machine with the system C compiler, cached beside the models)
-  that walks the same stream and computes the logarithm only for entries that can still win: q >= u, so
-  entry j cannot beat the current best ratio b when p_j <= b * u_j (with a margin larger than all
-  roundings). Most of a vocabulary's probabilities are tiny, so almost every entry costs two twister
-  outputs and a comparison.
+* `native`: one C loop (compiled once per machine with the system C compiler, for its CPU, cached beside
+  the models) that walks the same stream and computes the logarithm only for entries that can still win:
+  q >= u, so entry j cannot beat the current best ratio b when p_j <= b * u_j (with a margin larger than
+  all roundings). Most of a vocabulary's probabilities are tiny, so almost every entry costs two twister
+  outputs and a comparison, screened a block of the twister's state at a time.
 
 Which one runs is measured per machine (`kernels.py`); CUDA tensors and explicit generators always take
 `torch` (the others emulate the CPU generator only).
@@ -134,8 +134,12 @@ C_SOURCE = r"""
 /* The token torch.multinomial(p, 1) draws on CPU, for rows of float32 probabilities, from a mt19937 state
    (key[624], pos: index of the next word, 624 = twist first). Same stream, same rounding as ATen:
    u = low 53 bits of (first << 32 | second) * 2^-53, q = (float)(-log1p(-u)), ratio = p / q in float32,
-   argmax with the first NaN, else the first maximum, winning. log1p is computed only where entry j can
-   still win: q >= u, so p_j <= best * u_j * (1 - 1e-6) means ratio_j <= best after every rounding. */
+   argmax with the first NaN, else the first maximum, winning.
+
+   log1p is computed only where entry j can still win: q >= u, so p_j <= best * u_j * (1 - 1e-6) means
+   ratio_j <= best after every rounding. The twister's words are tempered a block at a time, and each block's
+   entries are screened in a first pass against the bound at the block's start (the bound only grows, so
+   the screen keeps every entry the exact second pass could take). */
 #include <stdint.h>
 #include <math.h>
 
@@ -152,10 +156,7 @@ static void twist(uint32_t *s) {
 #undef MIX
 }
 
-static inline uint32_t next_word(uint32_t *key, int64_t *pos) {
-    uint32_t y;
-    if (*pos >= N) { twist(key); *pos = 0; }
-    y = key[(*pos)++];
+static inline uint32_t temper(uint32_t y) {
     y ^= y >> 11;
     y ^= (y << 7) & 0x9d2c5680u;
     y ^= (y << 15) & 0xefc60000u;
@@ -163,29 +164,62 @@ static inline uint32_t next_word(uint32_t *key, int64_t *pos) {
     return y;
 }
 
+typedef struct { uint32_t *key; int64_t pos; } stream;
+
+static inline uint32_t next_word(stream *s) {
+    if (s->pos >= N) { twist(s->key); s->pos = 0; }
+    return temper(s->key[s->pos++]);
+}
+
+static inline double uniform(uint64_t high, uint64_t low) {
+    return (double)(((high << 32) | low) & ((1ULL << 53) - 1)) * 0x1p-53;
+}
+
+typedef struct { float best; double bound; int64_t index; } running_max;
+
+/* The exact step for entry j: ATen's q and ratio, and torch.argmax's order (first NaN, else first maximum). */
+static inline void consider(running_max *m, float p, double u, int64_t j) {
+    float q, ratio;
+    if (m->index >= 0 && u > 0.0 && (double)p <= m->bound * u) return;
+    q = (float)(-log1p(-u));
+    ratio = p / q;
+    if (m->index < 0 || (isnan(ratio) && !isnan(m->best)) || (!isnan(m->best) && ratio > m->best)) {
+        m->best = ratio;
+        m->bound = (double)ratio * (1.0 - 1e-6);
+        m->index = j;
+    }
+}
+
 void exponential_argmax(uint32_t *key, int64_t *pos, const float *probs, int64_t rows, int64_t vocab, int64_t *out) {
-    int64_t r, j;
+    stream s = {key, *pos};
+    uint32_t words[N];
+    unsigned char keep[N / 2];
+    int64_t r, j, k, n;
     for (r = 0; r < rows; r++) {
         const float *p = probs + r * vocab;
-        float best = 0.0f;
-        double bound = 0.0; /* best * (1 - 1e-6): entries with p <= bound * u cannot win */
-        int64_t best_index = -1;
-        for (j = 0; j < vocab; j++) {
-            uint64_t high = next_word(key, pos);
-            uint64_t low = next_word(key, pos);
-            double u = (double)(((high << 32) | low) & ((1ULL << 53) - 1)) * 0x1p-53;
-            if (best_index >= 0 && u > 0.0 && (double)p[j] <= bound * u)
+        running_max m = {0.0f, 0.0, -1};
+        j = 0;
+        while (j < vocab) {
+            if (s.pos > N - 2 || m.index < 0) {  /* across a block boundary, or the first entry: one at a time */
+                uint64_t high = next_word(&s), low = next_word(&s);
+                consider(&m, p[j], uniform(high, low), j);
+                j++;
                 continue;
-            float q = (float)(-log1p(-u));
-            float ratio = p[j] / q;
-            if (best_index < 0 || (isnan(ratio) && !isnan(best)) || (!isnan(best) && ratio > best)) {
-                best = ratio;
-                bound = (double)best * (1.0 - 1e-6);
-                best_index = j;
             }
+            n = (N - s.pos) / 2;  /* whole entries left in this block */
+            if (n > vocab - j) n = vocab - j;
+            for (k = 0; k < 2 * n; k++) words[k] = temper(key[s.pos + k]);
+            for (k = 0; k < n; k++)  /* the screen: vectorizable, against the bound at the block's start */
+                keep[k] = !(uniform(words[2 * k], words[2 * k + 1]) > 0.0
+                            && (double)p[j + k] <= m.bound * uniform(words[2 * k], words[2 * k + 1]));
+            for (k = 0; k < n; k++)
+                if (keep[k]) consider(&m, p[j + k], uniform(words[2 * k], words[2 * k + 1]), j + k);
+            s.pos += 2 * n;
+            j += n;
         }
-        out[r] = best_index;
+        out[r] = m.index;
     }
+    *pos = s.pos;
 }
 """
 
@@ -201,7 +235,10 @@ def native_library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha256((C_SOURCE + version + compiler).encode()).hexdigest()[:16]
+        # Built for this CPU (-march=native): its flags are part of the name, so a cache shared by different
+        # machines never loads another's build.
+        flags = " ".join(sorted(_cpu_flags()))
+        digest = hashlib.sha256((C_SOURCE + version + compiler + flags).encode()).hexdigest()[:16]
         target = cache_dir() / "native" / f"exponential_argmax-{digest}.so"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -209,9 +246,9 @@ def native_library() -> ctypes.CDLL | None:
                 source = Path(tmp) / "exponential_argmax.c"
                 source.write_text(C_SOURCE)
                 built = Path(tmp) / target.name
-                # No -ffast-math and no contraction: every rounding must be ATen's.
-                subprocess.run([compiler, "-O2", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared", str(source),
-                                "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
+                # No -ffast-math and no contraction: every rounding must be ATen's (log1p is libm's, as ATen's).
+                subprocess.run([compiler, "-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared",
+                                str(source), "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent builder writes the same bytes
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -223,6 +260,12 @@ def native_library() -> ctypes.CDLL | None:
         logger.warning("the native sampler disagrees with torch.multinomial on this machine; not used")
         return None
     return library
+
+
+def _cpu_flags() -> list[str]:
+    from .kernels import cpu_info
+
+    return cpu_info()["flags"]
 
 
 def _native_draw(library: ctypes.CDLL, probs: torch.Tensor) -> torch.Tensor:
