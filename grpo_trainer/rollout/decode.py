@@ -21,7 +21,8 @@ on the machine (issue 26). `DecodeKernels` picks one of each per shape by measur
   a transposed one sent the attention after it down SDPA's slow "math" path (the flash kernel wants a unit
   stride on the head dimension), which cost a sixth of the step before this was measured.
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
-  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all).
+  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). Measured
+  on CPUs; on GPUs `grouped`, the same on every rank.
 * the multinomial draw: draw.py.
 
 Every alternative is tested against transformers' own decode (tests/test_rollout.py, forced through
@@ -222,6 +223,10 @@ class DecodeKernels:
     # -- attention
 
     def attention_path(self, query: torch.Tensor, key: torch.Tensor, attention_mask) -> Callable:
+        if query.device.type != "cpu":
+            # Measured on CPUs only: on GPUs every rank then runs the same kernels, so ranks that evaluate the
+            # same prompts with the same seed (and no lockstep) also make the same forward calls.
+            return ATTENTION["grouped"]
         batch, heads, _, dim = query.shape
         kv_heads, length = key.shape[1], key.shape[2]
         shape = (row_bucket(batch), heads, kv_heads, length_bucket(length), dim)
