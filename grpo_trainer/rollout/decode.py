@@ -152,7 +152,8 @@ def grouped_matmul_attention(query, key, value, attention_mask, scaling):
 def repeated_attention(query, key, value, attention_mask, scaling):
     """transformers' own path: every key/value head repeated for the query heads it serves, then SDPA."""
     groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
 
 
