@@ -19,14 +19,16 @@ Then it times the engine's own decode step (reserved KV room, and the kernels th
 machine: rollout/kernels.py, measured on first use and cached) at a context of prompt + half the completion,
 and its parts: the whole step, the LM head alone in each linear form, the sampler with each exact draw and
 with the engine's choice, and transformers' plain decode step (DynamicCache, repeat_kv, `nn.Linear`) for
-comparison. Every number is the best of `--reps` after warm-up: on a shared 2-core machine the best is the
-least disturbed run. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
+comparison. Every number is the best of `--reps` after warm-up, the alternatives timed in turn (one rep of
+each, then the next round): on a shared 2-core machine the best is the least disturbed run, and a change in
+load hits all alike. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
 capability, threads, load average before and after) and the kernel choices in force.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def decode_step(model, rows: int, context: int, in_place: bool):
-    """A function that runs one decode step of `rows` rows after a `context`-token cache (built once here);
-    `in_place`: the engine's (reserved KV room, its measured kernel choices), else transformers' own."""
+    """(step, context): `step()` runs one decode step of `rows` rows after a `context`-token cache (built once
+    here), to be timed inside `context`. `in_place`: the engine's step (reserved KV room, its measured kernel
+    choices, put in place by the context once, as the engine does per batch), else transformers' own."""
     import contextlib
 
     import torch
@@ -53,14 +56,31 @@ def decode_step(model, rows: int, context: int, in_place: bool):
         reserve_room(cache, 1)
     length = cache.get_seq_length()
     nxt, position = ids[:, -1:], torch.full((rows, 1), context)
-    kernels = DecodeKernels(model) if in_place else contextlib.nullcontext()
 
     def step():
-        with torch.no_grad(), kernels:
+        with torch.no_grad():
             model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
         rewind(cache, length)  # back to `context` tokens for the next rep
 
-    return step
+    return step, DecodeKernels(model) if in_place else contextlib.nullcontext()
+
+
+def alternating_best(calls: dict, reps: int) -> dict[str, float]:
+    """Best seconds of each of `calls` ({name: (function, context it runs in)}), one rep of each in turn, so
+    that a change in machine load hits every alternative alike; contexts are entered outside the timing."""
+    import time
+
+    best = {}
+    for function, context in calls.values():
+        with context:
+            function()  # warm-up: allocator, oneDNN primitives, the kernel choices' first measurement
+    for _ in range(reps):
+        for name, (function, context) in calls.items():
+            with context:
+                start = time.perf_counter()
+                function()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    return best
 
 
 def compiled_step(model, rows: int, context: int, reps: int, mode: str = "default") -> tuple[float, float]:
@@ -118,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_trainer.rollout.decode import LINEAR, DecodeKernels
     from grpo_trainer.rollout.draw import DRAWS, available_draws
     from grpo_trainer.rollout.hf import sample_next_token
-    from grpo_trainer.rollout.kernels import default_table, machine_key
     from grpo_trainer.tiny import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
@@ -134,16 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     floor = max(weight_bytes / bandwidth, step_flops / peak)
     logits = torch.randn(args.rows, cfg.vocab_size) * 4
     hidden = torch.randn(args.rows, 1, cfg.hidden_size)
-    best = machine.best_seconds
     kernels = DecodeKernels(model)
-    timings = {
-        "engine_step_s": best(decode_step(model, args.rows, args.context, in_place=True), args.reps),
-        "transformers_step_s": best(decode_step(model, args.rows, args.context, in_place=False), args.reps),
-        **{f"lm_head_{form}_s": best(lambda form=form: LINEAR[form](model.lm_head, hidden), args.reps) for form in LINEAR},
-        **{f"sampler_{name}_s": best(lambda name=name: sample_next_token(logits, draw=DRAWS[name]), args.reps)
+    plain = contextlib.nullcontext()
+    engine_step = decode_step(model, args.rows, args.context, in_place=True)
+    calls = {
+        "engine_step_s": engine_step,
+        "transformers_step_s": decode_step(model, args.rows, args.context, in_place=False),
+        **{f"lm_head_{form}_s": (lambda form=form: LINEAR[form](model.lm_head, hidden), plain) for form in LINEAR},
+        **{f"sampler_{name}_s": (lambda name=name: sample_next_token(logits, draw=DRAWS[name]), plain)
            for name in available_draws()},
-        "sampler_s": best(lambda: sample_next_token(logits, draw=kernels.draw), args.reps),  # the engine's choice
+        "sampler_s": (lambda: sample_next_token(logits, draw=kernels.draw), plain),  # the engine's choice
     }
+    timings = alternating_best(calls, args.reps)
     engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
     compile_s = None
     if args.compile:
@@ -157,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
         "compile_s": compile_s,
-        "kernel_choices": {key.split("/", 1)[1]: entry["choice"] for key, entry in default_table().entries().items()
-                           if key.startswith(machine_key("cpu"))},
+        "kernel_choices": {**engine_step[1].chosen, **kernels.chosen},
         "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}")

@@ -179,7 +179,7 @@ def test_decode_kernels_put_their_choices_in_place_and_restore_the_model(tiny_mo
         assert all("forward" in vars(m) for m in linears) and lm.config._attn_implementation != "sdpa"
         x = torch.randn(4, 1, lm.config.hidden_size)
         torch.testing.assert_close(linears[0](x), torch.nn.functional.linear(x, linears[0].weight), atol=1e-6, rtol=1e-6)
-        assert chosen.forms  # the form was chosen for that shape and row count
+        assert chosen.chosen == {f"linear/{linears[0].weight.shape[0]}x{lm.config.hidden_size}x4": "weight_stationary"}
     assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError), DecodeKernels(lm, kernels.KernelTable(None)):
         raise RuntimeError("a failure inside the loop")

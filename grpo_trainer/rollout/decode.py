@@ -195,6 +195,7 @@ class DecodeKernels:
         self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
         self.attention_paths: dict[tuple[int, ...], Callable] = {}
         self.draws: dict[tuple[int, int], Callable] = {}
+        self.chosen: dict[str, str] = {}  # "decision/shape" -> alternative, as chosen so far (for reports)
         config = getattr(model, "config", None)
         self.layers = getattr(config, "num_hidden_layers", 1) or 1
         self.switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
@@ -206,7 +207,8 @@ class DecodeKernels:
         key = (out_features, in_features, row_bucket(rows))
         form = self.forms.get(key)
         if form is None:
-            form = self.forms[key] = LINEAR[self._choose_linear(key)]
+            name = self.chosen["linear/" + "x".join(map(str, key))] = self._choose_linear(key)
+            form = self.forms[key] = LINEAR[name]
         return form
 
     def _choose_linear(self, key: tuple[int, int, int]) -> str:
@@ -233,7 +235,8 @@ class DecodeKernels:
         shape = (row_bucket(batch), heads, kv_heads, length_bucket(length), dim)
         path = self.attention_paths.get(shape)
         if path is None:
-            path = self.attention_paths[shape] = ATTENTION[self._choose_attention(shape, query.dtype)]
+            name = self.chosen["attention/" + "x".join(map(str, shape))] = self._choose_attention(shape, query.dtype)
+            path = self.attention_paths[shape] = ATTENTION[name]
         return path
 
     def _choose_attention(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -262,6 +265,7 @@ class DecodeKernels:
         if draw is None:
             name = self.table.choose("draw", shape, available_draws(), lambda: _draw_timings(shape),
                                      worth_measuring=rows * vocab >= 2**16)
+            self.chosen["draw/" + "x".join(map(str, shape))] = name
             draw = self.draws[shape] = DRAWS[name]
         return draw(probs)
 
