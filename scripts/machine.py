@@ -9,7 +9,7 @@ which vector instruction set ATen used: `ATEN_CPU_CAPABILITY=avx2` runs the AVX2
 the threads, the load average when measured (a shared machine's numbers are only as good as its quiet), and
 two measured roofs:
 
-  matmul peak      best float32 `torch.mm` rate over square 512-2048 matrices (scripts/scaling.py)
+  matmul peak      best float32 `torch.mm` rate over square 512-2048 matrices
   read bandwidth   best `tensor.sum()` rate over a float32 tensor of `bandwidth_bytes` (default 512 MiB,
                    larger than any cache here, so it streams from DRAM)
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+CLOCK = time.perf_counter  # what best_seconds times with; decode_roofline --cpu-time sets time.process_time
 VECTOR_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "avx2", "fma", "avx_vnni")
 
 
@@ -33,9 +34,9 @@ def best_seconds(fn, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return min(times)
 
 
@@ -47,11 +48,21 @@ def read_bandwidth(n_bytes: int, reps: int = 10) -> float:
     return n_bytes / best_seconds(lambda: x.sum(), reps)
 
 
+def matmul_peak(reps: int = 3) -> float:
+    """FLOP/s of the best float32 `torch.mm` over square 512-2048 matrices: the practical compute ceiling."""
+    import torch
+
+    best = 0.0
+    for n in (512, 1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        best = max(best, 2 * n**3 / best_seconds(lambda: torch.mm(a, b), reps))
+    return best
+
+
 def describe(measure: bool = True, bandwidth_bytes: int = 512 * 2**20, reps: int = 10) -> dict:
     """The machine as a dict (JSON-ready); with `measure`, its matmul peak and read bandwidth measured now."""
     import torch
 
-    import scaling
     from grpo_trainer.rollout.kernels import cpu_info
 
     cpu = cpu_info()
@@ -67,7 +78,7 @@ def describe(measure: bool = True, bandwidth_bytes: int = 512 * 2**20, reps: int
         "cpu_flags": cpu["flags"],
     }
     if measure:
-        info["matmul_peak_gflop_s"] = round(scaling.matmul_peak_flops(None) / 1e9, 1)
+        info["matmul_peak_gflop_s"] = round(matmul_peak() / 1e9, 1)
         info["read_bandwidth_gb_s"] = round(read_bandwidth(bandwidth_bytes, reps) / 1e9, 2)
     return info
 
