@@ -8,7 +8,7 @@ tokens and 16 rows that is 786k logarithms per decode step, a fifth of the step 
 (docs/performance.md).
 
 All three alternatives below give the same token as `torch.multinomial` and leave the generator in the
-same state, so sampling stays reproducible per seed and equal to `generate`'s (tests/test_draw.py checks
+same state, so sampling stays reproducible per seed and equal to `generate`'s (tests/test_decode_kernels.py checks
 every alternative against torch, draw for draw):
 
 * `torch`: `probs / empty_like(probs).exponential_()` then argmax, as multinomial computes it (minus its

@@ -30,9 +30,11 @@ class CompiledForward:
     """A model's forward under torch.compile, kept for the model's life: graphs are reused across generate calls.
     Parameters are graph inputs, not constants, so optimizer steps between rollouts are seen without recompiling."""
 
-    def __init__(self, model: torch.nn.Module, mode: str | None = None):
+    def __init__(self, model: torch.nn.Module, mode: str | None = None, backend: str = "inductor"):
+        """`backend`: torch.compile's; "eager" traces the same static graphs without generating kernels (seconds,
+        not minutes, on a small CPU), which is how the tests check the decoder's cache and bucket logic."""
         self.model = model
-        self.forward = torch.compile(model.forward, dynamic=False, mode=mode)
+        self.forward = torch.compile(model.forward, dynamic=False, mode=mode, backend=backend)
 
 
 class StaticDecoder:
