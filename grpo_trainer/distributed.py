@@ -111,6 +111,12 @@ def forward_is_collective(accelerator) -> bool:
     return accelerator.num_processes > 1 and accelerator.distributed_type.value == "FSDP"
 
 
+def sampling_lockstep(accelerator, comm: Collectives) -> Collectives | None:
+    """What the hf engine gets as `lockstep` (training rollouts and periodic evaluation alike): the ranks'
+    collectives where a forward is one (`forward_is_collective`), else None (each rank stops when it is done)."""
+    return comm if forward_is_collective(accelerator) else None
+
+
 def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
     """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
 

@@ -174,7 +174,7 @@ def build_run(cfg: Config) -> Run:
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
         toolbox=toolbox,
-        lockstep=comm if distributed.forward_is_collective(accelerator) else None,
+        lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
     eval_task = None

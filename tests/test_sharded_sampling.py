@@ -32,7 +32,8 @@ class Rank:
     patches global state while it loads, so two loads at once in threads can corrupt both models."""
 
     def __init__(self, collective_forward: bool):
-        self.tokenizer, lm = load_tokenizer(ModelConfig()), load_causal_lm(ModelConfig())
+        self.tokenizer, self.lm = load_tokenizer(ModelConfig()), load_causal_lm(ModelConfig())
+        lm = self.lm
         self.collective_forward, self.calls, self.comm = collective_forward, 0, None
         lm.register_forward_pre_hook(self._before_forward)
         settings = SamplingSettings(eos_token_ids=[self.tokenizer.eos_token_id], max_completion_length=16, temperature=1.5)
@@ -112,7 +113,7 @@ def test_a_rank_without_prompts_keeps_the_others_company():
 def test_lockstep_is_used_only_where_a_forward_is_a_collective():
     from types import SimpleNamespace
 
-    from grpo_trainer.distributed import forward_is_collective
+    from grpo_trainer.distributed import forward_is_collective, sampling_lockstep
 
     def accelerator(kind, n):
         return SimpleNamespace(num_processes=n, distributed_type=SimpleNamespace(value=kind))
@@ -121,6 +122,8 @@ def test_lockstep_is_used_only_where_a_forward_is_a_collective():
     assert not forward_is_collective(accelerator("FSDP", 1))
     for kind in ("MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "NO"):  # ZeRO-3 samples with its hooks removed
         assert not forward_is_collective(accelerator(kind, 2))
+    comm = object()  # what rollouts (state.build_run) and periodic evaluation (trainer.periodic_eval) hand the engine
+    assert sampling_lockstep(accelerator("FSDP", 2), comm) is comm and sampling_lockstep(accelerator("MULTI_GPU", 2), comm) is None
 
 
 def test_multi_turn_rounds_run_on_every_rank_while_any_rank_has_a_conversation_going(tiny_model_path):
@@ -143,3 +146,30 @@ def test_multi_turn_rounds_run_on_every_rank_while_any_rank_has_a_conversation_g
     assert busy.tool_calls == [2] and idle.tool_calls == [0]
     assert len(busy_calls) == len(idle_calls) == 3
     assert [call["contexts"] for call in idle_calls[1:]] == [[], []]
+
+
+def test_periodic_evaluation_runs_in_lockstep_too(tiny_model_path):
+    """evaluate_model, as the trainer calls it every eval.every steps on every rank, with the engine in lockstep:
+    ranks whose completions end at different lengths (in a real run: kernels that round differently; here rank 0
+    stops at 4 tokens, rank 1 at 16) still make the same forward calls. Every rank evaluates the same prompts in
+    the same batches (one prompt each here), so they make the same generate calls. (That lockstep samples the
+    free engine's tokens is checked above with one rank: two rank threads share torch's global generator.)"""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.evaluate import evaluate_model
+
+    configs = [load_config("configs/demo_cpu.yaml", [f"rollout.max_completion_length={length}", "rollout.batch_size=1"])
+               for length in (4, 16)]
+
+    def evaluate(lockstep: bool):
+        def work(index, rank):
+            return evaluate_model(rank.lm, rank.tokenizer, configs[index], k=2, num_prompts=4, progress=False,
+                                  lockstep=rank.comm if lockstep else None)
+
+        return _on_ranks([Rank(collective_forward=lockstep) for _ in range(2)], work)
+
+    free = evaluate(lockstep=False)
+    assert free[0][0] != free[1][0]
+    (calls0, synced0), (calls1, synced1) = evaluate(lockstep=True)  # the forward is a barrier: returns only if they match
+    assert calls0 == calls1
+    for results in (synced0, synced1):
+        assert sorted(results) == sorted(free[0][1]) and results["eval/num_prompts"] == 4
