@@ -48,7 +48,7 @@ test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
-	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py
+	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py tests/test_vllm_*.py
 
 bench: $(STAMP)
 	$(UV) -e ".[$(EXTRAS),bench]"

@@ -1,5 +1,5 @@
 """Command line: `python -m grpo_trainer {train,validate,eval} CONFIG [key.sub=value ...]`, `plot OUTPUT_DIR`,
-`export CHECKPOINT OUT`.
+`export CHECKPOINT OUT`, `serve CONFIG [...] [-- VLLM_ARGS]` (a vLLM server for rollout.engine=vllm_server).
 
 Works the same under `accelerate launch -m grpo_trainer ...`. Exit status: 0 done; 2 a problem the
 user can fix (config, data, rewards, a failed checkpoint save), printed as one clear message; 75 stopped
@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--checkpoint", help="OUTPUT_DIR/model, a checkpoint folder, or an adapter folder (default: model.name_or_path)")
     p.add_argument("--k", type=int, help="samples per prompt (default: eval.num_generations)")
+    p = sub.add_parser("serve", help="start a vLLM server for rollout.engine=vllm_server with the flags it needs "
+                                     "(vLLM arguments after --)")
+    p.add_argument("config", help="YAML config file (the trainer's)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides")
+    p.add_argument("--port", type=int, help="default: the port of the (first) server URL in the config")
+    p.add_argument("--host", help="default: the URL's host if it is loopback, else 0.0.0.0")
+    p.add_argument("--tensor-parallel-size", type=int, help="default: rollout.vllm.tensor_parallel_size")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p = sub.add_parser("plot", help="write PNG plots of a run's metrics to OUTPUT_DIR/plots")
     p.add_argument("output_dir", help="the run's output_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="folder for the PNGs (default: OUTPUT_DIR/plots)")
@@ -42,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:  # serve: what follows -- is vLLM's
+        argv, vllm_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args, extra = parser.parse_known_args(argv)
     # Overrides may also come after --options (argparse stops collecting positionals there).
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
@@ -71,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warning: {warning}", file=sys.stderr)
             print(cfg.to_yaml(), end="")
             return 0
+        if args.command == "serve":
+            from .serve import serve
+
+            return serve(cfg, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                         vllm_args=vllm_args, dry_run=args.dry_run)
         if args.command == "eval":
             from .evaluate import evaluate, format_results
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 from .advantages import ESTIMATORS
-from .losses import IS_MODES, LOSS_TYPES
+from .losses import IS_MODES, LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate
 
 LossType = Literal[LOSS_TYPES]  # the names of losses.LOSS_VARIANTS, the one table of loss variants
 ScaleRewards = Literal["group", "batch", "none"]
@@ -53,6 +53,9 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the policy (and reference) model."
     )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or hub id, when not the model's own (None: model.name_or_path's tokenizer)."
+    )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     lora: LoraConfig | None = Field(
@@ -77,7 +80,8 @@ class DataConfig(_Section):
         "builtin:arithmetic",
         description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
-        "Hugging Face dataset id.",
+        "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
+        "in Python (docs/python_api.md).",
     )
     subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
     split: str = Field("train", description="Split to train on.")
@@ -146,27 +150,56 @@ class VLLMConfig(_Section):
 
 
 class VLLMServerConfig(_Section):
-    """An external vLLM server (`rollout.engine: vllm_server`), started separately (docs/vllm.md)."""
+    """External vLLM servers (`rollout.engine: vllm_server`), started separately: `python -m grpo_trainer serve
+    CONFIG` (docs/vllm.md)."""
 
-    base_url: str = Field("http://127.0.0.1:8000", description="The server's address.")
-    timeout: float = Field(600.0, gt=0, description="Seconds per request before a clear error.")
-    startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the server's health check.")
-    weight_sync: Literal["disk", "none"] = Field(
-        "disk",
-        description="Push weights to the server through a shared folder (`disk`), or not at all (`none`). "
-        "(NCCL pushes are not implemented.)",
+    base_url: str = Field("http://127.0.0.1:8000", description="The server's address (one server; `urls` for several).")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Several servers, instead of base_url: each step's prompts are spread over them (data-parallel "
+        "generation; per-prompt seeds, so the completions do not depend on how many) and every push goes to all.",
+    )
+    timeout: float = Field(600.0, gt=0, description="Seconds per request (and per transfer operation) before a clear error.")
+    startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the servers' health check at start.")
+    reconnect_timeout: float = Field(
+        300.0, ge=0,
+        description="Seconds to wait for a server that went away (killed, restarted) to answer again; it then gets the "
+        "current weights before sampling again. A server that does not come back stops the run, naming its URL.",
+    )
+    weight_sync: Literal["nccl", "gloo", "disk", "none"] = Field(
+        "gloo",
+        description="How weights reach the servers: vLLM's weight-transfer API over `nccl` (GPUs) or `gloo` (CPU, or "
+        "GPUs through host memory; this package's backend); `disk` (safetensors in weights_dir, reloaded by our "
+        "worker extension); `none` (never pushed). `python -m grpo_trainer serve` starts a server to match.",
+    )
+    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+    transfer_host: str | None = Field(
+        None, description="nccl/gloo: the trainer's address as the servers reach it (None: the one routing to them)."
+    )
+    transfer_port: int = Field(0, ge=0, le=65535, description="nccl/gloo: the transfer group's rendezvous port (0: a free one).")
+    transfer_bucket_mb: float = Field(
+        256, gt=0, description="nccl/gloo: weights travel in buckets of this many MiB (a larger tensor alone), so a push "
+        "holds at most one bucket besides the model.",
     )
 
-    @field_validator("weight_sync", mode="before")
+    @field_validator("urls")
     @classmethod
-    def _no_nccl(cls, value: Any) -> Any:
-        if value == "nccl":
-            raise ValueError(
-                "nccl is not implemented (no NCCL weight push has been built or tested here); use disk, with "
-                "weights_dir a folder both the trainer and the server can read"
-            )
-        return value
-    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http:// or https:// address")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError("a server is listed twice")
+        return urls
+
+    @model_validator(mode="after")
+    def _one_way_to_name_servers(self) -> VLLMServerConfig:
+        if self.urls and "base_url" in self.model_fields_set:
+            raise ValueError("give either base_url (one server) or urls (several), not both")
+        return self
+
+    def server_urls(self) -> list[str]:
+        return list(self.urls) or [self.base_url]
 
 
 # Keys that moved: a config using the old place is told the new one.
@@ -178,8 +211,11 @@ class RolloutConfig(_Section):
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
     hf: HFEngineConfig = Field(default_factory=HFEngineConfig, description="The transformers decode loop (hf).")
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The in-process vLLM engine (vllm_colocate).")
-    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="An external vLLM server (vllm_server).")
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig,
+        description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
+    )
+    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
     num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
@@ -313,7 +349,8 @@ class RewardConfig(_Section):
 class LossConfig(_Section):
     type: LossType = Field(
         "grpo",
-        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo or cispo (see README: loss family).",
+        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo, luspo or vespo "
+        "(docs/loss_family.md; the table below).",
     )
     beta: float = Field(0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded).")
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip range: ratios below 1 - epsilon_low are clipped.")
@@ -350,6 +387,37 @@ class LossConfig(_Section):
         description="rho: only the top-rho highest-entropy completion tokens of the batch (entropy under the sampling "
         "policy) carry policy gradient (\"Beyond the 80/20 Rule\", 0.2 there); 1: all. Logged: entropy/masked_fraction.",
     )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="`sapo`: temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for completions "
+        "with advantage > 0 (larger: the gradient decays faster as the ratio leaves 1)."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="`sapo`: the gate temperature for advantage <= 0; the paper keeps it above the positive one."
+    )
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="`vespo`: power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, "
+        "for advantage >= 0 (c1 in the paper)."
+    )
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage >= 0 (c2 in the paper)."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0, description="`vespo`: power k of phi(W) for advantage < 0.")
+    vespo_lambda_neg: float = Field(2.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage < 0.")
+    entropy_coef: float = Field(
+        0.0, ge=0,
+        description="c: the loss becomes L - c * H, H the mean token entropy of the policy over the trained tokens (the "
+        "top-entropy ones under top_entropy_quantile), for every loss type. With entropy_target: the starting value. "
+        "Logged: entropy_coef, policy_loss, entropy/term_mean.",
+    )
+    entropy_target: float | None = Field(
+        None, ge=0,
+        description="Adaptive entropy control (Skywork-OR1): after each step c grows by entropy_coef_delta if the step's "
+        "mean token entropy was below this (nats), else shrinks, within [entropy_coef_min, entropy_coef_max]; the term "
+        "applies only while entropy is below it. Kept in checkpoints. None: c stays entropy_coef.",
+    )
+    entropy_coef_delta: float = Field(0.005, gt=0, description="With entropy_target: the step of c per training step.")
+    entropy_coef_min: float = Field(0.0, ge=0, description="With entropy_target: the lower bound of c.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="With entropy_target: the upper bound of c.")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill."
     )
@@ -363,6 +431,34 @@ class LossConfig(_Section):
     @property
     def epsilon_high_value(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def soft_gate(self) -> SoftGate:
+        return SoftGate(self.sapo_temperature_pos, self.sapo_temperature_neg)
+
+    @property
+    def gamma_shape(self) -> GammaShape:
+        return GammaShape(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+
+    @property
+    def entropy_term(self) -> bool:
+        """Whether the loss has an entropy term (its coefficient may still be 0 at times, under adaptive control)."""
+        return self.entropy_coef > 0 or self.entropy_target is not None
+
+    @model_validator(mode="after")
+    def _check_loss_options(self) -> "LossConfig":
+        # Each loss type reads only its own options (losses.LOSS_VARIANTS): another type's option set away from
+        # its default would silently do nothing, so it is an error. (Defaults pass: a resolved config lists them all.)
+        variant = LOSS_VARIANTS[self.type]
+        for key in sorted({k for v in LOSS_VARIANTS.values() for k in v.options} - set(variant.options)):
+            if getattr(self, key) != type(self).model_fields[key].default:
+                readers = ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.options)
+                raise ValueError(f"{key} ({getattr(self, key)}) is not used by type {self.type}; it is read by: {readers}")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
+            )
+        return self
 
 
 class TrainConfig(_Section):
@@ -383,8 +479,8 @@ class TrainConfig(_Section):
     )
     skip_zero_advantage: bool = Field(
         True,
-        description="With loss.beta = 0, leave completions whose advantage is 0 (or whose tokens are all masked) out "
-        "of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
+        description="With loss.beta = 0 and no entropy term, leave completions whose advantage is 0 (or whose tokens "
+        "are all masked) out of the forward/backward passes: their gradient is exactly 0. Normalisers still count them, so the update is "
         "unchanged; `entropy` then covers the trained completions. Not applied to `bnpo` (normalised per micro-batch).",
     )
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
@@ -437,11 +533,13 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
-    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+    report_to: list[Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"],
-        description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb` (main process only).",
+        description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb`, `trackio`, "
+        "`mlflow` (main process only; each tracker is an extra, e.g. `pip install 'grpo-trainer[wandb]'`; where each "
+        "writes: docs/python_api.md#trackers). Sample tables (logging.completions_every) go to wandb, trackio and mlflow.",
     )
-    project: str = Field("grpo-trainer", description="Project name given to tensorboard / wandb.")
+    project: str = Field("grpo-trainer", description="Project (wandb, trackio) or experiment (mlflow) name given to the trackers.")
     completions_every: int = Field(
         0, ge=0, description="Every N steps, append sample completions to OUTPUT_DIR/completions.jsonl (0: never)."
     )
@@ -494,6 +592,11 @@ class Config(_Section):
                 "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "
                 f"set loss.scale_rewards to batch (got {self.loss.scale_rewards})"
             )
+        if self.loss.type == "vespo" and self.loss.tis_cap is not None and self.loss.tis_mode.startswith("sequence"):
+            raise ValueError(
+                f"loss.type vespo folds the per-token rollout correction into its sequence ratio W: set loss.tis_mode "
+                f"to token_truncate or token_mask (got {self.loss.tis_mode})"
+            )
         if self.loss.delta is not None and self.loss.delta <= 1 + self.loss.epsilon_high_value:
             raise ValueError(
                 f"loss.delta ({self.loss.delta}) must be larger than 1 + epsilon_high ({1 + self.loss.epsilon_high_value}), "
@@ -510,23 +613,26 @@ class Config(_Section):
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(loaded).__name__}")
-        data = loaded
+    data = read_config_file(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
     return config_from_dict(data, source=str(path) if path else "<defaults>")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a dict (not validated yet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(loaded).__name__}")
+    return loaded
 
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
@@ -545,6 +651,11 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         value = raw
+    set_dotted(data, key, value)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set `a.b.c` to `value` (already parsed) in a nested dict; list items by index (`rewards.0.weight`)."""
     parts = key.strip().split(".")
     node: Any = data
     for i, part in enumerate(parts[:-1]):

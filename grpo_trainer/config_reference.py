@@ -113,12 +113,12 @@ def loss_variant_table() -> list[str]:
     lines = [
         "`loss.type` values (from `grpo_trainer/losses.py: LOSS_VARIANTS`; formulas in docs/loss_family.md):",
         "",
-        "| `loss.type` | ratio | surrogate | aggregation | depends on micro-batching | zero-advantage skip exact | paper |",
-        "|---|---|---|---|---|---|---|",
+        "| `loss.type` | ratio | surrogate | aggregation | depends on micro-batching | zero-advantage skip exact | reads | paper |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v in LOSS_VARIANTS.values():
         cells = [f"`{v.name}`", v.ratio, v.surrogate, v.aggregation, "yes" if v.per_micro_batch else "no",
-                 "yes" if v.exact_zero_advantage_skip else "no", v.paper]
+                 "yes" if v.exact_zero_advantage_skip else "no", ", ".join(f"`{o}`" for o in v.options), v.paper]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

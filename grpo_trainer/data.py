@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import in_memory
 from .config import DataConfig
 from .errors import DataError
 from .tiny import BUILTIN_PREFIX, arithmetic_records
@@ -35,7 +36,9 @@ def load_records(cfg: DataConfig, split: str | None = None) -> list[dict[str, An
     """Read the configured source into a list of column dicts."""
     split = split or cfg.split
     source = cfg.source
-    if source.startswith(BUILTIN_PREFIX):
+    if in_memory.is_reference(source):  # a dataset given to grpo_trainer.train() in Python: one split, as given
+        records = in_memory.records(source, "data.source", DataError)
+    elif source.startswith(BUILTIN_PREFIX):
         name = source[len(BUILTIN_PREFIX) :]
         if name not in BUILTIN_TASKS:
             raise DataError(
@@ -109,6 +112,11 @@ def read_json_records(path: Path) -> list[dict[str, Any]]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"data.source: {path}: record {i} is a JSON {type(row).__name__}, not an object of columns")
+    return with_every_column(rows)
+
+
+def with_every_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every record gets every column, as `datasets` gives them: a column a record lacks is None."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     return [{key: row.get(key) for key in columns} for row in rows]
 

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import load_checkpoint_model
+from .checkpoint import load_checkpoint_model, read_trainer_state
+from .model_card import Setup, write_model_card
 from .models import is_lora, plain_model
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
-    """Write `out` as a save_pretrained folder; LoRA checkpoints give the adapter unless `merge`."""
-    lm, tokenizer, _ = load_checkpoint_model(checkpoint)
+    """Write `out` as a save_pretrained folder with a model card; LoRA checkpoints give the adapter unless `merge`.
+
+    The card is made from the checkpoint's config and metrics; the checkpoint records the number of processes,
+    not the hardware."""
+    lm, tokenizer, cfg = load_checkpoint_model(checkpoint)
     out = Path(out)
-    (plain_model(lm) if merge or not is_lora(lm) else lm).save_pretrained(out)
+    adapter = is_lora(lm) and not merge
+    (lm if adapter else plain_model(lm)).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    processes = read_trainer_state(checkpoint).get("world_size") or 1
+    write_model_card(out, cfg, checkpoint, Setup(processes=int(processes)), adapter=adapter)
     return out

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import in_memory
 from .config import ModelConfig
 from .errors import ConfigError
 from .tiny import resolve_model_path
@@ -29,7 +30,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    source = cfg.tokenizer or cfg.name_or_path
+    if in_memory.is_reference(source):  # given to grpo_trainer.train() in Python
+        tokenizer = in_memory.tokenizer(source, "model.tokenizer")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=cfg.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -42,9 +47,12 @@ def load_causal_lm(cfg: ModelConfig):
     """The model as configured; with LoRA adapters (a PeftModel) when `model.lora` is set."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-    )
+    if in_memory.is_reference(cfg.name_or_path):  # given to grpo_trainer.train() in Python
+        model = in_memory.model(cfg.name_or_path, "model.name_or_path")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(cfg.name_or_path), dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
     model.config.use_cache = False  # training forwards never need the KV cache
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
@@ -108,6 +116,8 @@ class TokenLogprobs(nn.Module):
     """A causal LM whose forward gives per-token log-probs of the completion tokens.
 
     forward(**SequenceBatch.tensors()) -> logprobs [B, C] (fp32), entropy [B, C] or None
+    The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term):
+    its graph holds another [B, C, V] tensor per chunk until the backward pass.
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
 
@@ -136,6 +146,7 @@ class TokenLogprobs(nn.Module):
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
         decoder = base.get_decoder()
@@ -145,7 +156,7 @@ class TokenLogprobs(nn.Module):
         else:
             hidden_states = self._hidden_full
         hidden = hidden_states(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask)
-        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy)
+        return self._score(base.get_output_embeddings(), hidden, completion_ids, with_entropy, entropy_grad)
 
     @staticmethod
     def _hidden_full(decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask) -> torch.Tensor:
@@ -182,7 +193,7 @@ class TokenLogprobs(nn.Module):
         ).last_hidden_state
         return torch.cat([first, rest], 1)  # [B, C, H]
 
-    def _score(self, head, hidden, targets, with_entropy):
+    def _score(self, head, hidden, targets, with_entropy, entropy_grad=False):
         """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
         logps, entropies = [], []
         for start in range(0, targets.shape[1], self.chunk_size):
@@ -191,7 +202,7 @@ class TokenLogprobs(nn.Module):
             logp_all = logits.log_softmax(-1)
             logps.append(logp_all.gather(-1, targets[:, start:stop, None]).squeeze(-1))
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     entropies.append(-(logp_all.exp() * logp_all).sum(-1))
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
 

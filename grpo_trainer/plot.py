@@ -271,18 +271,28 @@ def plot_run(output_dir: str | Path, out_dir: str | Path | None = None, on_skip:
     return report.written
 
 
+def plot_panel(run: Run, name: str, path: Path) -> str | None:
+    """Panel `name` of PANELS alone, as the PNG `path` (the model card's reward curve is one); returns why it
+    has nothing to draw, or None once written."""
+    Figure = _figure_class()
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    why = dict(PANELS)[name](ax, run)
+    if why is None:
+        _finish(ax)
+        _save(fig, path)
+    return why
+
+
 def plot_metrics(run: Run, out_dir: Path) -> PlotReport:
     Figure = _figure_class()
     out_dir.mkdir(parents=True, exist_ok=True)
     report = PlotReport()
     drawn: list[tuple[str, Callable[..., str | None]]] = []
     for name, panel in PANELS:
-        fig = Figure(figsize=(8, 4.5), layout="constrained")
-        ax = fig.subplots()
-        why = panel(ax, run)
+        why = plot_panel(run, name, out_dir / f"{name}.png")
         if why is None:
-            _finish(ax)
-            report.written.append(_save(fig, out_dir / f"{name}.png"))
+            report.written.append(out_dir / f"{name}.png")
             drawn.append((name, panel))
         else:
             report.skipped[name] = why

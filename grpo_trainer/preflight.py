@@ -14,6 +14,7 @@ import os
 from .checkpoint import require_complete
 from .config import Config
 from .errors import ConfigError
+from .trackers import check_installed as check_trackers_installed
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -29,6 +30,7 @@ def preflight(cfg: Config) -> list[str]:
         require_complete(cfg.checkpoint.resume)
     if cfg.rollout.engine == "vllm_colocate":
         _check_vllm_can_run(cfg)
+    check_trackers_installed(cfg)
     warnings = []
     optimizer_steps = cfg.train.max_steps * cfg.train.num_iterations
     if cfg.train.warmup_steps >= optimizer_steps:

@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import flatten
 from .config import Config
+from .trackers import log_samples
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -80,6 +81,7 @@ def report(run, step: int, record: dict, scored, advantages: torch.Tensor, log_t
             for j in range(min(run.cfg.logging.num_completions, n))
         ]
         write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
+        log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
     run.progress.update(record)
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import in_memory
 from .config import RewardConfig
 from .errors import RewardError
 
@@ -141,9 +142,12 @@ def __getattr__(name: str):
 
 
 def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
-    """`math_accuracy` | `path/to/file.py:fn` | `package.module:fn` -> the function."""
+    """`math_accuracy` | `path/to/file.py:fn` | `package.module:fn` | `object:reward/NAME` (a function given to
+    grpo_trainer.train() in Python, see in_memory.py) -> the function."""
     if spec in BUILTIN_REWARDS:
         return __getattr__(spec)
+    if in_memory.is_reference(spec):
+        return in_memory.resolve(spec, where, RewardError)
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise RewardError(

@@ -5,7 +5,8 @@ collectives, the batch geometry, the tokenizer, the policy (wrapped by
 Accelerate), the reference, the optimizer and schedule, the rollout engine, the
 task (prompts + rewards), the prompt sampler and the writers. Counters that
 change during the run and go into checkpoints (`start_step`,
-`nonfinite_in_a_row`) live here too.
+`nonfinite_in_a_row`, the adaptive entropy coefficient `entropy_control`)
+live here too.
 
 Order matters for exact resume and for "same seed, same run": every rank seeds
 identically before any model is loaded (so random inits agree), and only after
@@ -15,7 +16,7 @@ the engine exists does each rank switch to its own random stream for sampling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,16 @@ from .config import Config
 from .data import PromptSampler
 from .errors import ConfigError
 from .evaluate import load_eval_task
+from .losses import EntropyControl
 from .metrics import MetricsWriter
+from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, build_engine, sampling_settings
 from .rollout.tools import build_toolbox
 from .task import Task, load_task
+from .trackers import start_trackers
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -116,6 +120,7 @@ class Run:
     progress: ProgressBar | None = None
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
+    entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
 
     @property
     def output_dir(self) -> Path:
@@ -185,6 +190,7 @@ def build_run(cfg: Config) -> Run:
         tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
         engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,
+        entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
 
 
@@ -237,6 +243,8 @@ def resume(run: Run) -> None:
         run.sampler.load_state_dict(saved["sampler"])
         run.start_step = int(saved["step"])
         run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
+        if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
+            run.entropy_control = EntropyControl(**saved["entropy_control"])
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
         logger.info("resumed from %s at step %d", found, run.start_step)
     else:
@@ -248,8 +256,7 @@ def resume(run: Run) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
         ckpt.remove_incomplete(run.output_dir)
-    if run.trackers:
-        accelerator.init_trackers(cfg.logging.project, config=flat_hparams(cfg))
+    start_trackers(accelerator, cfg, flat_hparams(cfg))
     run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
 
 
@@ -258,6 +265,7 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
     state = {
         "sampler": run.sampler.state_dict(),
         "nonfinite_in_a_row": run.nonfinite_in_a_row,
+        "entropy_control": asdict(run.entropy_control),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
     }
@@ -297,6 +305,7 @@ def _save_final_model(run: Run, folder: Path) -> None:
         else:
             lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
         run.tokenizer.save_pretrained(folder)
+        write_model_card(folder, run.cfg, run.output_dir, setup_of(run.accelerator))  # README.md for the Hub
         logger.info("saved the final model to %s", folder)
 
 

@@ -55,7 +55,7 @@ from .tiny import _make_tokenizer_config_portable, build_canonically, build_toke
 
 TINY_TOOLS_NAME = "tiny-tools"
 # Bump when the recipe below changes, so stale caches are not reused.
-TINY_TOOLS_VERSION = 2
+TINY_TOOLS_VERSION = 3  # 3: built with tiny.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
 TOOL_SHARE = 0.27  # share of warm-start first turns that call the tool (see the module docstring)
 SFT_STEPS = 400
 ROPE_THETA = 100.0  # sharper positional attention than Llama's 10000, for copying digits at fixed distances

@@ -139,9 +139,11 @@ def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def skips_zero_advantage(cfg: Config) -> bool:
-    """Leave zero-advantage completions out of the passes: exact only without a KL term and for losses whose
-    normaliser does not count the tokens present in a micro-batch (losses.LossVariant)."""
-    return cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and loss_variant(cfg.loss.type).exact_zero_advantage_skip
+    """Leave zero-advantage completions out of the passes: exact only without a KL or entropy term (both have a
+    gradient at A = 0) and for losses whose normaliser does not count the tokens present in a micro-batch
+    (losses.LossVariant)."""
+    return (cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and not cfg.loss.entropy_term
+            and loss_variant(cfg.loss.type).exact_zero_advantage_skip)
 
 
 def sync_weights(run: Run) -> None:

@@ -79,6 +79,9 @@ class StepStats:
     clip_region: torch.Tensor
     kl: torch.Tensor  # sum of k3 over tokens, averaged over iterations (0 with beta = 0)
     entropy: torch.Tensor  # first iteration, over trained tokens
+    entropy_term: torch.Tensor  # c * H, the entropy term's part of `loss` (negated), averaged like it
+    term_entropy: torch.Tensor  # first iteration: entropy summed over the tokens the entropy term acts on
+    term_tokens: torch.Tensor  # ... and their count (entropy_target is compared with the ratio)
     logp_gap: torch.Tensor  # sum of |trainer - sampler| log-prob over trained tokens (engines that report them)
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
     is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio went over loss.tis_cap (first iteration)
@@ -86,6 +89,7 @@ class StepStats:
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
+    entropy_coef: float = math.nan  # the entropy term's coefficient this step (NaN: the loss has no entropy term)
 
     @classmethod
     def zeros(cls, device, trained_completions: int) -> StepStats:
@@ -114,6 +118,10 @@ class StepStats:
             "clip_ratio/high_mean": float(self.clip_high) / tokens,
             "clip_ratio/region_mean": float(self.clip_region) / tokens,
         }
+        if not math.isnan(self.entropy_coef):  # names as TRL logs them, plus what entropy_target is compared with
+            out["entropy_coef"] = self.entropy_coef
+            out["policy_loss"] = float(self.loss) + float(self.entropy_term)  # the loss without -c * H
+            out["entropy/term_mean"] = float(self.term_entropy) / max(float(self.term_tokens), 1)
         if with_kl:
             out["kl"] = float(self.kl) / tokens
         if with_sampler_gap:
@@ -131,12 +139,17 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
     iterations = cfg.train.num_iterations
     steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
+    term = EntropyTerm.for_step(run, batch) if cfg.loss.entropy_term else None
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
     for iteration in range(iterations):
         for mb in batch.micro_batches:
             with accelerator.accumulate(run.policy):
-                logp, entropy = run.policy(**mb.sequences, with_entropy=iteration == 0)
-                share, parts = micro_batch_loss(run, batch, mb, logp)
+                # The entropy term needs H with its gradient in every pass; otherwise H is a first-pass statistic.
+                wanted = {"with_entropy": iteration == 0}
+                if term is not None:
+                    wanted = {"with_entropy": True, "entropy_grad": True}
+                logp, entropy = run.policy(**mb.sequences, **wanted)
+                share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
                 # Accelerate divides by the accumulation steps and the ranks' gradients are averaged: undo
                 # both, so the shares of all micro-batches on all ranks add up to the batch loss.
                 accelerator.backward(share * geometry.micro_batches * geometry.world)
@@ -152,31 +165,44 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             stats.clip_high += parts["clip_high"] / iterations
             stats.clip_region += parts["clip_region"] / iterations
             stats.kl += torch.as_tensor(parts.get("kl", 0.0), device=stats.kl.device) / iterations
+            if term is not None:
+                stats.entropy_term += parts["entropy_term"] / steps
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
-                stats.entropy += (entropy * mb.mask).sum()
+                stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
+                if term is not None:
+                    stats.term_entropy += (entropy.detach() * term.mask(mb)).sum()
+                    stats.term_tokens += term.mask(mb).sum()
                 if mb.sampling_logp is not None:
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     stats.logp_gap += gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
+    if term is not None:
+        stats.entropy_coef = term.coef
+        term.adapt(run, stats)
     return stats
 
 
-def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def micro_batch_loss(
+    run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None = None,
+    term: EntropyTerm | None = None,
+) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
-    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens over the rollout-correction cap)."""
+    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens over the rollout-correction cap, and
+    `entropy_term`, c times this share of H, when the loss has an entropy term: `entropy` then carries its
+    gradient)."""
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    weight, capped = None, None
+    correction, capped = None, None
     if mb.sampling_logp is not None and cfg.loss.tis_cap is not None:
-        weight, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode)
-    if mb.entropy_mask is not None:  # like the rollout correction, it gates the policy term, not the KL term
-        weight = mb.entropy_mask if weight is None else weight * mb.entropy_mask
+        correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode)
     token_loss, parts = losses.token_loss(
         logp, old, mb.advantages, mb.mask, cfg.loss.type,
         epsilon_low=cfg.loss.epsilon_low, epsilon_high=cfg.loss.epsilon_high_value, delta=cfg.loss.delta,
-        ref_logp=mb.ref_logp, beta=cfg.loss.beta, policy_weight=weight,
+        ref_logp=mb.ref_logp, beta=cfg.loss.beta,
+        policy_weight=mb.entropy_mask,  # like the rollout correction, it gates the policy term, not the KL term
+        sampler_weight=correction, soft_gate=cfg.loss.soft_gate, gamma=cfg.loss.gamma_shape,
     )
     if capped is not None:
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
@@ -187,7 +213,48 @@ def micro_batch_loss(run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor)
         max_completion_length=cfg.rollout.max_completion_length,
         total_micro_batches=len(batch.micro_batches) // geometry.mini_batches * geometry.world,
     )
+    if term is not None:  # L - c * H
+        bonus = term.coef * losses.entropy_share(entropy, term.mask(mb), term.tokens[mb.mini_batch])
+        share = share - bonus
+        parts["entropy_term"] = bonus.detach()
     return share, parts
+
+
+@dataclass
+class EntropyTerm:
+    """The entropy term of one step: its coefficient (from `run.entropy_control`, fixed for the whole step) and,
+    per mini-batch, how many tokens it averages over on all ranks (H's denominator, so the micro-batches'
+    shares add up to H whatever the split)."""
+
+    coef: float
+    tokens: list[float]
+
+    @staticmethod
+    def mask(mb: MicroBatch) -> torch.Tensor:
+        """The tokens the term acts on: the trained ones, or the top-entropy ones that carry policy gradient under
+        top_entropy_quantile (the same set as the policy term, as TRL does)."""
+        return mb.mask if mb.entropy_mask is None else mb.mask * mb.entropy_mask
+
+    @classmethod
+    def for_step(cls, run, batch: TrainBatch) -> EntropyTerm:
+        local = torch.zeros(run.geometry.mini_batches, dtype=torch.float64)
+        for mb in batch.micro_batches:
+            local[mb.mini_batch] += float(cls.mask(mb).sum())
+        return cls(coef=run.entropy_control.applied, tokens=[float(t) for t in run.comm.sum(local)])
+
+    def adapt(self, run, stats: StepStats) -> None:
+        """Adaptive control (loss.entropy_target): the next step's coefficient from this step's mean entropy over
+        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1)."""
+        loss = run.cfg.loss
+        if loss.entropy_target is None:
+            return
+        measured = run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double())
+        entropy, tokens = float(measured[0]), float(measured[1])
+        mean = entropy / tokens if tokens > 0 else math.nan
+        run.entropy_control = run.entropy_control.after_step(
+            mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
+            high=loss.entropy_coef_max,
+        )
 
 
 def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor) -> None:

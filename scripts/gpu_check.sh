@@ -12,7 +12,9 @@
 #   deepspeed_bf16    the shipped zero3.yaml on 1 GPU: bf16 from its JSON, ZeRO-3 gathering for sampling and eval
 #   fsdp              the shipped fsdp.yaml on 1 GPU (FSDP v2, bf16)
 #   vllm_tp2          vLLM colocate with tensor_parallel_size 2; skipped with fewer than 2 GPUs
-# Not here because not built: NCCL weight pushes to a vLLM server (the config refuses weight_sync: nccl).
+#   vllm_nccl_push    a vLLM server (`grpo_trainer serve`, GPU 1) takes the trainer's weights (GPU 0) over vLLM's NCCL
+#                     backend; its log-probs follow them, the tied head included (gpu_check_push.py); needs 2 GPUs
+#   vllm_gloo_push    the same over our gloo backend (through host memory), server and trainer on GPU 0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -56,6 +58,16 @@ if [ "$gpus" -ge 2 ] && python3 -c "import vllm" 2>/dev/null; then
   check vllm_tp2 240 python3 scripts/gpu_check.py --engine vllm_colocate --tensor-parallel 2 --json "$out/gpu_check_tp2.json"
 else
   skip vllm_tp2 "needs 2 GPUs and vllm (found ${gpus} GPU(s))"
+fi
+if [ "$gpus" -ge 2 ] && python3 -c "import vllm" 2>/dev/null; then
+  check vllm_nccl_push 420 python3 scripts/gpu_check_push.py --backend nccl --json "$out/gpu_check_nccl_push.json"
+else
+  skip vllm_nccl_push "needs 2 GPUs (NCCL puts no two ranks on one GPU) and vllm (found ${gpus} GPU(s))"
+fi
+if python3 -c "import vllm" 2>/dev/null; then
+  check vllm_gloo_push 420 python3 scripts/gpu_check_push.py --backend gloo --json "$out/gpu_check_gloo_push.json"
+else
+  skip vllm_gloo_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
 echo "gpu_check: ${failed} failed"
 exit $((failed > 0))

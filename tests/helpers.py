@@ -50,6 +50,14 @@ _forkserver = None
 
 
 def _run_forked(args: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+    return run_in_fork(_cli_main, (list(args),), timeout=timeout, env=env, label=["grpo_trainer", *args])
+
+
+def run_in_fork(target, args: tuple = (), timeout: float = 600, env: dict | None = None,
+                label: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`target(*args)` in a fresh process forked from the warm server (see run_cli), from the repo root, with
+    `env` added to its environment; its stdout and stderr captured. The exit status is what target returns
+    (None: 0), 1 with the traceback for an exception. `target` must be importable (a module-level function)."""
     import multiprocessing
     import tempfile
 
@@ -57,38 +65,45 @@ def _run_forked(args: list[str], timeout: float, env: dict) -> subprocess.Comple
     if _forkserver is None:
         _forkserver = multiprocessing.get_context("forkserver")
         _forkserver.set_forkserver_preload(WARM_MODULES)
-    with tempfile.TemporaryDirectory(prefix="grpo-cli-") as tmp:
+    label = label or [getattr(target, "__name__", "target")]
+    with tempfile.TemporaryDirectory(prefix="grpo-fork-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        process = _forkserver.Process(target=_cli_child, args=(list(args), env, str(out), str(err)))
+        process = _forkserver.Process(target=_child, args=(target, tuple(args), dict(env or {}), str(out), str(err)))
         process.start()
         process.join(timeout)
         if process.is_alive():
             process.kill()
             process.join()
-            raise subprocess.TimeoutExpired(["grpo_trainer", *args], timeout, err.read_text() if err.exists() else "")
-        return subprocess.CompletedProcess(["grpo_trainer", *args], process.exitcode,
+            raise subprocess.TimeoutExpired(label, timeout, err.read_text() if err.exists() else "")
+        return subprocess.CompletedProcess(label, process.exitcode,
                                            out.read_text() if out.exists() else "", err.read_text() if err.exists() else "")
 
 
-def _cli_child(args: list[str], env: dict, stdout_path: str, stderr_path: str) -> None:
-    """In the forked process: the CLI's main, as `python -m grpo_trainer ARGS` would run it."""
+def _cli_main(args: list[str]) -> int:
+    """The CLI's main, as `python -m grpo_trainer ARGS` would run it."""
+    sys.argv = ["grpo_trainer", *args]
+    try:
+        from grpo_trainer.cli import main
+
+        return main(args)
+    except SystemExit as exc:  # argparse errors
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def _child(target, args: tuple, env: dict, stdout_path: str, stderr_path: str) -> None:
+    """In the forked process: `target(*args)` from the repo root, its output in the given files."""
     import traceback
 
     os.chdir(ROOT)
     os.environ.update(env)
     for fd, path in ((1, stdout_path), (2, stderr_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)  # subprocesses (reward workers, sandboxes) write here too
-        os.close(target)
+        target_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target_fd, fd)  # subprocesses (reward workers, sandboxes) write here too
+        os.close(target_fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    sys.argv = ["grpo_trainer", *args]
     try:
-        from grpo_trainer.cli import main
-
-        code = main(args)
-    except SystemExit as exc:  # argparse errors
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = target(*args) or 0
     except BaseException:  # a bug: keep its traceback, as the interpreter would
         traceback.print_exc()
         code = 1

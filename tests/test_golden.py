@@ -3,8 +3,10 @@
 `tests/golden/demo_cpu_first5.json` holds every non-timing metric of the first 5 steps of
 `configs/demo_cpu.yaml`. Written by the loop before the phase redesign (issue 12); rewritten on 2026-12-01
 by the same commit's loop (6ba7fd5, before that session's changes) once the tiny model's build was made the
-same on every machine (tiny.CANONICAL_ENV; the first file held the weights of one machine's CPU). Floats
-are compared to 1e-6 relative (the golden file went through JSON; everything else is exact).
+same on every machine (tiny.CANONICAL_ENV; the first file held the weights of one machine's CPU); rewritten
+again by the same loop once that build was made vendor-independent (tiny v4: MKL's COMPATIBLE branch, since
+the AVX2 branch is Intel-only and an AMD machine had built other weights). Floats are compared to 1e-6
+relative (the golden file went through JSON; everything else is exact).
 
 Regenerate only when a change is *meant* to alter the numbers, and say why in the commit:
     .venv/bin/python tests/test_golden.py
@@ -12,6 +14,7 @@ Regenerate only when a change is *meant* to alter the numbers, and say why in th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -22,6 +25,9 @@ from grpo_trainer.tiny import CANONICAL_ENV
 from helpers import run_cli, without_timing
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_cpu_first5.json"
+# The tiny model (v4) the golden file was made with: built on an Intel Xeon (AVX-512); the build is meant to
+# give these bytes on every x86 machine with AVX2.
+TINY_WEIGHTS_SHA256 = "811e7880a9e1af821102dac91d9f9b5de31c262690913d123394af4a2dc4aab7"
 STEPS = 5
 
 
@@ -33,6 +39,16 @@ def run_demo_steps(output_dir: Path) -> list[dict]:
                      env=CANONICAL_ENV, launcher=[sys.executable, "-m"])
     assert result.returncode == 0, result.stderr[-3000:]
     return [without_timing(r) for r in read_metrics(output_dir)]
+
+
+def test_the_tiny_model_is_the_one_the_golden_file_was_made_with(tiny_model_path):
+    """Checked on its own so that a build that is not portable to this CPU says so, instead of failing below
+    as a change of the loop's numbers."""
+    built = hashlib.sha256((Path(tiny_model_path) / "model.safetensors").read_bytes()).hexdigest()
+    assert built == TINY_WEIGHTS_SHA256, (
+        f"the tiny model built on this machine ({tiny_model_path}) has other weights than the one the golden file "
+        "was made with: tiny.CANONICAL_ENV does not make the build portable to this CPU"
+    )
 
 
 def test_demo_metrics_match_the_golden_file(tmp_path, tiny_model_path):

@@ -11,7 +11,8 @@ from helpers import ROOT
 def test_gpu_check_script_parses_and_names_every_gpu_only_path():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    for check in ("hf_bf16", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2"):
+    for check in ("hf_bf16", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2", "vllm_nccl_push",
+                  "vllm_gloo_push"):
         assert f"check {check} " in script or f"skip {check} " in script, check
 
 

@@ -26,9 +26,10 @@ import math
 import pytest
 import torch
 
-from grpo_trainer.losses import LOSS_TYPES, aggregate, kl_k3, token_loss
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate, aggregate, kl_k3, token_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
+GATE, GAMMA = SoftGate(), GammaShape()  # the defaults: tau 1.0 / 1.05; (k, lambda) = (2, 3) for A >= 0, (3, 2) below
 MAX_LEN = 8
 PAD_LOGP, PAD_OLD_LOGP = 3.0, -5.0
 NON_BNPO = [t for t in LOSS_TYPES if t != "bnpo"]
@@ -60,12 +61,14 @@ def hand_batch() -> dict:
     )
 
 
-def project_loss(batch: dict, loss_type: str, *, delta=None, beta=0.0, ref_logp=None, eps_low=EPS_LOW, eps_high=EPS_HIGH):
-    """The whole batch as one micro-batch: (loss, dloss/dlogp, metrics, per-token loss)."""
+def project_loss(batch: dict, loss_type: str, *, delta=None, beta=0.0, ref_logp=None, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                 **options):
+    """The whole batch as one micro-batch: (loss, dloss/dlogp, metrics, per-token loss). `options`: token_loss's
+    per-variant ones (soft_gate, gamma, sampler_weight)."""
     logp = batch["logp"].clone().requires_grad_(True)
     per_token, metrics = token_loss(
         logp, batch["old_logp"], batch["advantages"], batch["mask"], loss_type,
-        epsilon_low=eps_low, epsilon_high=eps_high, delta=delta, ref_logp=ref_logp, beta=beta,
+        epsilon_low=eps_low, epsilon_high=eps_high, delta=delta, ref_logp=ref_logp, beta=beta, **options,
     )  # fmt: skip
     loss = aggregate(
         per_token, batch["mask"], loss_type,
@@ -102,16 +105,26 @@ def reference_batch_loss(
     for i in range(n):
         length = int(mask[i].sum().item())  # real tokens come first
         adv = float(advantages[i])
-        if loss_type == "gspo":  # GSPO (Zheng et al. 2025, eq. 7): one ratio per sequence
+        if loss_type in ("gspo", "luspo"):  # GSPO (Zheng et al. 2025, eq. 7): one ratio per sequence; LUSPO keeps it
             mean_log_ratio = sum(logp[i, t] - old_logp[i, t] for t in range(length)) / length
             seq_objective = clipped_objective(torch.exp(mean_log_ratio), adv, eps_low, eps_high, delta)
+        if loss_type == "vespo":  # VESPO: W = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), a number (no gradient)
+            w = math.exp(sum((logp[i, t] - old_logp[i, t]).item() for t in range(length)))
+            k, lam = (GAMMA.k_pos, GAMMA.lambda_pos) if adv >= 0 else (GAMMA.k_neg, GAMMA.lambda_neg)
+            phi = w**k * math.exp(lam * (1 - w))
         total = torch.zeros((), dtype=logp.dtype)
         for t in range(length):
-            if loss_type == "gspo":
+            if loss_type in ("gspo", "luspo"):
                 term = -seq_objective
             elif loss_type == "cispo":  # MiniMax-M1 (2025), eq. 4
                 weight = min(math.exp((logp[i, t] - old_logp[i, t]).item()), 1 + eps_high)  # a number: no gradient
                 term = -weight * adv * logp[i, t]
+            elif loss_type == "sapo":  # SAPO: -A * 4/tau * sigmoid(tau (r - 1)), sigmoid spelt out
+                tau = GATE.temperature_pos if adv > 0 else GATE.temperature_neg
+                r = torch.exp(logp[i, t] - old_logp[i, t])
+                term = -adv * (4 / tau) / (1 + torch.exp(-tau * (r - 1)))
+            elif loss_type == "vespo":
+                term = -phi * adv * logp[i, t]
             else:
                 term = -clipped_objective(torch.exp(logp[i, t] - old_logp[i, t]), adv, eps_low, eps_high, delta)
             if beta > 0:  # k3 (Schulman 2020): e^(ref - logp) - (ref - logp) - 1
@@ -121,10 +134,12 @@ def reference_batch_loss(
         per_sequence_sums.append(total)
         per_sequence_lengths.append(length)
 
-    if loss_type in ("grpo", "gspo"):  # mean over sequences of per-sequence token means
+    if loss_type in ("grpo", "gspo", "sapo"):  # mean over sequences of per-sequence token means
         return sum(s / l for s, l in zip(per_sequence_sums, per_sequence_lengths)) / n
-    if loss_type in ("dapo", "cispo"):  # token sum over the batch / tokens in the batch
+    if loss_type in ("dapo", "cispo", "vespo"):  # token sum over the batch / tokens in the batch
         return sum(per_sequence_sums) / sum(per_sequence_lengths)
+    if loss_type == "luspo":  # each sequence's (GSPO) mean times its length, mean over sequences: token sum / n
+        return sum(per_sequence_sums) / n
     if loss_type == "dr_grpo":  # token sum / (sequences x max length)
         return sum(per_sequence_sums) / (n * MAX_LEN)
     if loss_type == "bnpo":  # token mean within each micro-batch, mean over micro-batches
@@ -264,18 +279,137 @@ def test_cispo_weights_every_token_with_the_clipped_detached_ratio():
     assert metrics["clip_high"].item() == 2 and metrics["clip_low"].item() == 0
 
 
-@pytest.mark.parametrize("loss_type, expected", [(t, 0.05 / 3) for t in LOSS_TYPES if t != "dr_grpo"] + [("dr_grpo", 0.05 / 8)])
-def test_kl_k3_penalty(loss_type, expected):
+KL_DIVISOR = {"dr_grpo": 8, "luspo": 1}  # every other type: 3 (the tokens of the one sequence)
+
+
+def test_sapo_replaces_the_clip_with_a_soft_gate():
+    # f(r) = 4/tau sigmoid(tau (r - 1)), token loss -f(r) A; tau = 1 for A > 0 and 1.05 otherwise (the defaults).
+    # seq 0, A=+1:   tau (r-1) = [-0.5, 0, 0.25, 0.5]; sigmoid = [0.377541, 0.5, 0.562177, 0.622459]
+    #                f = 4 sigmoid = [1.510163, 2, 2.248706, 2.489837]; loss -f, sum -8.248706, mean -2.062177
+    # seq 1, A=-0.5: tau (r-1) = 1.05 x [-0.25, 0.5] = [-0.2625, 0.525]; sigmoid = [0.434749, 0.628316]
+    #                f = 4/1.05 sigmoid = [1.656188, 2.393586]; loss 0.5 f = [0.828094, 1.196793], mean 1.012443
+    # seq 2, A=+2:   tau (r-1) = [-0.1, 0.1, 1]; sigmoid = [0.475021, 0.524979, 0.731059]
+    #                f = [1.900083, 2.099917, 2.924234]; loss -2 f = [-3.800167, -4.199833, -5.848469], mean -4.616156
+    # Batch (sequence means, then their mean, as grpo): (-2.062177 + 1.012443 - 4.616156) / 3 = -1.888630.
+    loss, grad, metrics, per_token = project_loss(hand_batch(), "sapo")
+    expected = torch.tensor([[-1.510163, -2.0, -2.248706, -2.489837], [0.828094, 1.196793, 0, 0], [-3.800167, -4.199833, -5.848469, 0]])
+    torch.testing.assert_close(per_token * hand_batch()["mask"], expected, atol=2e-6, rtol=0)
+    assert loss.item() == pytest.approx(-1.888630, abs=2e-6)
+    # Gradient -A f'(r) r, f'(r) = 4 s (1 - s) (tau cancels), then / (length x 3 sequences):
+    #   seq 0 t1, r = 1: -1 x 1 x 1 / 12 = -0.083333, GRPO's on-policy gradient exactly (4 x 0.5 x 0.5 = 1)
+    #   seq 0 t3, r = 1.5, where grpo's clip (1.28) leaves no gradient: -4 x 0.622459 x 0.377541 x 1.5 / 12 = -0.117502
+    #   seq 1 t0, r = 0.75, clipped low under grpo: 0.5 x 4 x 0.434749 x 0.565251 x 0.75 / 6 = 0.061436
+    assert grad[0, 1].item() == pytest.approx(-1 / 12, abs=1e-6)
+    assert grad[0, 3].item() == pytest.approx(-0.117502, abs=1e-6)
+    assert grad[1, 0].item() == pytest.approx(0.061436, abs=1e-6)
+    _, grpo_grad, _, _ = project_loss(hand_batch(), "grpo")
+    assert grpo_grad[0, 3].item() == 0.0 and grpo_grad[1, 0].item() == 0.0
+    assert metrics["clip_region"].item() == 0  # nothing is clipped
+
+
+def test_sapo_temperatures_set_how_fast_the_gate_closes():
+    # One token, A = +1, r = 2: gradient weight f'(r) r = 4 s (1 - s) x 2 with s = sigmoid(tau):
+    #   tau = 1: s = 0.731059, 4 s (1 - s) = 0.786448 -> gradient -1.572895
+    #   tau = 4: s = 0.982014, 4 s (1 - s) = 0.070651 -> gradient -0.141302 (a hotter gate shuts off sooner)
+    batch = make_batch(ratios=[[2.0]], logp=[[-1.0]], advantages=[1.0], width=1)
+    for tau, expected in ((1.0, -1.572895), (4.0, -0.141302)):
+        _, grad, _, _ = project_loss(batch, "sapo", soft_gate=SoftGate(temperature_pos=tau, temperature_neg=9.0))
+        assert grad.item() == pytest.approx(expected, abs=1e-6)
+    # A < 0 reads the negative temperature: tau_neg = 4 gives the same magnitude, opposite sign.
+    negative = make_batch(ratios=[[2.0]], logp=[[-1.0]], advantages=[-1.0], width=1)
+    _, grad, _, _ = project_loss(negative, "sapo", soft_gate=SoftGate(temperature_pos=1.0, temperature_neg=4.0))
+    assert grad.item() == pytest.approx(0.141302, abs=1e-6)
+
+
+GSPO_BATCH = dict(  # token ratios whose geometric means are round: s = [sqrt2, 1/sqrt2, 1]
+    ratios=[[2.0, 2.0, 1.0, 1.0], [0.5, 1.0], [1.5, 1.0, 2 / 3]],
+    logp=[[-1.0, -0.5, -2.0, -1.5], [-0.7, -1.2], [-0.3, -0.9, -1.1]],
+    advantages=[1.0, -0.5, 2.0],
+    width=4,
+)
+
+
+def test_luspo_weights_each_sequence_by_its_length():
+    # GSPO's clipped sequence losses (below): -1.28 for seq 0 (4 tokens), 0.4 for seq 1 (2), -2 for seq 2 (3).
+    # LUSPO: each sequence's loss times its length, mean over the 3 sequences: (4 x -1.28 + 2 x 0.4 + 3 x -2) / 3
+    #        = (-5.12 + 0.8 - 6) / 3 = -3.44 (GSPO: -0.96).
+    # Gradient: only seq 2 is unclipped; d(3 x -A s)/dlogp_t = -3 A s / 3 = -A s = -2 (the length cancels),
+    #           / 3 sequences = -2/3 per token (GSPO: -2/9, divided by the length once more).
+    loss, grad, metrics, _ = project_loss(make_batch(**GSPO_BATCH), "luspo")
+    assert loss.item() == pytest.approx(-3.44, abs=1e-5)
+    torch.testing.assert_close(grad, torch.tensor([[0.0] * 4, [0.0] * 4, [-2 / 3] * 3 + [0.0]]), atol=1e-6, rtol=0)
+    assert metrics["clip_high"].item() == 4 and metrics["clip_low"].item() == 2  # clipped as GSPO: whole sequences
+
+
+def test_luspo_gives_every_token_the_same_push_whatever_its_sequence_length():
+    # Two completions with A = +1 and r = 1, of 1 and 4 tokens. Per token, d/dlogp_t:
+    #   gspo (and grpo): -A s / len / 2 sequences = -1/2 (1 token), -1/8 (4 tokens): short answers pushed harder
+    #   luspo:           -A s / 2 = -1/2 for both (Liu et al. 2026: the length bias GSPO inherits is gone)
+    batch = make_batch(ratios=[[1.0], [1.0] * 4], logp=[[-1.0], [-1.0] * 4], advantages=[1.0, 1.0], width=4)
+    _, gspo, _, _ = project_loss(batch, "gspo")
+    _, luspo, _, _ = project_loss(batch, "luspo")
+    torch.testing.assert_close(gspo, torch.tensor([[-0.5, 0, 0, 0], [-0.125] * 4]), atol=1e-7, rtol=0)
+    torch.testing.assert_close(luspo, torch.tensor([[-0.5, 0, 0, 0], [-0.5] * 4]), atol=1e-7, rtol=0)
+
+
+VESPO_BATCH = dict(  # token ratios with round products W = [1, 2, 0.5]
+    ratios=[[2.0, 0.5, 1.0, 1.0], [2.0, 1.0], [0.5, 1.0, 1.0]],
+    logp=[[-1.0, -0.5, -2.0, -1.5], [-0.7, -1.2], [-0.3, -0.9, -1.1]],
+    advantages=[1.0, -0.5, 2.0],
+    width=4,
+)
+
+
+def test_vespo_weights_the_reinforce_gradient_by_a_gamma_kernel_of_the_sequence_ratio():
+    # W = prod_t r_t (no length normalisation); phi(W) = W^k e^(lambda (1 - W)); (k, lambda) = (2, 3) for A >= 0,
+    # (3, 2) for A < 0. phi is a weight (detached): token loss -phi A logp, gradient -phi A.
+    #   seq 0, A=+1,   W = 2 x 0.5 = 1 -> phi = 1 (for any k, lambda)
+    #   seq 1, A=-0.5, W = 2           -> phi = 2^3 e^(2 (1 - 2)) = 8 e^-2 = 1.082682
+    #   seq 2, A=+2,   W = 0.5         -> phi = 0.5^2 e^(3 (1 - 0.5)) = 0.25 e^1.5 = 1.120422
+    #   (seq 2 gets more than 1: the kernel peaks at W = k / lambda = 2/3 for A >= 0, not at 1)
+    # Token losses: seq 0: -logp = [1, 0.5, 2, 1.5] (sum 5)
+    #               seq 1: 0.5 x 1.082682 x [-0.7, -1.2] = [-0.378939, -0.649609] (sum -1.028548)
+    #               seq 2: -2 x 1.120422 x [-0.3, -0.9, -1.1] = [0.672253, 2.016760, 2.464929] (sum 5.153942)
+    # Batch: token sum / 9 tokens (as dapo) = 9.125394 / 9 = 1.013933.
+    loss, grad, metrics, per_token = project_loss(make_batch(**VESPO_BATCH), "vespo")
+    expected = torch.tensor([[1.0, 0.5, 2.0, 1.5], [-0.378939, -0.649609, 0, 0], [0.672253, 2.016760, 2.464929, 0]])
+    torch.testing.assert_close(per_token * make_batch(**VESPO_BATCH)["mask"], expected, atol=1e-6, rtol=0)
+    assert loss.item() == pytest.approx(1.013933, abs=1e-6)
+    # Gradient -phi A / 9 on every real token, however far W is from 1 (nothing is clipped).
+    phi_a = torch.tensor([[1.0] * 4, [-0.541341] * 2 + [0.0] * 2, [2.240845] * 3 + [0.0]])
+    torch.testing.assert_close(grad, -phi_a / 9 * make_batch(**VESPO_BATCH)["mask"], atol=1e-6, rtol=0)
+    assert metrics["clip_region"].item() == 0
+
+
+def test_vespo_takes_the_rollout_correction_into_w_instead_of_weighting_the_loss():
+    # r = 1 everywhere, A = -1, sampler weights pi_old/pi_sampler = [2, 1]: W = pi_theta/pi_sampler = 2,
+    # phi = 2^3 e^(2 (1 - 2)) = 1.082682; loss -phi A logp = 1.082682 x [-1, -1], token mean -1.082682.
+    # A clipped loss (dapo) multiplies its token losses by the weight instead: -A r w = [2, 1], mean 1.5.
+    batch = make_batch(ratios=[[1.0, 1.0]], logp=[[-1.0, -1.0]], advantages=[-1.0], width=2)
+    correction = torch.tensor([[2.0, 1.0]])
+    loss, grad, _, _ = project_loss(batch, "vespo", sampler_weight=correction)
+    assert loss.item() == pytest.approx(-1.082682, abs=1e-6)
+    torch.testing.assert_close(grad, torch.full((1, 2), 1.082682 / 2), atol=1e-6, rtol=0)
+    dapo_loss, _, _, _ = project_loss(batch, "dapo", sampler_weight=correction)
+    assert dapo_loss.item() == pytest.approx(1.5, abs=1e-6)
+    # A token the correction masks (weight 0, tis_mode token_mask) takes W to ~1e-8: phi ~ 0, no update at all.
+    _, masked_grad, _, _ = project_loss(batch, "vespo", sampler_weight=torch.tensor([[0.0, 1.0]]))
+    assert masked_grad.abs().max().item() < 1e-20
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kl_k3_penalty(loss_type):
     # A = 0 and r = 1, so only beta * k3 remains. ref - logp = [0, ln2, -ln2]:
     #   k3 = e^d - d - 1 = [0, 2 - ln2 - 1, 1/2 + ln2 - 1] = [0, 0.306853, 0.193147], sum = 0.5
-    # beta = 0.1: token sum 0.05; one sequence of 3 tokens -> 0.05/3 for every type but dr_grpo (0.05/8).
+    # beta = 0.1: token sum 0.05; one sequence of 3 tokens -> 0.05/3 for every type but dr_grpo (0.05/8, the
+    # max length) and luspo (0.05/1: a token sum over 1 sequence).
     # d(k3)/dlogp = 1 - e^d = [0, -1, 0.5]; x beta / 3 = [0, -0.033333, 0.016667].
     batch = make_batch(ratios=[[1.0, 1.0, 1.0]], logp=[[-1.0, -2.0, -0.5]], advantages=[0.0], width=3)
     ref_logp = batch["logp"] + torch.tensor([[0.0, math.log(2), -math.log(2)]])
     loss, grad, metrics, _ = project_loss(batch, loss_type, beta=0.1, ref_logp=ref_logp)
-    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    scale = KL_DIVISOR.get(loss_type, 3)
+    assert loss.item() == pytest.approx(0.05 / scale, abs=1e-6)
     assert metrics["kl"].item() == pytest.approx(0.5, abs=1e-6)
-    scale = 3 if loss_type != "dr_grpo" else 8
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.1, 0.05]]) / scale, atol=1e-6, rtol=0)
 
 
@@ -297,7 +431,13 @@ def test_the_variant_table_names_every_loss_type_and_drives_aggregation():
     assert set(LOSS_VARIANTS) == set(LOSS_TYPES) == set(LossConfig.model_fields["type"].annotation.__args__)
     assert [v.name for v in LOSS_VARIANTS.values() if v.per_micro_batch] == ["bnpo"]
     assert [v.name for v in LOSS_VARIANTS.values() if not v.exact_zero_advantage_skip] == ["bnpo"]
-    assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence"] == ["gspo"]
+    assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence"] == ["gspo", "luspo"]
+    assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence_product"] == ["vespo"]
+    # What each reads: the options table drives the config's check (tests/test_loss_family_2026.py).
+    assert LOSS_VARIANTS["sapo"].options == ("sapo_temperature_pos", "sapo_temperature_neg")
+    assert LOSS_VARIANTS["vespo"].options == ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    assert LOSS_VARIANTS["luspo"].options == LOSS_VARIANTS["gspo"].options == ("epsilon_low", "epsilon_high", "delta")
+    assert all(set(v.options) <= set(LossConfig.model_fields) for v in LOSS_VARIANTS.values())
 
 
 def test_kl_k3_is_zero_only_at_equality_and_positive_elsewhere():
@@ -428,6 +568,20 @@ def test_loss_and_gradient_do_not_depend_on_micro_batches_or_ranks(loss_type):
         torch.testing.assert_close(grad, whole_grad, atol=1e-12, rtol=1e-10)
         assert counts == whole_counts
     assert whole_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if LOSS_VARIANTS[t].exact_zero_advantage_skip])
+def test_zero_advantage_rows_can_skip_the_passes_without_changing_the_update(loss_type):
+    """What `LossVariant.exact_zero_advantage_skip` promises (beta = 0): leaving the completions whose advantage is
+    0 out of the micro-batches, while the normalisers still count them, gives the same loss and gradient."""
+    batch = random_batch(seed=5)
+    batch["advantages"][::3] = 0.0  # rows 0, 3, 6, ... have nothing to learn
+    kept = [i for i in range(16) if batch["advantages"][i] != 0]
+    whole_loss, whole_grad, _ = split_loss(batch, loss_type, ONE_MICRO_BATCH, beta=0.0)
+    loss, grad, _ = split_loss(batch, loss_type, [[kept[:6], kept[6:]]], beta=0.0)
+    torch.testing.assert_close(loss, whole_loss, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(grad, whole_grad, atol=1e-12, rtol=1e-10)
+    assert whole_grad[::3].abs().max() == 0 and whole_grad.abs().sum() > 0
 
 
 def test_bnpo_depends_on_micro_batch_token_counts():

@@ -18,7 +18,8 @@ RECIPES = sorted(CONFIGS.glob("*.yaml"))  # top level only: configs/accelerate/ 
 
 def test_recipes_are_found():
     names = {p.name for p in RECIPES}
-    assert {"demo_cpu.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml", "cispo.yaml"} <= names
+    assert {"demo_cpu.yaml", "dapo.yaml", "dr_grpo.yaml", "gspo.yaml", "cispo.yaml", "sapo.yaml", "luspo.yaml",
+            "vespo.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -34,6 +35,9 @@ def test_recipe_validates(path):
         ("dr_grpo.yaml", "dr_grpo", {"scale_rewards": "none"}),
         ("gspo.yaml", "gspo", {"epsilon_low": 3.0e-4, "epsilon_high_value": 4.0e-4}),
         ("cispo.yaml", "cispo", {"epsilon_high_value": 0.28}),
+        ("sapo.yaml", "sapo", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}),
+        ("luspo.yaml", "luspo", {"epsilon_low": 2.0e-3, "epsilon_high_value": 2.5e-3}),
+        ("vespo.yaml", "vespo", {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}),
     ],
 )
 def test_loss_recipes_keep_their_defining_settings(name, loss_type, expected):

@@ -79,8 +79,9 @@ def test_loss_does_not_depend_on_micro_batches_or_ranks(loss_type, tmp_path, tin
     """One process with 4 micro-batches vs two DDP ranks with 1 each: the same batch loss and gradient norm.
 
     One step, so both runs score the very same completions (seeded per prompt) with the same weights.
-    One loss type per aggregation across ranks (losses.LOSS_VARIANTS): gspo aggregates as grpo, cispo as dapo,
-    and tests/test_losses.py checks every type's invariance in-process. (`bnpo` is defined per micro-batch.)
+    One loss type per aggregation across ranks (losses.LOSS_VARIANTS): gspo and sapo aggregate as grpo, cispo and
+    vespo as dapo, and tests/test_losses.py checks every type's invariance in-process (luspo's sequence_sum only
+    there, with ranks simulated). (`bnpo` is defined per micro-batch.)
     """
     common = ["rollout.seed_per_prompt=true", f"loss.type={loss_type}", "train.num_iterations=2"]
     one, two = tmp_path / "one", tmp_path / "two"

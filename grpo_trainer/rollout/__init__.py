@@ -90,7 +90,12 @@ class RolloutEngine(Protocol):
         length limit for this call (multi-turn rollouts continue conversations within what is left)."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the sampler use the trainer's current weights (called only when needs_weight_sync)."""
+        """Make the sampler use the trainer's current weights (called only when needs_weight_sync).
+
+        The vLLM engines also take `version=` (what the push is recorded as: their `weight_version`, the
+        server's `/weight_info`; default, the count of pushes) and `gather=` (weight_sync.zero3_gather: under
+        ZeRO-3, called on every rank, the weights are gathered one decoder layer at a time instead of the
+        trainer gathering the whole model first)."""
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""

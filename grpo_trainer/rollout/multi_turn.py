@@ -139,8 +139,12 @@ class MultiTurnEngine:
         self.max_tool_turns = max_tool_turns
         self.tool_tokens = ToolMessageTokens(tokenizer, template_kwargs)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self.engine.sync_weights(model)
+    def sync_weights(self, model: torch.nn.Module, **push) -> None:
+        self.engine.sync_weights(model, **push)  # version=, gather= for the engines that take them
+
+    @property
+    def weight_version(self):
+        return getattr(self.engine, "weight_version", None)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -11,7 +11,8 @@ it, and after every optimizer step receives the trainer's weights in place
   trainer's EOS ids, `stop` the config's stop strings. A completion that stopped
   on EOS keeps that token (it is trained on too), one that stopped on a stop
   string the token that completed it; one that hit `max_completion_length` is
-  marked truncated.
+  marked truncated. The fields, the seeds and this rule are vllm_sampling.py's,
+  shared with vllm_server, so the same prompt and seed sample the same group in both.
 - Log-probs: the engine is started with `logprobs_mode="processed_logprobs"`, so
   the log-prob vLLM reports for each sampled token is that of the distribution it
   was drawn from, after temperature (and after top-k/top-p). With top_p=1 and
@@ -49,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import Rollout, SamplingSettings
-from .weight_sync import iter_merged_weights
+from .vllm_sampling import cut_completion, request_seed, sampling_fields
+from .weight_sync import Gather, MergedWeights
 
 if TYPE_CHECKING:
     from ..config import VLLMConfig
@@ -72,15 +74,10 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
     for request in outputs:
         for out in request.outputs:
             ids = list(out.token_ids)
-            lps: list[float] = []
-            if want_logprobs and out.logprobs is not None:
-                lps = [step[tok].logprob for step, tok in zip(out.logprobs, ids)]
-            hits = [i for i, t in enumerate(ids) if t in eos]
-            if hits:  # keep the first EOS, drop anything after it
-                ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
+            lps = [step[tok].logprob for step, tok in zip(out.logprobs, ids)] if want_logprobs and out.logprobs else []
+            ids, lps, cut = cut_completion(ids, lps, eos, out.finish_reason)
             completions.append(ids)
-            # A stop string (rollout.stop) ends a completion without EOS: vLLM keeps the token that completed it.
-            truncated.append(not hits and out.finish_reason != "stop")
+            truncated.append(cut)
             logprobs.append(lps)
     return completions, truncated, logprobs
 
@@ -113,16 +110,13 @@ class VLLMColocateEngine:
                 "rollout.engine=vllm_colocate needs vLLM: `pip install vllm` (GPU) or the CPU build, see docs/vllm.md"
             ) from e
 
-        self.eos_token_ids = list(sampling.eos_token_ids)
-        self.max_completion_length = sampling.max_completion_length
-        self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
-        self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
-        self.stop = list(sampling.stop)
+        self.sampling = sampling  # replace it (dataclasses.replace) to sample differently from the next call on
         self.seed = seed
         self.return_logprobs = return_logprobs
-        self.batch_size = sampling.batch_size
         self.enable_sleep_mode = settings.enable_sleep_mode
         self._calls = 0
+        self._pushes = 0
+        self.weight_version: Any = None  # the version of the last push (None: the weights it loaded)
         self._sleeping = False
         self.cpu = _on_cpu()
         kwargs: dict[str, Any] = dict(
@@ -150,28 +144,12 @@ class VLLMColocateEngine:
         self.llm = LLM(**kwargs)
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self, n: int, prompt_index: int, seed: int | None = None, max_tokens: int | None = None):
+    def _sampling_params(self, n: int, seed: int | None, max_tokens: int | None):
         from vllm import SamplingParams
 
-        # Reproducible, yet different for every call and every prompt (vLLM gives the
-        # n samples of one request seeds seed, seed+1, ..., seed+n-1); a caller's seed wins.
-        if seed is None and self.seed is not None:
-            seed = ((self.seed * 1_000_003 + self._calls) * 1_000_003 + prompt_index * n) % (1 << 62)
-        return SamplingParams(
-            n=n,
-            max_tokens=max_tokens or self.max_completion_length,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else 0,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            stop_token_ids=self.eos_token_ids,
-            stop=self.stop or None,
-            logprobs=0 if self.return_logprobs else None,
-            seed=seed,
-            skip_special_tokens=False,
-            detokenize=bool(self.stop),  # stop strings are found in the text; without them no text is needed
-        )
+        fields = sampling_fields(self.sampling, n, seed=seed, max_tokens=max_tokens, logprobs=self.return_logprobs)
+        # Stop strings are found in the text; without them no text is needed.
+        return SamplingParams(**fields, detokenize=bool(self.sampling.stop))
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
@@ -179,7 +157,7 @@ class VLLMColocateEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        step = self.batch_size or len(prompt_ids)
+        step = self.sampling.batch_size or len(prompt_ids)
         completions: list[list[int]] = []
         truncated: list[bool] = []
         logprobs: list[list[float]] = []
@@ -187,16 +165,17 @@ class VLLMColocateEngine:
             chunk = prompt_ids[start : start + step]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in chunk]
             params = [
-                self._sampling_params(num_generations, start + i, None if seeds is None else seeds[start + i] % (1 << 62),
+                self._sampling_params(num_generations, request_seed(self.seed, self._calls, start + i, num_generations,
+                                                                    None if seeds is None else seeds[start + i]),
                                       max_tokens)
                 for i in range(len(chunk))
             ]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            self._calls += 1
-            c, t, lp = completions_from_outputs(outputs, self.eos_token_ids, self.return_logprobs)
+            c, t, lp = completions_from_outputs(outputs, self.sampling.eos_token_ids, self.return_logprobs)
             completions += c
             truncated += t
             logprobs += lp
+        self._calls += 1
         return Rollout(
             completion_ids=completions,
             truncated=truncated,
@@ -205,12 +184,17 @@ class VLLMColocateEngine:
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks."""
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Gather | None = None) -> None:
+        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks.
+
+        Every rank holds its own vLLM, so under ZeRO-3 every rank needs the whole model: with `gather`
+        (weight_sync.zero3_gather) it is assembled one layer at a time, into one copy."""
         self.wake_up()
-        weights = list(iter_merged_weights(model))
+        weights = list(MergedWeights(model, gather))
         self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
+        self._pushes += 1
+        self.weight_version = self._pushes if version is None else version
 
     # ------------------------------------------------------------------ memory (GPU only)
     def sleep(self, level: int = 1) -> None:

@@ -1,64 +1,255 @@
-"""Group sampling on an external vLLM server (`vllm serve`), over HTTP.
+"""Group sampling on external vLLM servers, over HTTP; weights pushed with vLLM's own RL protocol.
 
-The server is started separately (see docs/vllm.md for the exact command), on
-other GPUs or another machine; every trainer rank sends its own prompts. Written
-against vLLM 0.32 and its OpenAI-compatible API (tested with the CPU build).
+The servers are started separately, on other GPUs or machines: `python -m grpo_trainer serve CONFIG`
+starts one with exactly the flags this engine needs (docs/vllm.md also gives the raw command). Written
+against vLLM 0.32 and tested for real against its CPU build.
 
-- generate: `POST /v1/completions` with token-id prompts, `n = G`,
-  `logprobs: 0` (the sampled token's log-prob), `return_token_ids: true` (vLLM's
-  extension: the completion as token ids, no re-tokenisation), `stop_token_ids`
-  (the trainer's EOS ids), a per-prompt seed. Start the server with
-  `--logprobs-mode processed_logprobs` so the log-probs are those of the
-  temperature-scaled distribution the tokens were drawn from (as in
-  vllm_colocate.py); the engine checks this at start-up where the server tells.
-- Health: `GET /health` is polled at start for up to `startup_timeout` seconds;
-  a server that is down, or does not answer, gives a `ConnectionError` naming the
-  URL and what to run, instead of a hang. Every request has `timeout` seconds.
-- Weight push, `weight_sync="disk"` (portable: no NCCL, works on CPU): the
-  trainer writes its merged weights as safetensors into `weights_dir` (a folder
-  the server can read: same machine or a shared file system), then calls
-  `POST /collective_rpc {"method": "grpo_reload_weights", "kwargs": {"weights_path": weights_dir}}`
-  (vLLM's in-place reload, through our worker extension that keeps tied
-  embeddings right, see weight_sync.WorkerWeightSync) and `POST /reset_prefix_cache`.
-  So the server must run with `VLLM_SERVER_DEV_MODE=1` (these endpoints exist
-  only then: they let any client reload weights and reset caches, keep such a
-  server on a trusted network) and `--worker-extension-cls
-  grpo_trainer.rollout.weight_sync.WorkerWeightSync` (grpo-trainer installed in
-  the server's environment).
-- NCCL pushes (vLLM 0.32's `/init_weight_transfer_engine` + `/update_weights`)
-  are not implemented; the config refuses `weight_sync: nccl` at load.
-- With several trainer ranks, only the main process pushes weights
-  (`is_main_process`); the trainer must put a barrier after `sync_weights` so
-  no rank samples before the push is done.
+- Servers: `rollout.vllm_server.urls` (or `base_url`, the one-server case). Every trainer rank sends its
+  own prompts; a generate call's requests (one per prompt when seeded) are spread over the servers in
+  turn (data-parallel generation). A prompt's group is drawn from that prompt's seed alone
+  (vllm_sampling.request_seed), so the completions do not depend on how many servers there are.
+- generate: `POST /v1/completions` with token-id prompts, `n = G`, the sampled token's log-prob,
+  `return_token_ids` (vLLM's extension: no re-tokenisation), the trainer's EOS ids as stop tokens; the
+  fields and the EOS/truncation rule are vllm_sampling.py's, shared with vllm_colocate.
+- Start-up: each server must answer `GET /health` within `startup_timeout` (else a `ConnectionError`
+  naming the URL and what to run), serve the same model, and report processed log-probs: the engine
+  asks for the two likeliest next tokens at temperatures 1 and 2. Under
+  `--logprobs-mode processed_logprobs` the gap between their log-probs halves (they are those of
+  logits / T); under vLLM's default `raw_logprobs` it does not move, and the importance weights would
+  silently use the wrong distribution: such a server is refused in one line.
+- Weight push (`weight_sync`), main process only, every server at once, each push with a weight
+  version (`weight_version`: the last one pushed, None before any):
+  - `nccl` (GPU) and `gloo` (CPU, or GPUs through host memory): vLLM's RL API
+    (`/init_weight_transfer_engine` once, then `/start_weight_update`, `/update_weights`,
+    `/finish_weight_update` with the version), driven by vLLM's trainer-side engine for the backend
+    (`WeightTransferTrainerFactory`; `nccl` is vLLM's own, `gloo` is this package's, gloo_transfer.py).
+    One transfer group spans the trainer and every worker of every server, so one broadcast reaches
+    them all. The tensors stream from `weight_sync.MergedWeights` in bounded buckets (LoRA merged,
+    ZeRO-3 gathered one layer at a time with `gather`).
+  - `disk`: merged weights written as safetensors into `weights_dir` (a folder every server can read),
+    then reloaded in place through our worker extension (`POST /collective_rpc grpo_reload_weights`).
+  - `none`: never pushed (the servers keep the weights they started with).
+  Every push is wrapped in `/pause?mode=wait` (requests in flight finish with the weights they started
+  with) and `/resume`, and ends with `/reset_prefix_cache` (cached KV blocks belong to the old weights).
+  These endpoints exist only on a server started with `VLLM_SERVER_DEV_MODE=1`: they let any client
+  replace the weights, so keep such a server on a trusted network.
+- Faults (`reconnect_timeout`): a server that goes away (connection refused or reset) is waited for
+  that long. If it does not come back: `ConnectionError` naming its URL. If it does, it has lost the
+  pushed weights: `generate` raises `WeightsLost` (the caller pushes the current weights, then samples
+  again; with nothing pushed yet the engine just retries), and `sync_weights` rebuilds the transfer
+  group and pushes again (with a ZeRO-3 `gather` it raises `WeightsLost` instead, since a second pass
+  needs every rank). A server that restarted between calls is caught by its weight version
+  (`GET /weight_info` before sampling and pushing), since a fresh server reports "default".
+- With several trainer ranks only the main process pushes (`is_main_process`); the others only follow
+  the version (and take part in the ZeRO-3 gathers). The trainer puts a barrier after `sync_weights`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-import os
+import socket
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 import urllib.error
+import urllib.parse
 import urllib.request
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import UserError
 from . import Rollout, SamplingSettings
-from .weight_sync import save_weights
+from .vllm_sampling import cut_completion, request_seed, sampling_fields
+from .weight_sync import Gather, MergedWeights, save_weights
 
 if TYPE_CHECKING:
     from ..config import VLLMServerConfig
 
+FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
+INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
+PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
 
-class ServerError(RuntimeError):
-    """The vLLM server answered with an error, or an endpoint is missing."""
+
+class ServerError(UserError, RuntimeError):
+    """A vLLM server answered with an error, lacks an endpoint, or is started with the wrong flags."""
+
+
+class ServerUnreachable(UserError, ConnectionError):
+    """A vLLM server does not answer (in time, or at all)."""
+
+
+class ServerGone(ServerUnreachable):
+    """The connection was refused or dropped: the server process went away (as opposed to a slow answer)."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(message)
+        self.url = url
+
+
+class WeightsLost(RuntimeError):
+    """Servers came back after going away (or restarted) and no longer hold the pushed weights.
+
+    Push the current weights (`engine.sync_weights(model, version)`) and sample again."""
+
+    def __init__(self, urls: list[str], version: Any):
+        self.urls = list(urls)
+        self.version = version
+        super().__init__(
+            f"vLLM server(s) {', '.join(self.urls)} restarted and lost the pushed weights (version {version}): "
+            "push the current weights before sampling again"
+        )
+
+
+class Server:
+    """One vLLM server's HTTP API; also vLLM's `VLLMWeightSyncClient` interface for it."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        limit = timeout or self.timeout
+        try:
+            with urllib.request.urlopen(req, timeout=limit) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            if e.code == 404 and path.split("?")[0] not in ("/v1/completions", "/v1/models", "/health"):
+                raise ServerError(
+                    f"vLLM server at {self.url} has no {path.split('?')[0]}: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(needed for weight pushes; `python -m grpo_trainer serve` does, docs/vllm.md)"
+                ) from None
+            if path == "/collective_rpc" and "grpo_reload_weights" in detail:
+                raise ServerError(
+                    f"vLLM server at {self.url} lacks the weight-sync extension (weight_sync: disk): start it with "
+                    f"--worker-extension-cls grpo_trainer.rollout.weight_sync.WorkerWeightSync: {detail}"
+                ) from None
+            raise ServerError(f"vLLM server {method} {self.url}{path} failed: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                                   http.client.RemoteDisconnected, http.client.IncompleteRead)):
+                raise ServerGone(self.url, f"vLLM server at {self.url} went away during {method} {path}: {reason}") from None
+            raise ServerUnreachable(f"vLLM server at {self.url} did not answer {method} {path} within {limit:g}s: "
+                                    f"{reason}") from None
+        return json.loads(raw) if raw else None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            self.request("GET", "/health", timeout=timeout)
+            return True
+        except (ServerUnreachable, ServerError):
+            return False
+
+    def wait_until_healthy(self, seconds: float) -> bool:
+        """Poll `GET /health` for up to `seconds`; True as soon as it answers."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if self.healthy(timeout=max(0.1, min(5.0, left))):
+                return True
+            if deadline - time.monotonic() <= 0:
+                return False
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def weight_version(self) -> str:
+        return str(self.request("GET", "/weight_info")["weight_version"])
+
+    def workers(self) -> int:
+        """Workers across the server's data-parallel replicas: its ranks in a transfer group."""
+        return int(self.request("GET", "/get_world_size")["world_size"])
+
+    # vLLM's VLLMWeightSyncClient
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.request("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.request("POST", "/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.request("POST", "/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+
+def each(servers: list[Server], call, *args) -> list[Any]:
+    """`call(server, *args)` on every server at once; the first error is raised as soon as it happens (the
+    others are left to finish on their own: one may be blocked on a peer that just died)."""
+    if len(servers) == 1:
+        return [call(servers[0], *args)]
+    pool = ThreadPoolExecutor(max_workers=len(servers))
+    try:
+        futures = [pool.submit(call, server, *args) for server in servers]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=False)
+
+
+class AllServers:
+    """vLLM's `VLLMWeightSyncClient` over every server at once, for one transfer group spanning them all.
+
+    vLLM's trainer-side engines address one server whose workers sit at `rank_offset` 1 (after the trainer);
+    server k's workers go after the trainer's and servers 0..k-1's, so its init info gets its own offset."""
+
+    def __init__(self, servers: list[Server], workers: list[int]):
+        self.servers = servers
+        self.offsets = [1 + sum(workers[:k]) for k in range(len(servers))]
+        self.version: str | None = None  # the version the current push finishes with
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        each(self.servers, lambda server: server.init_weight_transfer_engine(
+            {**init_info, "rank_offset": self.offsets[self.servers.index(server)]}))
+
+    def start_weight_update(self) -> None:
+        each(self.servers, Server.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        each(self.servers, Server.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        each(self.servers, Server.finish_weight_update, weight_version or self.version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        for server in self.servers:
+            try:
+                server.request("POST", "/shutdown_weight_transfer_engine", timeout=10)
+            except (ServerUnreachable, ServerError):
+                pass  # gone, or never initialised: nothing to release there
+
+
+class _Tracked:
+    """A weight source as handed to a transfer engine, which can be run to its end after a failed push (so the
+    other ranks' ZeRO-3 gathers, collectives, are not left waiting for this one)."""
+
+    def __init__(self, source: MergedWeights):
+        self.source = source
+        self.live = None
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def __iter__(self):
+        self.live = iter(self.source)
+        return self.live
+
+    def drain(self) -> None:
+        for _ in self.live or ():
+            pass
 
 
 class VLLMServerEngine:
-    needs_weight_sync = True  # the server holds its own copy of the weights
+    needs_weight_sync = True  # the servers hold their own copy of the weights
 
     def __init__(
         self,
@@ -69,174 +260,333 @@ class VLLMServerEngine:
         model_name: str | None = None,
         is_main_process: bool = True,
     ):
-        """`settings` is the `rollout.vllm_server` section (defaults: a server on 127.0.0.1:8000)."""
+        """`settings` is the `rollout.vllm_server` section (defaults: one server on 127.0.0.1:8000)."""
         from ..config import VLLMServerConfig
 
         settings = settings or VLLMServerConfig()
-        self.base_url = settings.base_url.rstrip("/")
-        self.eos_token_ids = list(sampling.eos_token_ids)
-        self.max_completion_length = sampling.max_completion_length
-        self.temperature, self.top_p, self.top_k = sampling.temperature, sampling.top_p, sampling.top_k
-        self.min_p, self.repetition_penalty = sampling.min_p, sampling.repetition_penalty
-        self.stop = list(sampling.stop)
+        self.settings = settings
+        self.servers = [Server(url, settings.timeout) for url in settings.server_urls()]
+        self.sampling = sampling  # replace it (dataclasses.replace) to sample differently from the next call on
         self.seed = seed
-        self.timeout = settings.timeout
         self.weight_sync = settings.weight_sync
-        self.weights_dir = (
-            Path(settings.weights_dir) if settings.weights_dir else Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights"
-        )
+        self.weights_dir = Path(settings.weights_dir or Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights")
         self.is_main_process = is_main_process
-        self.batch_size = sampling.batch_size
+        self.weight_version: Any = None  # the version of the last push (None: nothing pushed yet)
+        self._pushes = 0
         self._calls = 0
+        self._client: AllServers | None = None
+        self._transfer = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
         self.wait_until_healthy(settings.startup_timeout)
-        self.model_name = model_name or self._first_model()
+        names = [self._model_of(server) for server in self.servers]
+        if len(set(names)) > 1:
+            raise ServerError("rollout.vllm_server.urls: the servers serve different models: "
+                              + ", ".join(f"{s.url}: {n}" for s, n in zip(self.servers, names)))
+        self.model_name = model_name or names[0]
+        if is_main_process and self.weight_sync != "none":
+            self._release_a_dead_trainers_push()
+        for server in self.servers:
+            self.check_processed_logprobs(server)
 
-    # ------------------------------------------------------------------ http
-    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        url = self.base_url + path
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            if e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
-                raise ServerError(
-                    f"vLLM server at {self.base_url} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
-                    "(needed for the weight push, see docs/vllm.md)"
-                ) from None
-            if path == "/collective_rpc" and "grpo_reload_weights" in detail:
-                raise ServerError(
-                    f"vLLM server at {self.base_url} lacks the weight-sync extension: start it with "
-                    f"--worker-extension-cls grpo_trainer.rollout.weight_sync.WorkerWeightSync: {detail}"
-                ) from None
-            raise ServerError(f"vLLM server {method} {url} failed: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise ConnectionError(
-                f"vLLM server at {self.base_url} did not answer {method} {path} within {timeout or self.timeout:g}s: "
-                f"{reason}"
-            ) from None
-        return json.loads(raw) if raw else None
+    def wait_until_healthy(self, seconds: float) -> None:
+        """Wait until every server answers its health check; ConnectionError naming the first that does not."""
+        for server in self.servers:
+            if not server.wait_until_healthy(seconds):
+                raise ServerUnreachable(
+                    f"rollout.engine=vllm_server: no healthy vLLM server at {server.url} after {seconds:g}s. Start one "
+                    "first: `python -m grpo_trainer serve CONFIG` (or see docs/vllm.md for the vllm serve command)."
+                )
 
-    def wait_until_healthy(self, startup_timeout: float) -> None:
-        """Poll GET /health until it answers 200, or raise ConnectionError after `startup_timeout` seconds."""
-        deadline = time.monotonic() + startup_timeout
-        last: Exception | None = None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                self._request("GET", "/health", timeout=max(0.1, min(5.0, left)))
-                return
-            except (ConnectionError, ServerError) as e:
-                last = e
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        raise ConnectionError(
-            f"rollout.engine=vllm_server: no healthy vLLM server at {self.base_url} after {startup_timeout:g}s "
-            f"(last error: {last}). Start one first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL "
-            f"--host 127.0.0.1 --port 8000 --logprobs-mode processed_logprobs` (docs/vllm.md)."
-        )
+    @property
+    def base_url(self) -> str:
+        return self.servers[0].url
 
-    def _first_model(self) -> str:
-        models = self._request("GET", "/v1/models")
-        data = (models or {}).get("data") or []
+    @staticmethod
+    def _model_of(server: Server) -> str:
+        data = (server.request("GET", "/v1/models") or {}).get("data") or []
         if not data:
-            raise ServerError(f"vLLM server at {self.base_url} serves no model (/v1/models is empty)")
+            raise ServerError(f"vLLM server at {server.url} serves no model (/v1/models is empty)")
         return data[0]["id"]
 
+    # ------------------------------------------------------------------ start-up check
+    def check_processed_logprobs(self, server: Server) -> None:
+        """Refuse a server that reports raw log-probs (see the module docstring).
+
+        The log-prob gap between the two likeliest next tokens is (l1 - l2) / T when log-probs are processed,
+        and l1 - l2 whatever T when they are raw: from T = 1 to T = 2 it halves, or stays. (Not read from the
+        server's config: `/server_info` exists only in dev mode, which a server that is never pushed to lacks.)
+        A gap too small (or a runner-up vLLM reports as -9999, i.e. -inf) to tell says nothing either way."""
+        gaps = []
+        for temperature in PROBE_TEMPERATURES:
+            body = {"model": self.model_name, "prompt": [list(self.sampling.eos_token_ids[:1])], "max_tokens": 1,
+                    "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "logprobs": 2, "seed": 0}
+            top = server.request("POST", "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0]
+            best = sorted(top.values(), reverse=True)[:2]
+            if len(best) < 2 or best[1] < -1000:
+                return
+            gaps.append(best[0] - best[1])
+        if gaps[0] < 1e-3:
+            return
+        if gaps[1] / gaps[0] > 0.75:  # processed: 0.5; raw: 1
+            raise ServerError(
+                f"vLLM server at {server.url} reports raw log-probs (they ignore the temperature): start it with "
+                "--logprobs-mode processed_logprobs (`python -m grpo_trainer serve` does)"
+            )
+
     # ------------------------------------------------------------------ sampling
-    def _completion_body(self, prompts: list[list[int]], n: int, seed: int | None = None, max_tokens: int | None = None) -> dict:
-        body: dict[str, Any] = {
-            "model": self.model_name,
-            "prompt": [list(p) for p in prompts],
-            "n": n,
-            "max_tokens": max_tokens or self.max_completion_length,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k if self.top_k > 0 else 0,
-            # Always sent: the server fills unset ones from the checkpoint's generation config
-            # (Qwen2.5-Instruct: repetition_penalty 1.05), which the config did not ask for.
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "min_p": self.min_p,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "stop_token_ids": self.eos_token_ids,
-            "stop": self.stop,
-            "skip_special_tokens": False,
-        }
-        if seed is not None:
-            body["seed"] = seed % (1 << 62)
-        elif self.seed is not None:
-            body["seed"] = ((self.seed * 1_000_003 + self._calls) * 1_000_003) % (1 << 62)
-        return body
+    def _requests(self, prompt_ids: list[list[int]], n: int, seeds: list[int] | None, max_tokens: int | None,
+                  call: int, first: int) -> list[tuple[list[int], dict]]:
+        """(prompt indices, request body) for prompts first, first + 1, ... of the engine's `call`-th generate call.
+        Seeded: one request per prompt, each with its own seed (vLLM would give all prompts of one request the
+        same seeds). Unseeded: one request per server."""
+        if seeds is None and self.seed is None:
+            parts = min(len(self.servers), len(prompt_ids))
+            groups = [list(range(len(prompt_ids)))[k::parts] for k in range(parts)]
+        else:
+            groups = [[i] for i in range(len(prompt_ids))]
+        out = []
+        for group in groups:
+            seed = request_seed(self.seed, call, first + group[0], n, None if seeds is None else seeds[group[0]])
+            body = {"model": self.model_name, "prompt": [list(prompt_ids[i]) for i in group], "return_token_ids": True,
+                    **sampling_fields(self.sampling, n, seed=seed if len(group) == 1 else None, max_tokens=max_tokens)}
+            out.append((group, body))
+        return out
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  max_tokens: int | None = None) -> Rollout:
-        step = self.batch_size or len(prompt_ids)
-        completions: list[list[int]] = []
-        truncated: list[bool] = []
-        logprobs: list[list[float]] = []
-        eos = set(self.eos_token_ids)
+        self._check_versions()
+        call, self._calls = self._calls, self._calls + 1
+        step = self.sampling.batch_size or len(prompt_ids)
+        rows: dict[int, list[tuple[list[int], list[float], bool]]] = {}
         for start in range(0, len(prompt_ids), step):
             chunk = prompt_ids[start : start + step]
-            # One request per prompt would give each its own seed; one request for the chunk is
-            # faster. vLLM seeds the n samples of a prompt seed..seed+n-1, the same for every
-            # prompt of a request: so send one request per prompt when seeded.
-            # The requests run concurrently: the server batches them.
-            seeded = self.seed is not None or seeds is not None
-            groups = [[p] for p in chunk] if seeded else [chunk]
-            bodies = []
-            for i, group in enumerate(groups):
-                prompt_seed = seeds[start + i] if seeds is not None else None
-                bodies.append(self._completion_body(group, num_generations, prompt_seed, max_tokens))
-                self._calls += 1
-            with ThreadPoolExecutor(max_workers=min(32, len(bodies))) as pool:
-                responses = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
-            for group, resp in zip(groups, responses):
-                choices = sorted(resp["choices"], key=lambda c: c["index"])
+            requests = self._requests(chunk, num_generations, None if seeds is None else seeds[start : start + step],
+                                      max_tokens, call, start)
+            for (group, _), answer in zip(requests, self._send_all([body for _, body in requests])):
+                choices = sorted(answer["choices"], key=lambda c: c["index"])
                 if len(choices) != len(group) * num_generations:
                     raise ServerError(f"vLLM server returned {len(choices)} choices for {len(group)} x {num_generations}")
-                for choice in choices:
-                    ids = list(choice.get("token_ids") or [])
-                    lps = [float(x) for x in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
-                    hits = [i for i, t in enumerate(ids) if t in eos]
-                    if hits:
-                        ids, lps = ids[: hits[0] + 1], lps[: hits[0] + 1]
-                    completions.append(ids)
-                    truncated.append(not hits and choice.get("finish_reason") != "stop")  # "stop": a stop string
-                    logprobs.append(lps)
-        return Rollout(completion_ids=completions, truncated=truncated, sampling_logprobs=logprobs)
+                for k, i in enumerate(group):  # choices come prompt by prompt, n each
+                    rows[start + i] = [self._read(c) for c in choices[k * num_generations : (k + 1) * num_generations]]
+        samples = [sample for i in range(len(prompt_ids)) for sample in rows[i]]
+        return Rollout(completion_ids=[s[0] for s in samples], truncated=[s[2] for s in samples],
+                       sampling_logprobs=[s[1] for s in samples])
+
+    def _read(self, choice: dict) -> tuple[list[int], list[float], bool]:
+        ids = list(choice.get("token_ids") or [])
+        lps = [float(x) for x in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+        return cut_completion(ids, lps, set(self.sampling.eos_token_ids), choice.get("finish_reason"))
+
+    def _send_all(self, bodies: list[dict]) -> list[dict]:
+        """POST every body to /v1/completions, body j to server j mod S, all at once (each server batches
+        what it gets). A server that goes away: see `_recover`."""
+        answers: list[dict | None] = [None] * len(bodies)
+        for _attempt in range(3):
+            todo = [j for j, a in enumerate(answers) if a is None]
+            if not todo:
+                break
+            gone: dict[str, ServerGone] = {}
+            with ThreadPoolExecutor(max_workers=min(64, len(todo))) as pool:
+                futures = {j: pool.submit(self.servers[j % len(self.servers)].request, "POST", "/v1/completions", bodies[j])
+                           for j in todo}
+                for j, future in futures.items():
+                    try:
+                        answers[j] = future.result()
+                    except ServerGone as e:
+                        gone[e.url] = e
+            if gone:
+                self._recover([s for s in self.servers if s.url in gone])
+        if any(a is None for a in answers):
+            raise ServerUnreachable(f"vLLM server(s) kept dropping requests: {', '.join(s.url for s in self.servers)}")
+        return answers  # type: ignore[return-value]
+
+    def _recover(self, servers: list[Server]) -> None:
+        """Wait for servers that went away; raise WeightsLost if they came back without our weights."""
+        self._await(servers, "")
+        self._check_versions(servers)
+
+    def _await(self, servers: list[Server], during: str) -> None:
+        """Wait up to reconnect_timeout for each server to answer again, else stop naming it."""
+        limit = self.settings.reconnect_timeout
+        for server in servers:
+            if not server.wait_until_healthy(limit):
+                raise ServerUnreachable(f"vLLM server at {server.url} went away{during} and did not come back within "
+                                        f"{limit:g}s (rollout.vllm_server.reconnect_timeout)")
+
+    def _check_versions(self, servers: list[Server] | None = None) -> None:
+        """WeightsLost for servers whose weight version is not the one last pushed (they restarted)."""
+        if self.weight_version is None or self.weight_sync == "none":
+            return  # nothing pushed: a restarted server holds the same weights as before
+        lost = [s for s in servers or self.servers if s.weight_version() != str(self.weight_version)]
+        if lost:
+            raise WeightsLost([s.url for s in lost], self.weight_version)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        if not self.is_main_process or self.weight_sync == "none":
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Gather | None = None) -> None:
+        """Push `model`'s weights (LoRA merged) to every server as `version` (default: a count of pushes).
+
+        Call it on every rank; with `gather` (weight_sync.zero3_gather) every rank iterates the weights piece
+        by piece, and the main process sends them."""
+        self._pushes += 1
+        version = self._pushes if version is None else version
+        if self.weight_sync == "none":
             return
-        self.push_weights_disk(model)
+        source = _Tracked(MergedWeights(model, gather))
+        if not self.is_main_process:
+            if gather is not None:
+                for _ in source:  # take part in the gathers
+                    pass
+            self.weight_version = version
+            return
+        try:
+            self._push(source, version)
+        except Exception as error:
+            gone = [s for s in self.servers if not s.healthy()]
+            if not gone and not _lost_connection(error):
+                raise
+            if gather is not None:
+                source.drain()  # the other ranks are in the same gathers
+            self._close_transfer()
+            self._await(gone, " during a weight push")
+            if gather is not None:  # a second pass over ZeRO-3 pieces needs every rank: the caller repeats the push
+                raise WeightsLost([s.url for s in gone] or [s.url for s in self.servers], self.weight_version) from error
+            self._push(_Tracked(MergedWeights(model, gather)), version)  # the servers (re)join a new transfer group
+        self.weight_version = version
 
-    def push_weights_disk(self, model: torch.nn.Module) -> None:
-        """Write merged weights to `weights_dir` and have the server reload them in place."""
-        save_weights(model, self.weights_dir)
-        self.reload_from(self.weights_dir)
+    def _push(self, source: _Tracked, version: Any) -> None:
+        expected = FRESH_VERSION if self.weight_version is None else str(self.weight_version)
+        if self._transfer is not None and any(s.weight_version() != expected for s in self.servers):
+            self._close_transfer()  # a server restarted: its workers are not in our transfer group any more
+        with self._paused():
+            if self.weight_sync == "disk":
+                folder = save_weights(source.source.model, self.weights_dir, gather=source.source.gather).parent
+                each(self.servers, lambda server: server.request(
+                    "POST", "/collective_rpc",
+                    {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}))
+                each(self.servers, lambda server: server.request("POST", "/update_weight_version",
+                                                                 {"new_version": str(version)}))
+            else:
+                if self._transfer is None:
+                    self._open_transfer(source)
+                self._transfer.source = source
+                self._client.version = str(version)
+                try:
+                    self._transfer.send_weights()
+                except BaseException:
+                    self._end_open_updates(self.servers)
+                    raise
 
-    def reload_from(self, folder: str | os.PathLike) -> None:
-        """Ask the server to reload its weights, in place, from a folder of safetensors it can read."""
-        self._request(
-            "POST", "/collective_rpc", {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(Path(folder).resolve())}}
-        )
-        self._request("POST", "/reset_prefix_cache")
+    @staticmethod
+    def _end_open_updates(servers: list[Server]) -> None:
+        """End the weight update a failed push left open on each server, with what it received: vLLM's
+        layer-wise reload keeps layers on the meta device until `/finish_weight_update`, and the first request
+        after `/resume` would crash the server. What it holds then is part old, part new (a fused layer may
+        even be half loaded), so its version says so: sampling from it raises WeightsLost until a full push.
+        (An error means there was nothing open, or the server is gone.)"""
+        for server in servers:
+            for path, body in (("/finish_weight_update", None), ("/update_weight_version", {"new_version": INCOMPLETE_VERSION})):
+                try:
+                    server.request("POST", path, body)
+                except (ServerUnreachable, ServerError):
+                    pass
+
+    def _release_a_dead_trainers_push(self) -> None:
+        """A server left paused by a trainer that died mid-push: end its update, let it sample again."""
+        for server in self.servers:
+            try:
+                paused = server.request("GET", "/is_paused", timeout=10)["is_paused"]
+            except (ServerUnreachable, ServerError):
+                continue  # not a dev-mode server: nothing of ours can be open there
+            if paused:
+                self._end_open_updates([server])
+                server.request("POST", "/resume")
+
+    @contextmanager
+    def _paused(self):
+        """Requests in flight finish with the old weights, none start until the push is done, and no KV block
+        computed with the old weights is reused after it."""
+        each(self.servers, lambda server: server.request("POST", "/pause?mode=wait"))
+        try:
+            yield
+            each(self.servers, lambda server: server.request("POST", "/reset_prefix_cache"))
+        finally:
+            for server in self.servers:
+                try:
+                    server.request("POST", "/resume")
+                except (ServerUnreachable, ServerError):
+                    pass  # it went away: it comes back unpaused
+
+    def _open_transfer(self, source: _Tracked) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        workers = each(self.servers, Server.workers)
+        self._client = AllServers(self.servers, workers)
+        world_size = 1 + sum(workers)
+        host = urllib.parse.urlparse(self.servers[0].url).hostname or "127.0.0.1"
+        settings = self.settings
+        if self.weight_sync == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(master_address=settings.transfer_host or address_towards(host),
+                                       master_port=settings.transfer_port or _free_port(), world_size=world_size, rank=0,
+                                       packed=True, packed_buffer_size_bytes=int(settings.transfer_bucket_mb * 2**20))
+        else:
+            from .gloo_transfer import GlooTrainerInitInfo
+            from .vllm_plugin import register
+
+            register()  # the trainer's process may not have loaded vLLM's plugins
+            info = GlooTrainerInitInfo(master_address=settings.transfer_host or address_towards(host),
+                                       master_port=settings.transfer_port, world_size=world_size, rank=0,
+                                       bucket_bytes=int(settings.transfer_bucket_mb * 2**20), timeout_s=settings.timeout)
+        try:
+            self._transfer = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=source)
+        except ServerError as e:
+            if "Invalid weight transfer backend" in str(e) or "not configured" in str(e):
+                raise ServerError(
+                    f"rollout.vllm_server.weight_sync={self.weight_sync}: the server at {self.base_url} was not started "
+                    f"with --weight-transfer-config '{{\"backend\": \"{self.weight_sync}\"}}' (`python -m grpo_trainer "
+                    f"serve` does): {e}") from None
+            raise
+
+    def _close_transfer(self) -> None:
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            transfer.shutdown()
+        if self._client is not None:
+            self._client.shutdown_weight_transfer_engine()
+            self._client = None
 
     def sleep(self) -> None:
-        """Nothing to free here: the server's memory is on its own machine or GPUs."""
+        """Nothing to free here: the servers' memory is on their own machines or GPUs."""
 
     def wake_up(self) -> None:
         """Nothing to restore."""
 
     def close(self) -> None:
-        """Nothing to release: the server outlives the trainer."""
+        """Leave the transfer group (the servers outlive the trainer and may take another one)."""
+        if self._transfer is not None:
+            self._close_transfer()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches `host`: where the servers find the transfer group."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: nothing is sent, the kernel just picks the route
+        return s.getsockname()[0]
+
+
+def _lost_connection(error: BaseException) -> bool:
+    """A push that failed because a peer's connection dropped (HTTP, or the transfer group's sockets)."""
+    text = str(error).lower()
+    return isinstance(error, ServerGone) or any(
+        word in text for word in ("connection reset", "connection closed", "connection refused", "broken pipe", "peer"))

@@ -1,34 +1,52 @@
 """The trainer's current weights as (name, tensor) pairs in Hugging Face checkpoint naming.
 
-Both vLLM engines push weights by name, the way a `from_pretrained` folder names
-them (`model.layers.0.self_attn.q_proj.weight`, ...): vLLM's `load_weights` maps
-those onto its fused layers (qkv_proj, gate_up_proj) and shards them for tensor
+Every weight push (both vLLM engines, every transport) goes through `MergedWeights`: the
+weights by name, the way a `from_pretrained` folder names them
+(`model.layers.0.self_attn.q_proj.weight`, ...), so vLLM's `load_weights` maps them
+onto its fused layers (qkv_proj, gate_up_proj) and shards them for tensor
 parallelism itself.
 
-A LoRA model (a PeftModel) is pushed merged, without touching the training
-model: each LoRA-wrapped layer yields `base_weight + delta` computed into a new
-tensor (PEFT's `get_delta_weight`, the same formula `merge_and_unload` uses), and
-the adapter tensors themselves are skipped. Names lose PEFT's `base_model.model.`
-prefix and its `.base_layer.` infix; `modules_to_save` copies replace the
-originals.
-
-Not handled here: parameters sharded across ranks (FSDP, ZeRO-3). The caller
-must gather them first (e.g. `deepspeed.zero.GatheredParameters`,
-`FSDP.summon_full_params`) and call this inside that context.
+- Two channels, as vLLM's `WeightSource`: `metadata()` declares every (name, dtype,
+  full shape) without computing or gathering anything; iteration then yields the
+  tensors one at a time, in the same order. A transport sizes its buffers from the
+  first and streams the second, so a push never holds a second copy of the model.
+- A LoRA model (a PeftModel) is pushed merged, without touching the training
+  model: each LoRA-wrapped layer yields `base_weight + delta`, computed into a new
+  tensor only when its turn comes (PEFT's `get_delta_weight`, the formula
+  `merge_and_unload` uses); the adapter tensors themselves are skipped. Names lose
+  PEFT's `base_model.model.` prefix and its `.base_layer.` infix;
+  `modules_to_save` copies replace the originals.
+- Tied weights (lm_head = embed_tokens) are yielded once; vLLM re-ties them
+  (see `WorkerWeightSync` and the gloo backend for the CPU case where it does not).
+- Sharded parameters (ZeRO-3): pass `gather`, a function of a list of parameters
+  returning a context in which they are whole (`zero3_gather`). The weights are
+  then gathered one piece at a time, a piece being one decoder layer (or the
+  embeddings, or the head), and released before the next: every rank holds at
+  most one layer's full weights, not the model. Every rank must iterate (the
+  gathers are collectives), in the same order; only one of them sends.
+  FSDP is not handled here: gather with `FSDP.summon_full_params` first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager
 
 import torch
 
 PEFT_PREFIX = "base_model.model."
 
+Gather = Callable[[list[torch.nn.Parameter]], ContextManager]  # makes the given parameters whole while open
+
 
 def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
 
 
 def _lora_delta(module: torch.nn.Module) -> torch.Tensor | None:
@@ -58,55 +76,144 @@ def _clean_name(name: str) -> str | None:
     return name
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class ParamMeta:
+    """One pushed tensor as declared before it is sent (the fields of vLLM's own `ParamMeta`)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Entry:
+    name: str  # the checkpoint name the server loads it under
+    tensor: torch.Tensor  # the live parameter or buffer (under ZeRO-3: a partitioned placeholder until gathered)
+    lora: torch.nn.Module | None = None  # the LoRA layer whose active adapters are merged into it on the way out
+
+    def meta(self) -> ParamMeta:
+        shape = getattr(self.tensor, "ds_shape", None) or self.tensor.shape  # ZeRO-3 keeps the full shape aside
+        return ParamMeta(self.name, self.tensor.dtype, tuple(int(d) for d in shape))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What must be whole to compute this tensor: itself, or the LoRA layer's base weight and adapters."""
+        own = self.lora.parameters() if self.lora is not None else [self.tensor]
+        return [p for p in own if isinstance(p, torch.nn.Parameter)]
+
+    def value(self) -> torch.Tensor:
+        if self.lora is None:
+            return self.tensor.detach()
+        delta = _lora_delta(self.lora)
+        return self.tensor.detach() if delta is None else (self.tensor + delta.to(self.tensor.dtype)).detach()
+
+
+def _entries(model: torch.nn.Module) -> list[_Entry]:
+    """Every tensor to push, in state-dict order, each once (a tied weight under its first name)."""
+    state = model.state_dict(keep_vars=True)
+    peft = _is_peft(model)
+    chosen: dict[str, str] = {}  # checkpoint name -> the state-dict name it is read from
+    for raw_name in state:
+        clean = _clean_name(raw_name) if peft else raw_name
+        if clean is not None and (clean not in chosen or ".modules_to_save." in raw_name):
+            chosen[clean] = raw_name  # a modules_to_save copy replaces the original module's tensor
+    order = {raw_name: i for i, raw_name in enumerate(state)}
+    entries: list[_Entry] = []
+    seen: set[int] = set()  # a tied lm_head is the embedding's very Parameter: pushed once
+    for clean, raw_name in sorted(chosen.items(), key=lambda kv: order[kv[1]]):
+        tensor = state[raw_name]
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        lora = None
+        if peft and raw_name.endswith(".base_layer.weight"):
+            owner = model.get_submodule(raw_name.removesuffix(".base_layer.weight"))
+            lora = owner if _is_lora_layer(owner) else None
+        entries.append(_Entry(clean, tensor, lora))
+    return entries
+
+
+def _layer_key(name: str) -> str | None:
+    """`model.layers.3.mlp.up_proj.weight` -> `model.layers.3`: the piece a tensor is gathered with."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+class MergedWeights:
+    """The weights a server should hold, declared (`metadata`) and then streamed (iteration); see the module
+    docstring. Same interface as vLLM's `WeightSource`, so vLLM's own trainer-side transfer engines take it."""
+
+    def __init__(self, model: torch.nn.Module, gather: Gather | None = None):
+        self.model = model
+        self.gather = gather
+        self._entries = _entries(model)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [e.meta() for e in self._entries]
+
+    def pieces(self) -> list[list[_Entry]]:
+        """Consecutive entries of one decoder layer (or one run of layer-less tensors): the unit of gathering."""
+        pieces: list[list[_Entry]] = []
+        for entry in self._entries:
+            key = _layer_key(entry.name)
+            if pieces and _layer_key(pieces[-1][0].name) == key:
+                pieces[-1].append(entry)
+            else:
+                pieces.append([entry])
+        return pieces
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs. Without `gather`: views of the live parameters (merged LoRA weights are fresh
+        tensors); use them before the next optimizer step. With `gather`: copies, since a gathered piece is
+        released (its memory possibly reused for the next one) before a consumer that buffers is done with it."""
+        for piece in self.pieces():
+            params = [p for entry in piece for p in entry.parameters()]
+            if self.gather is None or not params:
+                for entry in piece:
+                    yield entry.name, entry.value()
+                continue
+            with self.gather(params):
+                values = [(entry.name, entry.value().clone()) for entry in piece]
+            yield from values  # one piece (a decoder layer) at a time
+
+
 def iter_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, tensor) for every weight of `model`, LoRA merged; tied weights once.
 
     Tensors are detached views of the live parameters (no copy) except merged LoRA
     layers, which are fresh tensors. Consume them before the next optimizer step.
     """
-    if not _is_peft(model):
-        seen: set[int] = set()
-        for name, tensor in model.state_dict(keep_vars=False).items():
-            ptr = tensor.data_ptr()
-            if ptr in seen:  # tied (lm_head = embed_tokens): vLLM re-ties them itself
-                continue
-            seen.add(ptr)
-            yield name, tensor.detach()
-        return
-
-    merged: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        if hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "get_delta_weight"):
-            base = module.base_layer.weight
-            delta = _lora_delta(module)
-            weight = base.detach() if delta is None else (base + delta.to(base.dtype)).detach()
-            merged[module_name + ".base_layer.weight"] = weight
-    seen = set()
-    emitted: set[str] = set()
-    # modules_to_save copies first, so they win over the original module's tensors.
-    items = sorted(model.state_dict().items(), key=lambda kv: ".modules_to_save." not in kv[0])
-    for raw_name, tensor in items:
-        clean = _clean_name(raw_name)
-        if clean is None or clean in emitted:
-            continue
-        value = merged.get(raw_name, tensor)
-        if raw_name not in merged:
-            ptr = tensor.data_ptr()
-            if ptr in seen:
-                continue
-            seen.add(ptr)
-        emitted.add(clean)
-        yield clean, value.detach()
+    with torch.no_grad():
+        yield from MergedWeights(model)
 
 
-def save_weights(model: torch.nn.Module, folder: str | Path, filename: str = "model.safetensors") -> Path:
+def zero3_gather(accelerator) -> Gather | None:
+    """The `gather` for `MergedWeights` (and the engines' `sync_weights`) under DeepSpeed ZeRO-3, None elsewhere.
+
+    For the trainer's weight push: `engine.sync_weights(model, version, gather=zero3_gather(accelerator))` on
+    every rank, instead of gathering the whole model first (`distributed.gathered_if_zero3`), holds one
+    decoder layer's full weights at a time."""
+    from ..distributed import zero_stage
+
+    if zero_stage(accelerator) != 3:
+        return None
+    import deepspeed
+
+    return lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def save_weights(model: torch.nn.Module, folder: str | Path, filename: str = "model.safetensors",
+                 gather: Gather | None = None) -> Path:
     """Write the merged weights as one safetensors file (atomically: temp file + rename); return its path."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in iter_merged_weights(model)}
+    with torch.no_grad():
+        # Gathered tensors are released with their piece: copy them out; plain ones are written from place.
+        state = {name: t.to("cpu", copy=gather is not None).contiguous() for name, t in MergedWeights(model, gather)}
     path = folder / filename
     tmp = folder / (filename + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})
@@ -117,7 +224,7 @@ def save_weights(model: torch.nn.Module, folder: str | Path, filename: str = "mo
 # ----------------------------------------------------------------------------- inside vLLM's workers
 
 
-def _tied_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str, int]]]:
+def tied_parameter_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str, int]]]:
     """Parameters shared by several modules (tied embeddings): [(module, attr, id(param)), ...] per group."""
     where: dict[int, list[tuple[torch.nn.Module, str, int]]] = {}
     for module in model.modules():
@@ -126,7 +233,7 @@ def _tied_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str
     return [group for group in where.values() if len(group) > 1]
 
 
-def _retie(groups) -> None:
+def retie(groups) -> None:
     """Re-share each group's parameter and rebuild the kernels derived from it.
 
     The tied layer the loader skipped (lm_head) kept its kernel-format weights from
@@ -165,7 +272,7 @@ class WorkerWeightSync:
 
     def grpo_reload_weights(self, weights_path: str | None = None, weights=None) -> bool:
         model = self.model_runner.get_model()
-        groups = _tied_groups(model)
+        groups = tied_parameter_groups(model)
         self.reload_weights(weights_iterator=None if weights is None else iter(weights), weights_path=weights_path)
-        _retie(groups)
+        retie(groups)
         return True

@@ -1,0 +1,184 @@
+"""What the vLLM test files share: the small head_dim-32 model, the trainer's log-probs to compare vLLM's
+with, and CPU vLLM servers started as a user would (`python -m grpo_trainer serve`), killed and restarted."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from grpo_trainer.models import TokenLogprobs, make_sequence_batch
+from grpo_trainer.tiny import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS = 2  # <|im_end|>, the tiny tokenizer's EOS
+MAX_LEN = 40
+TEMPERATURE = 0.8
+ATOL = 2e-4  # fp32 on both sides; different kernels (vLLM CPU attention vs eager)
+PROMPTS = [[1, 20, 30, 40], [1, 50, 60], [1, 70, 71, 72, 73, 74], [1, 90]]
+SERVER_START_S = 900  # a CPU server starts in ~40 s alone; far longer while the machine is shared
+
+
+def build_model(folder: Path) -> Path:
+    """A 2-layer Llama, head_dim 32, random weights, the tiny model's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = ensure_tiny_model()
+    cfg = json.loads((Path(tiny) / "config.json").read_text())
+    for key in ("architectures", "transformers_version"):
+        cfg.pop(key, None)
+    cfg.update(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():  # peakier than the default init, so that samples and EOS vary with the weights
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(folder)
+    for f in Path(tiny).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def load_lm(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    lm.config.use_cache = False
+    return lm
+
+
+def trainer_logprobs(lm, prompts, completions, temperature) -> list[list[float]]:
+    batch = make_sequence_batch(prompts, completions, pad_id=0)
+    with torch.no_grad():
+        lp, _ = TokenLogprobs(lm, temperature=temperature)(**batch.tensors())
+    return [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+
+def perturb(lm, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() + 1e-3))
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], atol=ATOL):
+    for x, y in zip(a, b, strict=True):
+        assert len(x) == len(y)
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol), (x[:5], y[:5])
+
+
+def max_diff(a, b) -> float:
+    return max(max(abs(u - v) for u, v in zip(x, y)) for x, y in zip(a, b) if x)
+
+
+def check_rollout(rollout, n_prompts, g):
+    assert len(rollout.completion_ids) == len(rollout.truncated) == len(rollout.sampling_logprobs) == n_prompts * g
+    for ids, trunc, lps in zip(rollout.completion_ids, rollout.truncated, rollout.sampling_logprobs):
+        assert len(lps) == len(ids) >= 1
+        assert all(v <= 1e-6 for v in lps)
+        assert EOS not in ids[:-1]  # nothing after the first EOS
+        if trunc:
+            assert len(ids) == MAX_LEN and ids[-1] != EOS
+        else:
+            assert ids[-1] == EOS and len(ids) <= MAX_LEN
+
+
+@contextlib.contextmanager
+def sampling_changed(engine, **changes):
+    """Sample with some settings changed (rollout.min_p, rollout.stop, ...) for the duration."""
+    before = engine.sampling
+    engine.sampling = dataclasses.replace(before, **changes)
+    try:
+        yield
+    finally:
+        engine.sampling = before
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A CPU vLLM server started with `python -m grpo_trainer serve CONFIG OVERRIDES -- VLLM_ARGS`, in its own
+    process group (the API server, its engine core and workers), so that a kill takes all of it down, as a
+    crashed machine would, and a restart comes back on the same port."""
+
+    def __init__(self, log: Path, model_dir: Path, overrides: list[str] = (), vllm_args: list[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.command = [sys.executable, "-m", "grpo_trainer", "serve", "configs/demo_cpu.yaml", f"model.name_or_path={model_dir}",
+                        "rollout.vllm.max_model_len=256", "rollout.vllm.kv_cache_memory_bytes=268435456",
+                        "rollout.engine=vllm_server", *overrides, "--port", str(self.port), "--", *vllm_args]
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log, "a") as fh:
+            self.proc = subprocess.Popen(self.command, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5):
+                return True
+        except OSError:
+            return False
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while not self.healthy():
+            assert self.proc.poll() is None, f"vLLM server exited:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"vLLM server not healthy after {SERVER_START_S}s:\n{self.tail()}"
+            time.sleep(0.5)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (API process, engine core, workers) and wait until it is gone."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+        deadline = time.monotonic() + 60
+        while self.healthy() and time.monotonic() < deadline:  # the port is free once it stops answering
+            time.sleep(0.1)
+
+    def requests_running(self) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running"):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc = None
