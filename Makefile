@@ -20,7 +20,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # Test processes in parallel: most tests wait on process start-up and imports, not on the CPU.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-vllm bench venv clean
+.PHONY: demo test test-fast test-vllm bench venv clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ $(VLLM_STAMP): $(STAMP)
 
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
+
+# The tests that run in this process (no CLI runs, launches, sandboxes, vLLM): the developer's loop, under 3 minutes.
+# `make test` runs them too, with the ones marked slow (tests/conftest.py says what is marked and why).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
 	GRPO_TRAINER_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py tests/test_vllm_*.py

@@ -12,7 +12,9 @@ written as `checkpoints/.tmp-step-000020/`: files, then fsync, then the manifest
   leaves `latest` alone and stops the run with one line naming the folder and
   the free space (`CheckpointError`);
 - a checkpoint damaged after it was written (a truncated file, a bit flip) is
-  found by `verify`: resume falls back to the newest intact one and says so.
+  found by `verify`: resume falls back to the newest intact one and says so;
+- a checkpoint without a manifest (written before checkpoints carried one) is
+  used unverified, with a warning saying so (`unverified_note`).
 
 Not covered: a file system that acknowledges an fsync it did not perform.
 """
@@ -67,7 +69,7 @@ def save_checkpoint(
         error = _attempt(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)))
     error = _first_error(accelerator, error)
     if error is None:
-        error = _first_error(accelerator, _attempt(lambda: accelerator.save_state(str(staging))))
+        error = _first_error(accelerator, _attempt(lambda: _save_state(accelerator, staging)))
     _pause_for_fault_injection()
     if error is None and accelerator.is_main_process:
         error = _attempt(lambda: _publish(staging, final, root, {**trainer_state, "step": step}, files or {}))
@@ -80,6 +82,37 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(_save_failed_message(staging, root, step, error))
     return final
+
+
+def _save_state(accelerator, folder: Path) -> None:
+    """Accelerate's save_state, with tied weights stored once without its alarm.
+
+    A tied model (lm_head = embed_tokens, as in the tiny model) has two names for one tensor; safetensors
+    stores a tensor once, so Accelerate drops the later names itself, warning "Removed shared tensor ...
+    This should be OK, but check" on every save. The same names are dropped here first (the file is the
+    same), quietly: loading restores the tie (safetensors' `load_model` skips names that share storage).
+    """
+    handle = accelerator.register_save_state_pre_hook(_drop_tied_duplicates)
+    try:
+        accelerator.save_state(str(folder))
+    finally:
+        handle.remove()
+
+
+def _drop_tied_duplicates(models, weights: list[dict], folder: str) -> None:
+    """Keep the first name of each tensor storage in every state dict (Accelerate's own rule, in place)."""
+    from accelerate.utils import id_tensor_storage
+
+    for state in weights:
+        seen = set()
+        for name in list(state):
+            tensor = state[name]
+            if isinstance(tensor, str):
+                continue
+            storage = id_tensor_storage(tensor)
+            if storage in seen:
+                del state[name]
+            seen.add(storage)
 
 
 def _publish(staging: Path, final: Path, root: Path, trainer_state: dict, files: dict[str, str]) -> None:
@@ -130,7 +163,7 @@ def _save_failed_message(staging: Path, root: Path, step: int, error: str) -> st
 
 def verify(folder: str | Path) -> str | None:
     """What is wrong with a complete checkpoint's files (one line naming the file), or None when its manifest
-    matches. A checkpoint written before manifests existed is accepted unverified."""
+    matches, or when it has no manifest (see `unverified_note`: such a checkpoint is used, and it is said)."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
@@ -149,6 +182,16 @@ def verify(folder: str | Path) -> str | None:
         if _sha256(path) != expected["sha256"]:
             return f"{path}: contents differ from what was written (SHA-256 mismatch)"
     return None
+
+
+def unverified_note(folder: str | Path) -> str | None:
+    """The line to log when a checkpoint has no manifest to verify it by, else None. Such a checkpoint (written
+    before checkpoints carried a manifest, or copied without it) is used as it is, damage undetected: refusing
+    it would strand runs whose checkpoints are fine."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return None
+    return f"checkpoint {folder} has no {MANIFEST}: its files are used unverified (no size or SHA-256 check)"
 
 
 def _sha256(path: Path) -> str:
@@ -218,7 +261,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
         problem = verify(path)
         if problem:
             raise CheckpointError(f"checkpoint.resume: {path} is damaged: {problem}; resume from another checkpoint")
-        return path, []
+        return path, [note for note in [unverified_note(path)] if note]
     candidates = sorted(complete_checkpoints(output_dir), reverse=True)
     latest = checkpoint_root(output_dir) / LATEST
     if latest.is_file():
@@ -230,7 +273,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
     for candidate in candidates:
         problem = verify(candidate)
         if problem is None:
-            return candidate, notes
+            return candidate, notes + [note for note in [unverified_note(candidate)] if note]
         notes.append(f"checkpoint {candidate.name} is damaged ({problem}); trying an older one")
     if candidates:
         raise CheckpointError(
@@ -270,6 +313,8 @@ def load_checkpoint_model(checkpoint: str | Path):
     problem = verify(checkpoint)
     if problem:
         raise CheckpointError(f"checkpoint: {checkpoint} is damaged: {problem}")
+    if unverified_note(checkpoint):
+        logger.warning("%s", unverified_note(checkpoint))
     cfg = config_from_dict(read_trainer_state(checkpoint)["config"], source=str(checkpoint / TRAINER_STATE))
     lm = load_causal_lm(cfg.model)
     load_policy_weights(lm, checkpoint / WEIGHTS, cfg.model.name_or_path)

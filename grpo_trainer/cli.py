@@ -48,6 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def next_commands(output_dir) -> str:
+    """What to run after training, with this run's paths and this interpreter, ready to paste."""
+    import os
+    from pathlib import Path
+
+    output_dir = Path(output_dir)
+    python = os.path.relpath(sys.executable)
+    python = python if not python.startswith("..") and os.path.isfile(python) else "python"
+    model = output_dir / "model"
+    if not model.is_dir():  # checkpoint.save_final_model=false: the last checkpoint
+        latest = output_dir / "checkpoints" / "latest"
+        model = output_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+    lines = ["next:", f"  {python} -m grpo_trainer plot {output_dir}        # reward, lengths, KL, clip ratios as PNGs"]
+    if model is not None:
+        lines.append(f"  {python} -m grpo_trainer eval {output_dir / 'config.yaml'} --checkpoint {model}"
+                     "        # held-out mean@k and pass@k")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -106,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 code = PREEMPTED_EXIT_CODE
             elif result.is_main_process:
                 print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
+                print(next_commands(result.output_dir))
             if launched_ranks() > 1:
                 exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
             return code

@@ -17,18 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import in_memory
+from . import builtin, in_memory
 from .config import DataConfig
 from .errors import DataError
-from .tiny import BUILTIN_PREFIX, arithmetic_records
-from .tiny_tools import multiplication_records
-from .word_problems import word_problem_records
+from .seeds import mix_seed
 
-BUILTIN_TASKS = {  # name -> records(split)
-    "arithmetic": arithmetic_records,
-    "word_problems": word_problem_records,
-    "multiplication": multiplication_records,
-}
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -38,17 +31,8 @@ def load_records(cfg: DataConfig, split: str | None = None) -> list[dict[str, An
     source = cfg.source
     if in_memory.is_reference(source):  # a dataset given to grpo_trainer.train() in Python: one split, as given
         records = in_memory.records(source, "data.source", DataError)
-    elif source.startswith(BUILTIN_PREFIX):
-        name = source[len(BUILTIN_PREFIX) :]
-        if name not in BUILTIN_TASKS:
-            raise DataError(
-                f"data.source: unknown built-in task {source!r}; the built-ins are "
-                + ", ".join(f"'builtin:{task}'" for task in BUILTIN_TASKS)
-            )
-        try:
-            records = BUILTIN_TASKS[name](split)
-        except ValueError as exc:
-            raise DataError(str(exc)) from None
+    elif builtin.is_builtin(source):
+        records = builtin.task_records(source, split)
     else:
         records = _load_with_datasets(source, cfg.subset, split)
     if cfg.num_samples is not None:
@@ -77,8 +61,6 @@ def _load_with_datasets(source: str, subset: str | None, split: str) -> list[dic
                 ds = ds[split]
         else:
             ds = datasets.load_dataset(source, subset, split=split)
-    except DataError:
-        raise
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; the user needs the source and the reason
@@ -209,7 +191,7 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         order = list(range(self.size))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(mix_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def next_indices(self, count: int) -> list[int]:

@@ -30,6 +30,11 @@ def partial_state():
 
     launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
     kwargs = {"backend": "gloo"} if launched and not torch.cuda.is_available() else {}
+    if not torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        # transformers' save_pretrained imports DeepSpeed wherever it is installed (Accelerate's unwrap looks for
+        # its engine), and on a machine without GPUs DeepSpeed then warns that it found none. Name the device it
+        # would pick, so that a run that does not use DeepSpeed does not print DeepSpeed's warning.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
 
 
@@ -41,7 +46,7 @@ def check_distributed_setup(accelerator) -> None:
                 f"the Accelerate config asks for {wanted} but Accelerate set up {accelerator.distributed_type.value}"
                 + (" (Accelerate enables FSDP on GPUs only; on CPU use DeepSpeed or DDP)" if wanted == "FSDP" else "")
             )
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launched_ranks()
     if launched > 1 and accelerator.num_processes != launched:
         raise ConfigError(
             f"{launched} processes were launched but Accelerate set up {accelerator.num_processes} "
@@ -72,6 +77,28 @@ def mixed_precision(accelerator) -> str:
         enabled = lambda key: str(ds.get(key, {}).get("enabled", False)).lower() == "true"  # noqa: E731
         return "bf16" if enabled("bf16") else "fp16" if enabled("fp16") else "no"
     return str(accelerator.mixed_precision)
+
+
+def unwrap(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside Accelerate's wrapper (DDP, a DeepSpeed engine), as `accelerator.unwrap_model` gives it.
+
+    Accelerate's own function imports DeepSpeed whenever it is installed, to recognise its engine, and
+    DeepSpeed announces itself on import ("Setting accelerator to CPU ..."), in runs that never use it. So
+    DeepSpeed (and FSDP) runs go through Accelerate; the others have at most a DDP wrapper, peeled here.
+    """
+    if accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        return accelerator.unwrap_model(model)
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def full_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole state dict, gathered where parameters are sharded (collective under ZeRO-3 / FSDP);
+    Accelerate's `get_state_dict`, without importing DeepSpeed where it is not used (see `unwrap`)."""
+    if accelerator.distributed_type.value in ("DEEPSPEED", "FSDP"):
+        return accelerator.get_state_dict(model)
+    return unwrap(accelerator, model).state_dict()
 
 
 def zero_stage(accelerator) -> int:
@@ -166,10 +193,10 @@ def exit_without_teardown(code: int):
     """End a multi-process run's process now, without the interpreter's teardown.
 
     By then the run is over: checkpoints and the model are written, the writers closed, and the process group
-    destroyed (`Accelerator.end_training`). Yet under DeepSpeed ZeRO-3 on gloo one rank sometimes aborted
-    during teardown ("terminate called without an active exception", SIGABRT: a C++ thread destroyed while
-    still joinable), turning a finished run into a failed launch (2 of ~20 test runs here, both on a loaded
-    machine). Nothing is left for the teardown to do that matters, so it is skipped.
+    destroyed (`Accelerator.end_training`). What the teardown would still do is destroy C++ objects, and under
+    DeepSpeed ZeRO-3 on gloo a communication thread can still be joinable then: the rank aborts ("terminate
+    called without an active exception", SIGABRT) and a finished run reports a failed launch, intermittently
+    (more often on a loaded machine). Nothing is left for the teardown to do that matters, so it is skipped.
     """
     import logging
     import sys

@@ -22,7 +22,7 @@ from torch import nn
 from . import in_memory
 from .config import ModelConfig
 from .errors import ConfigError
-from .tiny import resolve_model_path
+from .builtin import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,12 +69,14 @@ def load_causal_lm(cfg: ModelConfig):
 
 
 def is_lora(lm) -> bool:
-    return hasattr(lm, "disable_adapter") and hasattr(lm, "merge_and_unload")
+    """Whether `lm` is a PEFT model with LoRA adapters: the one test of it in the package (duck-typed, so that
+    peft is imported only by runs that use it)."""
+    return hasattr(lm, "disable_adapter") and hasattr(lm, "merge_and_unload") and hasattr(lm, "get_base_model")
 
 
-def plain_model(lm):
-    """A LoRA model merged into plain weights (a copy's worth of memory), or the model itself."""
-    return lm.merge_and_unload() if is_lora(lm) else lm
+def base_model(lm):
+    """The transformers model under a LoRA model's adapters, or the model itself."""
+    return lm.get_base_model() if is_lora(lm) else lm
 
 
 def eos_token_ids(tokenizer, lm) -> list[int]:
@@ -148,7 +150,7 @@ class TokenLogprobs(nn.Module):
         with_entropy: bool = False,
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        base = base_model(self.lm)
         decoder = base.get_decoder()
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
         if self.share_prompt and not checkpointing:

@@ -95,7 +95,7 @@ def _check_vllm_can_run(cfg: Config) -> None:
 
 def model_head_dim(cfg: Config) -> int | None:
     """The model's attention head size from its config.json, or None when the config cannot be read here."""
-    from .tiny import resolve_model_path
+    from .builtin import resolve_model_path
 
     try:
         from transformers import AutoConfig

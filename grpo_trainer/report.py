@@ -1,4 +1,6 @@
-"""Phase 7, report: one step's record (reduced over ranks), then metrics.jsonl, trackers, samples, progress.
+"""Phase 8, report: one step's record (reduced over ranks), then metrics.jsonl, trackers, samples, progress.
+
+It comes after the checkpoint (phase 7): the checkpoint's metrics history already holds this step's record.
 
 Metric names follow TRL's where TRL has one (`reward`, `reward_std`,
 `frac_reward_zero_std`, `completions/mean_length`, `kl`, `entropy`,
@@ -105,20 +107,38 @@ def flat_hparams(cfg: Config) -> dict:
 
 
 class ProgressBar:
-    """tqdm bar with step, reward and ETA on the main process; plain log lines when the bar is off."""
+    """tqdm bar with step, ETA and what moves on the main process; plain log lines when the bar is off.
+
+    What moves: the reward and the completion length, then the KL to the reference (loss.beta > 0), the clip
+    ratio (when the policy trains away from the sampling one: num_iterations or mini_batches > 1; otherwise
+    the ratio is 1 and nothing is clipped) or, where neither applies, the entropy. Not the loss: GRPO's is a
+    sum of advantage-weighted terms that are ~0 on average by construction, so it says nothing at a glance.
+    """
 
     def __init__(self, cfg: Config, is_main: bool, start_step: int):
         self.enabled = is_main
         self.bar = None
+        self.with_kl = cfg.loss.beta > 0
+        self.with_clip = cfg.train.num_iterations > 1 or cfg.train.mini_batches > 1
         if is_main and cfg.logging.progress_bar:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
+    def summary(self, record: dict) -> dict[str, str]:
+        summary = {"reward": f"{record['reward']:.3f}", "len": f"{record['completions/mean_length']:.1f}"}
+        if self.with_kl:
+            summary["kl"] = f"{record['kl']:.4f}"
+        if self.with_clip:
+            summary["clip"] = f"{record['clip_ratio/region_mean']:.3f}"
+        if not (self.with_kl or self.with_clip):
+            summary["entropy"] = f"{record['entropy']:.3f}"
+        return summary
+
     def update(self, record: dict) -> None:
         if not self.enabled:
             return
-        summary = {"reward": f"{record['reward']:.3f}", "loss": f"{record['loss']:.4f}", "len": f"{record['completions/mean_length']:.1f}"}
+        summary = self.summary(record)
         if self.bar is not None:
             self.bar.set_postfix(summary, refresh=False)
             self.bar.update(1)

@@ -38,6 +38,7 @@ import torch
 from . import in_memory
 from .config import RewardConfig
 from .errors import RewardError
+from .user_functions import first_duplicate, resolve_function
 
 # Built-in rewards: modules of the project's top-level `rewards/` folder. They are imported from that
 # folder under a private package name (`builtin_module`), never as the top-level name `rewards`: a user's
@@ -110,8 +111,7 @@ def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", dev
                 raise RewardError(f"rewards.{i}.kwargs.{key}: reward '{name}' has no parameter '{key}'")
         rewards.append(Reward(name=name, fn=fn, weight=cfg.weight, kwargs=dict(cfg.kwargs), timeout=cfg.timeout,
                               on_timeout=cfg.on_timeout, where=f"rewards.{i}"))
-    names = [r.name for r in rewards]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
+    duplicate = first_duplicate([r.name for r in rewards])
     if duplicate:
         raise RewardError(f"rewards: two rewards are named '{duplicate}'; give one an `alias`")
     return rewards
@@ -148,43 +148,7 @@ def resolve_reward(spec: str, where: str = "rewards") -> Callable[..., Any]:
         return __getattr__(spec)
     if in_memory.is_reference(spec):
         return in_memory.resolve(spec, where, RewardError)
-    module_part, sep, attr = spec.rpartition(":")
-    if not sep or not module_part or not attr:
-        raise RewardError(
-            f"{where}: {spec!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
-            "nor of the form 'path/to/file.py:function' or 'package.module:function'"
-        )
-    try:
-        if module_part.endswith(".py"):
-            module = _load_file_module(Path(module_part), where)
-        else:
-            module = importlib.import_module(module_part)
-    except RewardError:
-        raise
-    except Exception as exc:
-        raise RewardError(f"{where}: importing {module_part!r} for reward {spec!r} failed: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardError(f"{where}: {module_part!r} has no function {attr!r}")
-    if not callable(fn):
-        raise RewardError(f"{where}: {spec!r} is not callable")
-    return fn
-
-
-_FILE_MODULES: dict[Path, Any] = {}
-
-
-def _load_file_module(path: Path, where: str):
-    """Import a reward file once per process, so rewards from one file share its module state."""
-    if not path.is_file():
-        raise RewardError(f"{where}: reward file not found: {path}")
-    key = path.resolve()
-    if key not in _FILE_MODULES:
-        module_spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{path.stem}", key)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        _FILE_MODULES[key] = module
-    return _FILE_MODULES[key]
+    return resolve_function(spec, where, "reward", RewardError, builtins=list(BUILTIN_REWARDS))
 
 
 @dataclass

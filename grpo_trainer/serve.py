@@ -35,7 +35,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # as the colocate engine: plenty for small
 def serve_command(cfg: Config, *, host: str | None = None, port: int | None = None,
                   tensor_parallel_size: int | None = None, vllm_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
     """(command line, environment variables to add) for a server the config's vllm_server engine can use."""
-    from .tiny import resolve_model_path
+    from .builtin import resolve_model_path
 
     server, engine = cfg.rollout.vllm_server, cfg.rollout.vllm
     url = urllib.parse.urlparse(server.server_urls()[0])

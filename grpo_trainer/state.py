@@ -32,9 +32,11 @@ from .losses import EntropyControl
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
-from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer, plain_model
+from .export import save_model
+from .models import TokenLogprobs, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
 from .report import ProgressBar, flat_hparams
-from .rollout import RolloutEngine, build_engine, sampling_settings
+from .rollout import RolloutEngine, sampling_settings
+from .rollout.registry import build_engine
 from .rollout.tools import build_toolbox
 from .task import Task, load_task
 from .trackers import start_trackers
@@ -132,7 +134,7 @@ class Run:
 
     def bare_lm(self) -> torch.nn.Module:
         """The causal LM inside the wrappers (DDP, DeepSpeed, TokenLogprobs): what engines and saving need."""
-        return self.accelerator.unwrap_model(self.policy).lm
+        return distributed.unwrap(self.accelerator, self.policy).lm
 
 
 def build_run(cfg: Config) -> Run:
@@ -172,7 +174,7 @@ def build_run(cfg: Config) -> Run:
     engine = build_engine(
         cfg,
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
-        get_model=lambda: accelerator.unwrap_model(policy).lm,
+        get_model=lambda: distributed.unwrap(accelerator, policy).lm,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
@@ -291,20 +293,20 @@ def stop_run(run: Run) -> None:
 
 
 def _save_final_model(run: Run, folder: Path) -> None:
-    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded).
+    """save_pretrained of the bare LM (gathering sharded parameters first, where sharded; collective).
 
     LoRA runs write the adapter alone to `adapter/` beside it, and the merged model to `folder`.
     """
-    state_dict = run.accelerator.get_state_dict(run.policy)  # collective under ZeRO-3 / FSDP
+    lm = run.bare_lm()
+    if is_lora(lm):  # PEFT and the merge read the live parameters: whole ones under ZeRO-3 while gathered
+        with distributed.gathered_if_zero3(run.accelerator, lm):
+            if run.is_main_process:
+                save_model(lm, run.tokenizer, folder, adapter_folder=folder.parent / "adapter")
+    else:
+        state_dict = distributed.full_state_dict(run.accelerator, run.policy)  # collective under ZeRO-3 / FSDP
+        if run.is_main_process:
+            save_model(lm, run.tokenizer, folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
     if run.is_main_process:
-        lm = run.bare_lm()
-        if is_lora(lm):
-            lm.save_pretrained(folder.parent / "adapter")
-            run.tokenizer.save_pretrained(folder.parent / "adapter")
-            plain_model(lm).save_pretrained(folder)
-        else:
-            lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
-        run.tokenizer.save_pretrained(folder)
         write_model_card(folder, run.cfg, run.output_dir, setup_of(run.accelerator))  # README.md for the Hub
         logger.info("saved the final model to %s", folder)
 

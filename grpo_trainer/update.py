@@ -63,7 +63,7 @@ def _reference_logprobs(run, sequences: dict[str, torch.Tensor]) -> torch.Tensor
     if run.reference is not None:
         return run.reference(**sequences)[0]
     # LoRA: the reference is the base model itself, adapters switched off; no second copy.
-    bare = run.accelerator.unwrap_model(run.policy)
+    bare = distributed.unwrap(run.accelerator, run.policy)
     with bare.lm.disable_adapter():
         return bare(**sequences)[0]
 

@@ -89,9 +89,9 @@ def large_model_dir(root: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from grpo_trainer.tiny import ensure_tiny_model
+    from grpo_trainer.builtin import tiny
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny.ensure_model()))
     config = LlamaConfig(
         vocab_size=128, tie_word_embeddings=False,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
@@ -111,21 +111,20 @@ def large_model_dir(root: Path) -> Path:
 
 
 def model_path(name: str, root: Path) -> str:
-    from grpo_trainer.smollm2 import ensure_smollm2
-    from grpo_trainer.tiny import cache_dir, ensure_tiny_model
+    from grpo_trainer.builtin import smollm2, tiny
 
     if name == "smollm2":
-        return str(ensure_smollm2(cache_dir()))
-    return str(ensure_tiny_model() if name == "tiny" else large_model_dir(root))
+        return str(smollm2.ensure_model())
+    return str(tiny.ensure_model() if name == "tiny" else large_model_dir(root))
 
 
 def chat_records(task: str) -> list[dict]:
     """The task's train split as conversational records (TRL's format): `prompt` messages and `answer`."""
-    from grpo_trainer.data import BUILTIN_TASKS
+    from grpo_trainer.builtin import task_records
 
     system = [{"role": "system", "content": TASKS[task]}] if TASKS[task] else []
     return [{"prompt": system + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-            for r in BUILTIN_TASKS[task]("train")]
+            for r in task_records(f"builtin:{task}", "train")]
 
 
 def prompt_tokens(path: str, task: str) -> float:

@@ -128,7 +128,7 @@ def main() -> int:
     from grpo_trainer.config import VLLMConfig, VLLMServerConfig
     from grpo_trainer.rollout import SamplingSettings
     from grpo_trainer.rollout.vllm_server import VLLMServerEngine
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer.builtin import resolve_model_path
 
     if args.pin:
         os.sched_setaffinity(0, {0})

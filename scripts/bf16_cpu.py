@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_trainer.preflight import cpu_has_bf16_instructions
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer.builtin import resolve_model_path
 
     path = resolve_model_path(args.model)
     vocab = AutoConfig.from_pretrained(path).vocab_size

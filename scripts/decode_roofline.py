@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         machine.CLOCK = time.process_time
     from grpo_trainer.rollout.draw import DRAWS, available_draws
     from grpo_trainer.rollout.hf import sample_next_token
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer.builtin import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
     weights = {id(t): t for t in model.parameters()}.values()  # tied embeddings once

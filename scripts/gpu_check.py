@@ -33,7 +33,7 @@ def build_model(folder: Path, shape: dict, dtype) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_trainer.tiny import build_tokenizer
+    from grpo_trainer.builtin.charlm import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -43,7 +43,7 @@ def build_model(folder: Path, shape: dict, dtype) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a tiny shape, for a CPU smoke test")
     parser.add_argument("--steps", type=int, default=6)
@@ -53,7 +53,11 @@ def main() -> int:
     parser.add_argument("--sleep-mode", action="store_true", help="vllm_colocate: rollout.vllm.enable_sleep_mode")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="vllm_colocate: rollout.vllm.tensor_parallel_size")
     parser.add_argument("--json", help="write the numbers here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     import torch
 

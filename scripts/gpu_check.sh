@@ -2,6 +2,7 @@
 # Every GPU-only path, one command, one line per check, on the day a GPU is lent:
 #
 #   bash scripts/gpu_check.sh            # writes JSON details to ${OUT:-.}; about 6-12 minutes on one H200
+#   DRY_RUN=1 bash scripts/gpu_check.sh  # prints each check's command instead (tests/test_gpu_check.py runs them)
 #
 # What CPU tests cannot reach, each check with its own time limit:
 #   hf_bf16           a random-init Qwen2.5-0.5B-shaped model (gpu_check.py), bf16, the hf engine
@@ -19,7 +20,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 mkdir -p "$out"
-python3 -m pip install -q -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
+dry="${DRY_RUN:-}"
+[ -n "$dry" ] || python3 -m pip install -q -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "gpu_check: ${gpus} GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 failed=0
@@ -27,6 +29,7 @@ failed=0
 check() {  # check NAME SECONDS COMMAND...: one line, PASS/FAIL with the time and the log's last line on failure
   local name=$1 limit=$2; shift 2
   local log="$out/gpu_check_${name}.log" start=$SECONDS
+  if [ -n "$dry" ]; then echo "CHECK ${name} $*"; return; fi
   if timeout "$limit" "$@" >"$log" 2>&1; then
     echo "PASS ${name} ($((SECONDS - start)) s) $(grep -h '^RESULT' "$log" | tail -1 | cut -c8-)"
   else

@@ -15,7 +15,7 @@ from grpo_trainer import api, in_memory
 from grpo_trainer.config import DataConfig
 from grpo_trainer.errors import ConfigError, DataError
 from grpo_trainer.metrics import read_metrics
-from grpo_trainer.tiny import arithmetic_records
+from grpo_trainer.builtin.tiny import arithmetic_records
 from helpers import ROOT, assert_same_run, run_cli, run_in_fork, small_run_overrides
 
 STEPS = 3
@@ -32,7 +32,7 @@ def train_with_objects(out: str, result_file: str, overrides: list[str], changed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from api_rewards import accuracy, brevity
-    from grpo_trainer.tiny import ensure_tiny_model
+    from grpo_trainer.builtin.tiny import ensure_model as ensure_tiny_model
 
     rows = arithmetic_records("train")
     if changed_answer:
@@ -66,6 +66,7 @@ def paired_runs(tmp_path_factory, tiny_model_path):
     return root / "yaml", root / "objects", json.loads((root / "result.json").read_text())
 
 
+@pytest.mark.slow
 def test_objects_and_their_yaml_equivalent_give_the_same_run(paired_runs):
     from_yaml, from_objects, result = paired_runs
     assert_same_run(from_yaml, from_objects)  # final weights bit for bit, every metric but timings
@@ -77,6 +78,7 @@ def test_objects_and_their_yaml_equivalent_give_the_same_run(paired_runs):
     assert result["last_metrics"]["reward"] == rows[-1]["reward"]
 
 
+@pytest.mark.slow
 def test_the_resolved_config_names_the_objects(paired_runs):
     _, from_objects, _ = paired_runs
     cfg = grpo_trainer.load_config(from_objects / "config.yaml")
@@ -87,6 +89,7 @@ def test_the_resolved_config_names_the_objects(paired_runs):
     assert (cfg.model.name_or_path, cfg.model.tokenizer, cfg.model.dtype) == ("object:model", "object:tokenizer", "float32")
 
 
+@pytest.mark.slow
 def test_resuming_without_an_object_is_refused_naming_it(paired_runs, tiny_model_path):
     _, from_objects, _ = paired_runs
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,6 +128,7 @@ def resume_with_objects(out: str, result_file: str) -> None:
     Path(result_file).write_text(json.dumps({**result, "refusal": refusal}))
 
 
+@pytest.mark.slow
 def test_a_changed_dataset_is_refused_on_resume_and_the_same_objects_resume(paired_runs, tmp_path):
     _, from_objects, _ = paired_runs
     shutil.copytree(from_objects, tmp_path / "run")
@@ -140,6 +144,7 @@ def test_a_changed_dataset_is_refused_on_resume_and_the_same_objects_resume(pair
 # ----------------------------------------------------------------------------- the model card of these runs
 
 
+@pytest.mark.slow
 def test_the_final_model_has_a_card_the_hub_loader_reads(paired_runs):
     import transformers
     import yaml
@@ -171,6 +176,7 @@ def test_the_final_model_has_a_card_the_hub_loader_reads(paired_runs):
     assert "`object:...` names what was given in Python (eval_dataset, model, reward/accuracy" in objects_card
 
 
+@pytest.mark.slow
 def test_export_writes_a_card_from_the_checkpoint(paired_runs, tmp_path):
     from huggingface_hub import ModelCard
 
@@ -318,7 +324,7 @@ def test_what_cannot_work_with_objects_stops_before_anything_loads(tmp_path):
 LAUNCHED_SCRIPT = '''
 import sys
 import grpo_trainer
-from grpo_trainer.tiny import arithmetic_records
+from grpo_trainer.builtin.tiny import arithmetic_records
 
 
 def boxed(completions, answer, **kwargs):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmark scripts in fresh processes
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "scripts" / "bench.py"
 SMALL = ["--steps", "2", "--warmup", "1", "--reps", "1", "--prompts-per-step", "2", "--num-generations", "4",

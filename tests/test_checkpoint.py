@@ -27,6 +27,7 @@ def train(out, steps, *extra, launcher=None, env=None, resume="never"):
     [[], ["train.num_iterations=2"], ["train.mini_batches=2", "loss.top_entropy_quantile=0.5", "loss.advantage=rloo"]],
     ids=["mu1", "mu2", "mini_batches"],
 )
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model_path, extra):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, 4, *extra)
@@ -37,6 +38,7 @@ def test_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_model
     assert_same_run(straight, resumed)
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     overrides = [o for o in small_run_overrides(out, 6)] + ["checkpoint.save_every=2"]
@@ -79,6 +81,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model
     assert (out / "checkpoints" / "latest").read_text() == "step-000006"
 
 
+@pytest.mark.slow
 def test_incompatible_resume_is_refused_and_compatible_changes_continue(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     train(out, 2)
@@ -99,6 +102,7 @@ def _greedy(model, tokenizer):
         return model.generate(**ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)[0].tolist()
 
 
+@pytest.mark.slow
 def test_export_reloads_and_generates_the_same_tokens(tmp_path, tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,12 +120,18 @@ def test_export_reloads_and_generates_the_same_tokens(tmp_path, tiny_model_path)
     assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), reloaded.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_lora_run_trains_only_adapters_and_exports_adapter_and_merged(tmp_path, tiny_model_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
     train(out, 2, "model.lora={r: 4, alpha: 8}", "loss.beta=0.05")
+    # The reference is the policy with its adapters switched off; at step 1 nothing has been learnt (B = 0),
+    # so the two are one model and the KL is exactly 0. Once step 1 has updated the adapters, it is not.
+    rows = read_metrics(out)
+    assert rows[0]["kl"] == 0.0
+    assert rows[0]["frac_reward_zero_std"] == 1.0 or rows[1]["kl"] > 0
     base = load_file(tiny_model_path / "model.safetensors")
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
@@ -151,3 +161,18 @@ def test_settings_that_change_what_a_step_means_are_refused_on_resume():
             check_resume_compatible(saved, {**saved, **change}, 1, 1, force=False)
     harmless = check_resume_compatible(saved, {**saved, "train": {**saved["train"], "max_steps": 9}}, 1, 1, force=False)
     assert harmless == [("train.max_steps: 5 -> 9", True)]
+
+
+def test_a_checkpoint_without_a_manifest_is_used_and_said_to_be_unverified(tmp_path):
+    """Checkpoints written before manifests existed resume, with a note that nothing was verified."""
+    from grpo_trainer.checkpoint import MANIFEST, TRAINER_STATE, find_resume_checkpoint
+
+    folder = tmp_path / "checkpoints" / "step-000002"
+    folder.mkdir(parents=True)
+    (folder / TRAINER_STATE).write_text("{}")
+    found, notes = find_resume_checkpoint(tmp_path, "auto")
+    assert found == folder and notes == [f"checkpoint {folder} has no {MANIFEST}: its files are used unverified "
+                                         "(no size or SHA-256 check)"]
+    assert find_resume_checkpoint(tmp_path, str(folder))[1] == notes
+    (folder / MANIFEST).write_text('{"files": {}}')
+    assert find_resume_checkpoint(tmp_path, "auto") == (folder, [])

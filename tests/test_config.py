@@ -129,6 +129,7 @@ def test_resolved_config_round_trips():
     assert again == cfg
 
 
+@pytest.mark.slow
 def test_validate_command_prints_resolved_config_or_fails_clearly():
     ok = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=7"])
     assert ok.returncode == 0, ok.stderr
@@ -147,6 +148,7 @@ def test_validate_command_prints_resolved_config_or_fails_clearly():
         (["rollout.engine=vllm_colocate"], "error: rollout.engine: vLLM's CPU build cannot run 'builtin:tiny' (attention head size 24"),
     ],
 )
+@pytest.mark.slow
 def test_validate_refuses_what_cannot_run_here_in_one_line(overrides, expected, tiny_model_path):
     result = run_cli(["validate", "configs/demo_cpu.yaml", *overrides])
     assert result.returncode == 2
@@ -154,6 +156,7 @@ def test_validate_refuses_what_cannot_run_here_in_one_line(overrides, expected, 
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.slow
 def test_warmup_longer_than_the_run_is_a_warning_and_a_smoke_test_trains(tmp_path, tiny_model_path):
     """The first thing a user tries: the demo with train.max_steps=2 (its warmup is 3 steps)."""
     validated = run_cli(["validate", "configs/demo_cpu.yaml", "train.max_steps=2"])

@@ -120,6 +120,7 @@ def test_evaluation_is_seeded_and_leaves_the_global_rng_alone(tiny_model_path):
     assert any(other != first for other in others)  # the seed does change the samples (two seeds: ties happen)
 
 
+@pytest.mark.slow
 def test_checkpoint_and_saved_model_folders_load_the_trained_weights(trained_run, tiny_model_path):
     cfg = load_config("configs/demo_cpu.yaml")
     trained = load_file(trained_run / "model" / "model.safetensors")
@@ -144,6 +145,7 @@ def test_checkpoint_and_saved_model_folders_load_the_trained_weights(trained_run
     assert set(out_ckpt) >= {"eval/reward/mean@2", "eval/reward/pass@2"}
 
 
+@pytest.mark.slow
 def test_bad_checkpoint_paths_are_clear_errors(trained_run, tmp_path):
     cfg = load_config("configs/demo_cpu.yaml")
     with pytest.raises(ConfigError, match="is not a folder"):

@@ -26,20 +26,35 @@ def slow_rewards(tmp_path, source: str, **config) -> list:
     return load_rewards([RewardConfig(name=f"{path}:reward", **config)])
 
 
+# The hanging rewards note when a hanging call ends (FINISHED): a score that returned while none had ended
+# returned on the timeout, not because the hang was over. No clock is read.
 SLEEPS_ON_SAMPLE_1 = (
-    "import time\n"
+    "import threading\n"
+    "RELEASE, FINISHED = threading.Event(), []\n"
     "def reward(prompts, completions, **kwargs):\n"
     "    if any('2+2' in p for p in prompts):\n"
-    "        time.sleep(30)\n"
+    "        RELEASE.wait(30)\n"
+    "        FINISHED.append(len(prompts))\n"
     "    return [1.0] * len(prompts)\n"
 )
 ASYNC_SLEEPS_ON_SAMPLE_2 = (
     "import asyncio\n"
+    "FINISHED = []\n"
     "async def reward(prompts, completions, **kwargs):\n"
     "    if any('3+3' in p for p in prompts):\n"
     "        await asyncio.sleep(30)\n"
+    "        FINISHED.append(len(prompts))\n"
     "    return [1.0] * len(prompts)\n"
 )
+
+
+def hang_ended(rewards) -> bool:
+    """Whether any call of the hanging reward ran to its end; releases the sync ones still waiting."""
+    module = rewards[0].fn.__globals__
+    ended = bool(module["FINISHED"])
+    if "RELEASE" in module:
+        module["RELEASE"].set()
+    return ended
 
 
 def score(rewards):
@@ -49,10 +64,9 @@ def score(rewards):
 @pytest.mark.parametrize("source, sample", [(SLEEPS_ON_SAMPLE_1, 1), (ASYNC_SLEEPS_ON_SAMPLE_2, 2)], ids=["sync", "async"])
 def test_a_hanging_reward_stops_the_run_naming_the_reward_and_the_sample(tmp_path, source, sample):
     rewards = slow_rewards(tmp_path, source, timeout=0.5)
-    started = time.monotonic()
     with pytest.raises(RewardError) as err:
         score(rewards)
-    assert time.monotonic() - started < 5  # the batch call's timeout, then one more while probing samples
+    assert not hang_ended(rewards)  # stopped by the timeout (the batch call's, then the probes'), not the hang
     assert f"reward 'reward' did not return within 0.5 s (rewards.0.timeout) on sample {sample}" in str(err.value)
     assert "rewards.0.on_timeout=none" in str(err.value)
 
@@ -60,9 +74,8 @@ def test_a_hanging_reward_stops_the_run_naming_the_reward_and_the_sample(tmp_pat
 @pytest.mark.parametrize("source", [SLEEPS_ON_SAMPLE_1, ASYNC_SLEEPS_ON_SAMPLE_2], ids=["sync", "async"])
 def test_on_timeout_none_scores_the_batch_none_and_counts_it(tmp_path, source):
     rewards = slow_rewards(tmp_path, source, timeout=0.5, on_timeout="none")
-    started = time.monotonic()
     batch = score(rewards)
-    assert time.monotonic() - started < 3
+    assert not hang_ended(rewards)
     assert batch.total.isnan().all()  # no opinion on any sample of that batch
     assert batch.metrics["rewards/reward/timed_out_batches"] == 1.0
 
@@ -99,6 +112,7 @@ def steps_logged(out) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_step_boundary_and_resume_is_bit_identical(tmp_path, tiny_model_path):
     """SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 75. A second SIGTERM arrives during that
     save (slowed by the test hook) and changes nothing. Resumed, the run equals one never interrupted."""
@@ -129,6 +143,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bit_identical(tmp_path
     assert_same_run(straight, preempted)
 
 
+@pytest.mark.slow
 def test_two_ranks_under_accelerate_launch_stop_together_and_resume_exactly(tmp_path, tiny_model_path):
     """SIGTERM to `accelerate launch`, which forwards it to both ranks: both stop at one step with one checkpoint,
     and the two-rank resume is bit-identical to a two-rank run never stopped."""
@@ -157,6 +172,7 @@ def test_two_ranks_under_accelerate_launch_stop_together_and_resume_exactly(tmp_
 
 # ----------------------------------------------------------------------------- damaged checkpoints
 
+@pytest.mark.slow
 def test_a_truncated_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path, tiny_model_path):
     straight, damaged = tmp_path / "straight", tmp_path / "damaged"
     assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(straight, 6, "never", "checkpoint.save_every=2")]).returncode == 0
@@ -173,6 +189,7 @@ def test_a_truncated_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_pat
     assert_same_run(straight, damaged)
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_stops_resume_export_and_eval_naming_the_file(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     assert run_cli(["train", "configs/demo_cpu.yaml", *overrides(out, 2)]).returncode == 0
@@ -192,6 +209,7 @@ def test_no_intact_checkpoint_stops_resume_export_and_eval_naming_the_file(tmp_p
 
 # ----------------------------------------------------------------------------- full disk
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_stops_clearly(tmp_path, tiny_model_path):
     """The output folder on a 4 MiB tmpfs in a private mount namespace: step 1's checkpoint (2.6 MB) fits,
     step 2's does not."""
@@ -225,6 +243,7 @@ def write_jsonl(path, rows):
     return path
 
 
+@pytest.mark.slow
 def test_records_no_reward_can_score_are_refused_or_skipped_and_counted(tmp_path, tiny_model_path):
     rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(6)]
     rows[2] = {"prompt": "What is 9+9?"}  # no answer: math_accuracy can never reward it
@@ -245,6 +264,7 @@ def test_records_no_reward_can_score_are_refused_or_skipped_and_counted(tmp_path
      "data.jsonl, line 3: not valid JSON (Expecting property name enclosed in double quotes, column 17)"),
     ('{"prompt": "a", "answer": "1"}\n["not", "an", "object"]\n', "data.jsonl: record 1 is a JSON list, not an object of columns"),
 ], ids=["empty", "malformed-line", "not-an-object"])
+@pytest.mark.slow
 def test_bad_data_files_are_one_line_naming_the_file_and_line(tmp_path, content, expected, tiny_model_path):
     data = tmp_path / "data.jsonl"
     data.write_text(content)

@@ -3,10 +3,11 @@
 `tests/golden/demo_cpu_first5.json` holds every non-timing metric of the first 5 steps of
 `configs/demo_cpu.yaml`. Written by the loop before the phase redesign (issue 12); rewritten on 2026-12-01
 by the same commit's loop (6ba7fd5, before that session's changes) once the tiny model's build was made the
-same on every machine (tiny.CANONICAL_ENV; the first file held the weights of one machine's CPU); rewritten
+same on every machine (build.CANONICAL_ENV; the first file held the weights of one machine's CPU); rewritten
 again by the same loop once that build was made vendor-independent (tiny v4: MKL's COMPATIBLE branch, since
-the AVX2 branch is Intel-only and an AMD machine had built other weights). Floats are compared to 1e-6
-relative (the golden file went through JSON; everything else is exact).
+the AVX2 branch is Intel-only and an AMD machine had built other weights), so that a refactor is checked
+against numbers it did not produce. Floats are compared to 1e-6 relative (the golden file went through JSON;
+everything else is exact).
 
 Regenerate only when a change is *meant* to alter the numbers, and say why in the commit:
     .venv/bin/python tests/test_golden.py
@@ -20,9 +21,13 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo_trainer.metrics import read_metrics
-from grpo_trainer.tiny import CANONICAL_ENV
+from grpo_trainer.builtin.build import CANONICAL_ENV
 from helpers import run_cli, without_timing
+
+pytestmark = pytest.mark.slow  # the demo in a fresh interpreter
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_cpu_first5.json"
 # The tiny model (v4) the golden file was made with: built on an Intel Xeon (AVX-512); the build is meant to
@@ -32,7 +37,7 @@ STEPS = 5
 
 
 def run_demo_steps(output_dir: Path) -> list[dict]:
-    # A fresh interpreter with the tiny model's canonical float settings (tiny.CANONICAL_ENV), read when torch
+    # A fresh interpreter with the tiny model's canonical float settings (build.CANONICAL_ENV), read when torch
     # starts: the numbers are then those of any x86 machine with AVX2, not only of the one that wrote them.
     result = run_cli(["train", "configs/demo_cpu.yaml", f"output_dir={output_dir}", f"train.max_steps={STEPS}",
                       "logging.progress_bar=false", "checkpoint.save_final_model=false"],
@@ -47,7 +52,7 @@ def test_the_tiny_model_is_the_one_the_golden_file_was_made_with(tiny_model_path
     built = hashlib.sha256((Path(tiny_model_path) / "model.safetensors").read_bytes()).hexdigest()
     assert built == TINY_WEIGHTS_SHA256, (
         f"the tiny model built on this machine ({tiny_model_path}) has other weights than the one the golden file "
-        "was made with: tiny.CANONICAL_ENV does not make the build portable to this CPU"
+        "was made with: build.CANONICAL_ENV does not make the build portable to this CPU"
     )
 
 

@@ -4,7 +4,9 @@ Each test takes the shipped file and changes only `num_processes` (to 2) and `us
 (`helpers.cpu_launch_file`), then trains 2 steps of the demo. DeepSpeed files are launched without
 ACCELERATE_USE_CPU (it turns DeepSpeed off), DDP with it. FSDP cannot run on CPU (Accelerate 1.15 enables it
 on GPUs only): its file must still parse as Accelerate parses it, and the trainer must refuse clearly.
-The multi-node test runs the README's two-node command, both "nodes" on this machine over 127.0.0.1.
+`ddp.yaml` and `zero3.yaml` are launched with the README's two-node command, both "nodes" on this machine
+over 127.0.0.1 (one launch covers the file and the multi-node path; one node with two ranks of the same files
+runs in tests/test_sharding.py); `zero2.yaml` and `zero3_offload.yaml` on one node.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import yaml
 from grpo_trainer.metrics import read_metrics
 from helpers import ROOT, accelerate_launch, cpu_launch_file, free_port, run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
+
 LAUNCH_DIR = ROOT / "configs" / "accelerate"
 DEEPSPEED_FILES = ["zero2", "zero3", "zero3_offload"]
 
@@ -32,19 +36,26 @@ def train_two_steps(launch_file, out, env=None, extra=()):
 EVAL = ["eval.every=2", "eval.num_samples=4", "eval.num_generations=2"]
 
 
+TWO_NODES = ["ddp", "zero3"]  # launched as two nodes (see the module docstring)
+
+
 @pytest.mark.parametrize("name", ["ddp", *DEEPSPEED_FILES])
 def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_path):
     deepspeed = name != "ddp"
     if deepspeed:
         pytest.importorskip("deepspeed")
     out = tmp_path / "run"
-    result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=None if deepspeed else {"ACCELERATE_USE_CPU": "1"},
-                             extra=EVAL)
-    assert result.returncode == 0, result.stderr[-4000:]
+    env = None if deepspeed else {"ACCELERATE_USE_CPU": "1"}
+    if name in TWO_NODES:
+        log = train_two_steps_on_two_nodes(cpu_launch_file(name, tmp_path), out, env or {}, extra=EVAL)
+    else:
+        result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=env, extra=EVAL)
+        assert result.returncode == 0, result.stderr[-4000:]
+        log = result.stderr
     # bf16 for DeepSpeed comes from the JSON, where DeepSpeed reads it; DDP runs in the model's dtype.
-    expected = "DEEPSPEED device=cpu mixed_precision=bf16" if deepspeed else "MULTI_CPU device=cpu:0 mixed_precision=no"
-    assert f"world_size=2 distributed_type={expected}" in result.stderr
-    assert "prompts_per_rank=2" in result.stderr  # two real ranks, not one process silently (the CPU trap)
+    kind, precision = ("DEEPSPEED", "bf16") if deepspeed else ("MULTI_CPU", "no")
+    assert f"world_size=2 distributed_type={kind} device=cpu" in log and f"mixed_precision={precision} " in log
+    assert "prompts_per_rank=2" in log  # two real ranks, not one process silently (the CPU trap)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer: the main process
     for row in rows:  # per-reward statistics cover both ranks, like `reward` (one reward, weight 1)
@@ -80,20 +91,15 @@ def test_fsdp_file_parses_as_accelerate_parses_it_and_is_refused_on_cpu(tmp_path
     assert "Traceback" not in result.stderr.split("error: the Accelerate config")[0][-2000:]
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3"])
-def test_two_nodes_over_loopback_train_two_steps(name, tmp_path, tiny_model_path):
+def train_two_steps_on_two_nodes(launch_file, out, env: dict, extra=()) -> str:
     """The README's multi-node command: one launch per node, each `--num_machines 2 --machine_rank R` with the
     main node's address, here both on this machine, one process each, sharing an output folder as a cluster
-    shares a file system."""
-    if name.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    launch_file, port, out = cpu_launch_file(name, tmp_path), free_port(), tmp_path / "run"
-    env = {"ACCELERATE_USE_CPU": "1"} if name == "ddp" else {}
-    nodes = []
+    shares a file system. Returns the main node's log."""
+    port, nodes = free_port(), []
     for rank in (0, 1):
         command = accelerate_launch(launch_file, "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
                                     "--main_process_ip", "127.0.0.1", "--main_process_port", str(port))
-        command += ["grpo_trainer", "train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2)]
+        command += ["grpo_trainer", "train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2), *extra]
         nodes.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=_env(env)))
     logs = []
@@ -103,8 +109,7 @@ def test_two_nodes_over_loopback_train_two_steps(name, tmp_path, tiny_model_path
         finally:
             node.kill()
     assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
-    assert "world_size=2" in logs[0] and "prompts_per_rank=2" in logs[0]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    return logs[0]
 
 
 def _env(extra: dict) -> dict:

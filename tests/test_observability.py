@@ -7,7 +7,9 @@ import json
 import pytest
 
 from grpo_trainer.metrics import read_metrics
-from helpers import run_cli, small_run_overrides
+from helpers import ROOT, run_cli, small_run_overrides
+
+pytestmark = pytest.mark.slow  # a training run through the CLI
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +51,37 @@ def test_completion_samples_are_written_and_printed(observed_run):
     assert "completions at step 4:" in result.stderr and "| reward | advantage" in result.stderr
 
 
+def test_a_plain_run_prints_what_moves_and_no_alarms(observed_run):
+    """A one-process CPU run: no DeepSpeed (unused) banner, no alarm about the tied embeddings at the checkpoint,
+    and per step what moves (reward, length, entropy without KL or clipping), not GRPO's ~0 loss."""
+    out, result = observed_run
+    assert "Setting accelerator to CPU" not in result.stderr and "deepspeed" not in result.stderr.lower()
+    assert "Removed shared tensor" not in result.stderr
+    steps = [line for line in result.stderr.splitlines() if line.startswith("[grpo_trainer] step ")]
+    assert len(steps) == 4 and all(" reward=" in s and " len=" in s and " entropy=" in s for s in steps)
+    assert not any("loss=" in s for s in steps)
+
+
+def next_commands(result) -> dict[str, list[str]]:
+    """The commands a finished run prints after `next:`, by subcommand, as grpo_trainer's arguments."""
+    lines = result.stdout.split("next:\n", 1)[1].splitlines()
+    commands = [line.split("#")[0].split() for line in lines if line.strip()]
+    assert all(c[1:3] == ["-m", "grpo_trainer"] and (ROOT / c[0]).is_file() for c in commands), commands
+    return {c[3]: c[4:] for c in commands}
+
+
 def test_eval_and_plot_commands_on_the_run(observed_run):
-    out, _ = observed_run
-    evaluated = run_cli(["eval", str(out / "config.yaml"), "--checkpoint", str(out / "model"), "eval.num_samples=4", "--k", "2"])
+    """The commands the run prints at its end, run as printed (eval on fewer samples)."""
+    out, result = observed_run
+    commands = next_commands(result)
+    assert commands == {"plot": [str(out)], "eval": [str(out / "config.yaml"), "--checkpoint", str(out / "model")]}
+    evaluated = run_cli(["eval", *commands["eval"], "eval.num_samples=4", "--k", "2"])
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     values = dict(line.split(": ") for line in evaluated.stdout.splitlines() if line.startswith("eval/"))
     assert float(values["eval/num_prompts"]) == 4
     assert 0 <= float(values["eval/math_accuracy/mean@2"]) <= float(values["eval/math_accuracy/pass@2"]) <= 1
 
-    plotted = run_cli(["plot", str(out)])
+    plotted = run_cli(["plot", *commands["plot"]])
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     import matplotlib.image as mpimg
 

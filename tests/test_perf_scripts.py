@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the measuring scripts in fresh processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

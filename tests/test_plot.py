@@ -140,6 +140,7 @@ def test_reward_band_is_drawn_around_the_reward(tmp_path):
     assert areas[1] > areas[0] + 0.05, areas
 
 
+@pytest.mark.slow
 def test_plots_of_a_real_training_run(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out)])

@@ -20,7 +20,7 @@ from grpo_trainer.errors import ConfigError, RewardError
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.reward_model import load_reward_model
 from grpo_trainer.rewards import compute_rewards, load_rewards
-from grpo_trainer.tiny import build_tokenizer
+from grpo_trainer.builtin.charlm import build_tokenizer
 from helpers import ROOT, run_cli, small_run_overrides
 
 PROMPTS = ["What is 1+2?", "What is 9+9?", "What is 4+4?", "What is 0+7?", "Hi"]
@@ -165,6 +165,7 @@ def test_config_entries():
             config_from_dict({"rewards": [entry]})
 
 
+@pytest.mark.slow
 def test_demo_trains_with_the_reward_model_weighted_beside_math_accuracy(tmp_path, rm_path, tiny_model_path):
     config = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
     config["rewards"] = [{"name": "math_accuracy"}, {"model": {"path": str(rm_path), "batch_size": 5}, "weight": 0.5}]
@@ -187,6 +188,7 @@ def test_demo_trains_with_the_reward_model_weighted_beside_math_accuracy(tmp_pat
     assert "eval/reward_model/mean@2" in evaluated.stdout and "eval/math_accuracy/mean@2" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_each_rank_scores_its_own_completions_under_zero3(tmp_path, rm_path, tiny_model_path):
     """Two DeepSpeed ZeRO-3 ranks: the policy is sharded, the reward model must not be (transformers partitions any
     model loaded while a ZeRO-3 config is live: its forward then fails on empty weights). Evaluation at step 1

@@ -116,6 +116,7 @@ def test_load_errors(tmp_path):
         load_rewards([RewardConfig(name="math_accuracy"), RewardConfig(name="math_accuracy")])
 
 
+@pytest.mark.slow
 def test_a_users_own_rewards_py_does_not_shadow_the_built_ins(tmp_path, tiny_model_path):
     """The most natural file name for a user's reward is rewards.py. Run from its folder (first on sys.path),
     the built-ins must still resolve: they are never imported as the top-level name `rewards`."""

@@ -14,9 +14,10 @@ import pytest
 from rewards import sandbox
 from rewards.sandbox import Limits, run_python, sandbox_mode
 
-from test_sandbox import FAST, SLACK, _uid_processes
+from test_sandbox import FAST, _uid_processes
 
 pytestmark = [
+    pytest.mark.slow,  # every test runs sandboxed processes
     pytest.mark.xdist_group("sandbox"),
     pytest.mark.skipif(sandbox_mode() != "namespaces", reason="fork servers serve the namespaces mode only"),
 ]
@@ -33,10 +34,8 @@ def pool(monkeypatch):
 
 
 def assert_next_run_is_healthy():
-    start = time.monotonic()
     result = run_python(*HEALTHY)
     assert result.completed and result.stdout == b"ok\n", result
-    assert time.monotonic() - start < 5.0
 
 
 LEAVE_STATE = """
@@ -100,10 +99,8 @@ def test_a_run_that_attacks_its_server_does_not_affect_the_next(pool, attack):
     "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\n",
 ], ids=["infinite-loop", "memory-hog", "fork-bomb", "network"])
 def test_hostile_runs_are_held_and_the_server_serves_on(pool, hostile):
-    start = time.monotonic()
     result = run_python(hostile, "assert False", limits=FAST)
     assert not result.completed
-    assert time.monotonic() - start < FAST.wall_seconds + SLACK
     assert_next_run_is_healthy()
     assert pool.started == 1
 
@@ -133,10 +130,10 @@ def test_runs_are_visible_to_the_census_as_nobody(pool):
     before = set(_uid_processes(65534))
     runner = threading.Thread(target=run_python, args=("import time\ntime.sleep(1.5)",))
     runner.start()
-    deadline = time.monotonic() + 5.0
-    while not set(_uid_processes(65534)) - before and time.monotonic() < deadline:
+    seen = set()
+    while not seen and runner.is_alive():  # looked for while the 1.5 s program runs, however late it starts
+        seen = set(_uid_processes(65534)) - before
         time.sleep(0.05)
-    seen = set(_uid_processes(65534)) - before
     runner.join()
     assert seen
 

@@ -18,7 +18,9 @@ import yaml
 from safetensors.torch import load_file
 
 from grpo_trainer.metrics import read_metrics
-from helpers import ROOT, accelerate_launch, assert_same_update, cpu_launch_file, run_cli, small_run_overrides
+from helpers import ROOT, accelerate_launch, assert_same_update, cpu_launch_file, free_port, run_cli, small_run_overrides
+
+pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
 
 SETUPS = {
     # name: (extra env, expected distributed type)
@@ -60,8 +62,7 @@ def test_sharded_run_matches_one_process(setup, single, tmp_path, tiny_model_pat
     pytest.importorskip("deepspeed") if setup.startswith("zero") else None
     env, expected_type = SETUPS[setup]
     out = tmp_path / "run"
-    port = 29700 + list(SETUPS).index(setup)
-    launcher = accelerate_launch(float32_launch_file(setup, tmp_path), "--main_process_port", str(port))
+    launcher = accelerate_launch(float32_launch_file(setup, tmp_path), "--main_process_port", str(free_port()))
     log = train(out, launcher=launcher, env=env).stderr
     assert f"world_size=2 distributed_type={expected_type}" in log and "mixed_precision=no" in log
 
@@ -72,6 +73,42 @@ def test_sharded_run_matches_one_process(setup, single, tmp_path, tiny_model_pat
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
     base = load_file(tiny_model_path / "model.safetensors")
     assert_same_update(base, load_file(out / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors"))
+
+
+LORA = ["model.lora={r: 4, alpha: 8}", "loss.beta=0.05", "rollout.seed_per_prompt=true"]
+
+
+@pytest.mark.xdist_group("sharding")
+def test_lora_under_zero3_saves_the_adapter_and_merged_model_one_process_saves(tmp_path, tiny_model_path):
+    """ZeRO-3 partitions every parameter, the adapters' too: the final save gathers them first (PEFT reads the
+    live parameters), so the adapter and the merged model are whole and equal the one-process run's (to the
+    float noise of sharding, as above)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("deepspeed")
+    one, sharded = tmp_path / "one", tmp_path / "zero3"
+    single = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(one, steps=2), *LORA])
+    assert single.returncode == 0, single.stderr[-3000:]
+    launcher = accelerate_launch(float32_launch_file("zero3", tmp_path), "--main_process_port", str(free_port()))
+    log = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(sharded, steps=2), *LORA], launcher=launcher).stderr
+    assert "world_size=2 distributed_type=DEEPSPEED" in log and "saved the final model" in log, log[-3000:]
+
+    base = load_file(tiny_model_path / "model.safetensors")
+    merged_sharded, merged_one = (load_file(run / "model" / "model.safetensors") for run in (sharded, one))
+    adapted = {name for name in merged_one if not torch.equal(merged_one[name], base[name])}  # the LoRA targets
+    assert adapted and all(torch.equal(merged_sharded[n], base[n]) for n in merged_one if n not in adapted)
+    assert_same_update({n: base[n] for n in adapted}, merged_sharded, {n: merged_one[n] for n in adapted})
+    adapter, reference = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (sharded, one))
+    assert adapter.keys() == reference.keys() and all(adapter[k].shape == reference[k].shape for k in adapter)
+    for name in (k for k in adapter if "lora_B" in k):  # B starts at zero: the whole of it is the update
+        assert (adapter[name] - reference[name]).norm() <= 3e-3 * reference[name].norm(), name
+    # The adapter folder and the merged folder are the same model.
+    merged = AutoModelForCausalLM.from_pretrained(sharded / "model")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), sharded / "adapter")
+    for name, weight in with_adapter.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], weight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
@@ -87,8 +124,7 @@ def test_loss_does_not_depend_on_micro_batches_or_ranks(loss_type, tmp_path, tin
     one, two = tmp_path / "one", tmp_path / "two"
     single = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(one, steps=1), *common, "train.micro_batch_size=4"])
     assert single.returncode == 0, single.stderr[-3000:]
-    launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path),
-                                 "--main_process_port", str(29720 + ["grpo", "dr_grpo", "dapo"].index(loss_type)))
+    launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port", str(free_port()))
     ddp = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *common, "train.micro_batch_size=8"],
                   launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
     assert ddp.returncode == 0, ddp.stderr[-3000:]

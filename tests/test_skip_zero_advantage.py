@@ -10,6 +10,8 @@ from grpo_trainer.metrics import read_metrics
 from grpo_trainer.batches import micro_batch_rows
 from helpers import assert_same_update, run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # training runs through the CLI
+
 
 def test_micro_batch_rows_keep_the_count_and_spread_the_trainable_rows():
     lengths = torch.tensor([5.0, 3.0, 9.0, 1.0, 4.0, 7.0, 2.0, 8.0])

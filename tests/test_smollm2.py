@@ -16,7 +16,7 @@ from grpo_trainer.rollout.hf import HFEngine
 from grpo_trainer.task import load_task
 from helpers import run_cli
 
-pytestmark = pytest.mark.xdist_group("smollm2")  # one worker: the model is loaded once for the module
+pytestmark = [pytest.mark.xdist_group("smollm2"), pytest.mark.slow]  # one worker: the model is loaded once for the module; slow: a 135M-parameter model, CLI runs
 SYSTEM = "Solve the problem. Give the final answer as a number in \\boxed{}."
 
 

@@ -1,11 +1,17 @@
-"""The tool-calling demo: the multiplication task, the chat template with tools, the warm-started model."""
+"""The tool-calling demo: the multiplication task, the chat template with tools, the warm-started model, and
+the script that measures the warm start (scripts/tiny_tools_warm_start.py)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from grpo_trainer import tiny_tools
-from grpo_trainer.tiny_tools import CHAT_TEMPLATE, PYTHON_TOOL, multiplication_records
+from grpo_trainer.builtin import tiny_tools
+from grpo_trainer.builtin.tiny_tools import CHAT_TEMPLATE, PYTHON_TOOL, multiplication_records
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tiny_tools_warm_start.py"
 
 PROMPT = "<|im_start|>system\ntools: python<|im_end|>\n<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"
 CALL = '<tool_call>{"name":"python","arguments":{"code":"print(12*34)"}}</tool_call>'
@@ -22,8 +28,16 @@ CONVERSATION = [
 def warm_start():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = tiny_tools.ensure_tiny_tools_model()  # built once per machine (cached)
+    folder = tiny_tools.ensure_model()  # built once per machine (cached)
     return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def measure():
+    spec = importlib.util.spec_from_file_location("tiny_tools_warm_start", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_records_are_products_of_two_digit_numbers_in_a_fixed_split():
@@ -39,23 +53,22 @@ def test_records_are_products_of_two_digit_numbers_in_a_fixed_split():
 
 
 def test_registered_as_built_ins():
-    from grpo_trainer.data import BUILTIN_TASKS
-    from grpo_trainer.tiny import resolve_model_path
+    from grpo_trainer import builtin
 
-    assert BUILTIN_TASKS["multiplication"] is multiplication_records
+    assert builtin.TASKS["multiplication"] is multiplication_records
+    assert builtin.MODELS["tiny-tools"] is tiny_tools.ensure_model
     with pytest.raises(ValueError, match="'builtin:tiny-tools'"):
-        resolve_model_path("builtin:nope")
+        builtin.resolve_model_path("builtin:nope")
 
 
 def test_template_renders_tools_tool_calls_and_tool_messages():
-    tokenizer = tiny_tools.build_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = tiny_tools.build_tokenizer(CHAT_TEMPLATE)
     render = tokenizer.apply_chat_template
     assert render(CONVERSATION[:1], tools=[PYTHON_TOOL], add_generation_prompt=True, tokenize=False) == PROMPT
     assert render(CONVERSATION, tools=[PYTHON_TOOL], tokenize=False) == (
         PROMPT + CALL + "<|im_end|>\n<|im_start|>tool\n408\n<|im_end|>\n<|im_start|>assistant\n\\boxed{408}<|im_end|>\n"
     )
-    # Without tools it is tiny.py's ChatML; several tools are listed by name; arguments as a JSON string pass through.
+    # Without tools it is charlm.py's ChatML; several tools are listed by name; arguments as a JSON string pass through.
     assert render(CONVERSATION[:1], add_generation_prompt=True, tokenize=False) == PROMPT.split("<|im_end|>\n", 1)[1]
     other = {"type": "function", "function": {"name": "search", "description": "", "parameters": {}}}
     assert render(CONVERSATION[:1], tools=[PYTHON_TOOL, other], tokenize=False).startswith(
@@ -77,12 +90,12 @@ def test_warm_start_loads_with_its_template(warm_start):
     assert tokenizer.decode(prompt["input_ids"]) == PROMPT
 
 
-def test_warm_start_sometimes_calls_the_tool_and_gets_it_right(warm_start):
+def test_warm_start_sometimes_calls_the_tool_and_gets_it_right(warm_start, measure):
     model, tokenizer = warm_start
     records = multiplication_records("test")
-    probability = tiny_tools.tool_call_probability(model, tokenizer, records)
+    probability = measure.tool_call_probability(model, tokenizer, records)
     assert 0.15 < sum(probability) / len(probability) < 0.45
-    results = tiny_tools.sample_conversations(model, tokenizer, records[:16], samples=4, seed=0)  # 64, seeded
+    results = measure.sample_conversations(model, tokenizer, records[:16], samples=4, seed=0)  # 64, seeded
     tool = [r for r in results if r["tool"]]
     guess = [r for r in results if not r["tool"]]
     assert 6 <= len(tool) <= 32 and len(guess) >= 32
@@ -90,7 +103,7 @@ def test_warm_start_sometimes_calls_the_tool_and_gets_it_right(warm_start):
     assert sum(r["correct"] for r in guess) <= 2
 
 
-def test_python_tool_of_the_measurement():
-    assert tiny_tools.run_python_tool('{"name":"python","arguments":{"code":"print(12*34)"}}') == ("408\n", True)
-    assert tiny_tools.run_python_tool('{"name":"python","arguments":{"code":"import os"}}')[1] is False
-    assert tiny_tools.run_python_tool('{"name":"python"')[1] is False
+def test_python_tool_of_the_measurement(measure):
+    assert measure.run_python_tool('{"name":"python","arguments":{"code":"print(12*34)"}}') == ("408\n", True)
+    assert measure.run_python_tool('{"name":"python","arguments":{"code":"import os"}}')[1] is False
+    assert measure.run_python_tool('{"name":"python"')[1] is False

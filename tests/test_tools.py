@@ -71,13 +71,16 @@ def test_toolbox_reports_every_failure_as_an_error_message_and_cuts_long_output(
 
     box = ToolBox([Tool("add", {}, add), Tool("fails", {}, fails), Tool("long", {}, lambda: "y" * 100)], timeout=5, output_chars=80)
     results = box.run([ToolCall("add", {"a": 2, "b": 3}), ToolCall("nope", {}), ToolCall("add", {"c": 1}),
-                       ToolCall("fails", {"x": 1}), ToolResult("?", "error: not JSON", True), ToolCall("long", {})])
-    assert [r.error for r in results] == [False, True, True, True, True, False]
+                       ToolCall("fails", {"x": 1}), ToolResult("?", "error: not JSON", True), ToolCall("long", {}),
+                       ToolCall("add", {"a": 2, "b": "3"})])
+    assert [r.error for r in results] == [False, True, True, True, True, False, True]
     assert results[0].output == "5"
     assert "no tool 'nope'" in results[1].output and "tools: add, fails, long" in results[1].output
-    assert "bad arguments for add" in results[2].output
+    assert results[2].output == "error: bad arguments for add: missing a required argument: 'a'"
     assert results[3].output == "error: RuntimeError: boom"
     assert results[5].output == "y" * 80 + "\n[... 20 more characters]"
+    # Arguments that fit the signature but fail inside the tool (2 + "3") are the tool's failure, not bad arguments.
+    assert results[6].output.startswith("error: TypeError: unsupported operand")
 
 
 def test_tool_calls_of_a_batch_run_concurrently_and_a_hung_one_times_out():
@@ -119,6 +122,10 @@ def test_a_users_function_is_described_from_its_signature_and_docstring(tmp_path
         build_toolbox(RolloutConfig(tools=[f"{tmp_path}/my_tools.py:undocumented"]))
     with pytest.raises(ConfigError, match="rollout.tools.0: .*no function 'missing'"):
         build_toolbox(RolloutConfig(tools=[f"{tmp_path}/my_tools.py:missing"]))
+    with pytest.raises(ConfigError, match="rollout.tools.0: tool file not found: nowhere.py"):
+        build_toolbox(RolloutConfig(tools=["nowhere.py:fn"]))
+    with pytest.raises(ConfigError, match=r"rollout.tools.0: 'calc' is not a built-in tool \(python\) nor of the form"):
+        build_toolbox(RolloutConfig(tools=["calc"]))
     with pytest.raises(ConfigError, match="two tools are named 'python'"):
         build_toolbox(RolloutConfig(tools=["python", "python"]))
     assert build_toolbox(RolloutConfig()) is None
@@ -128,14 +135,19 @@ def test_a_users_function_is_described_from_its_signature_and_docstring(tmp_path
 
 
 @pytest.mark.xdist_group("sandbox")  # runs code as `nobody`, like tests/test_sandbox.py's process census
+@pytest.mark.slow
 class TestPythonTool:
     box = None
 
     @classmethod
-    def run(cls, code: str) -> ToolResult:
-        if cls.box is None:
+    def toolbox(cls) -> ToolBox:
+        if cls.box is None:  # built once for the class, by whichever of its tests runs first
             cls.box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=2.0, tool_output_chars=200))
-        return cls.box.run([ToolCall("python", {"code": code})])[0]
+        return cls.box
+
+    @classmethod
+    def run(cls, code: str) -> ToolResult:
+        return cls.toolbox().run([ToolCall("python", {"code": code})])[0]
 
     def test_it_returns_what_the_program_prints(self):
         result = self.run("print(12 * 34)")
@@ -168,8 +180,10 @@ class TestPythonTool:
         assert os.getpid() > 0  # the trainer is alive
 
     def test_bad_arguments_are_an_error_not_a_crash(self):
-        result = self.box.run([ToolCall("python", {"code": 5}), ToolCall("python", {"source": "1"})])
-        assert all(r.error for r in result) and "'code' must be a string" in result[0].output
+        result = self.toolbox().run([ToolCall("python", {"code": 5}), ToolCall("python", {"source": "1"})])
+        assert all(r.error for r in result)
+        assert result[0].output == "error: bad arguments for python: 'code' must be a string, not int"
+        assert result[1].output == "error: bad arguments for python: missing a required argument: 'code'"
 
 
 # ---------------------------------------------------------------------------- the template's tool tokens
@@ -344,6 +358,7 @@ def train_tools(out: Path, steps: int, *extra: str, resume: str = "never"):
 
 
 @pytest.mark.xdist_group("sandbox")  # the python tool runs code as `nobody` (see TestPythonTool)
+@pytest.mark.slow
 def test_training_with_the_python_tool_logs_tool_metrics_and_resumes_bit_identically(tmp_path):
     """configs/tools_cpu.yaml (the tiny tool-calling model) for 4 steps straight, and 2 + 2 resumed: the same
     weights and metrics; the tool metrics are there and say tools were called and answered."""
@@ -366,7 +381,8 @@ def tools_demo_engine(*overrides: str):
     """configs/tools_cpu.yaml's tokenizer, model, task and multi-turn hf engine (python tool), with `overrides`."""
     from grpo_trainer.config import load_config
     from grpo_trainer.models import load_causal_lm
-    from grpo_trainer.rollout import build_engine, sampling_settings
+    from grpo_trainer.rollout import sampling_settings
+    from grpo_trainer.rollout.registry import build_engine
     from grpo_trainer.task import load_task
 
     cfg = load_config("configs/tools_cpu.yaml", list(overrides))

@@ -86,6 +86,7 @@ def read_wandb_run(run_dir: Path) -> tuple[dict[int, dict], dict]:
     return history, config
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_every_metric_the_config_and_sample_tables(tracked_run):
     out, _, rows, samples = tracked_run
     (run_dir,) = (out / "trackers" / "wandb").glob("offline-run-*")
@@ -109,6 +110,7 @@ def test_wandb_offline_run_holds_every_metric_the_config_and_sample_tables(track
 # ----------------------------------------------------------------------------- trackio
 
 
+@pytest.mark.slow
 def test_trackio_database_holds_every_metric_the_config_and_sample_tables(tracked_run):
     out, trackio_dir, rows, samples = tracked_run
     with sqlite3.connect(trackio_dir / f"{PROJECT}.db") as db:
@@ -131,6 +133,7 @@ def test_trackio_database_holds_every_metric_the_config_and_sample_tables(tracke
 # ----------------------------------------------------------------------------- mlflow
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_holds_every_metric_the_config_and_sample_tables(tracked_run):
     out, _, rows, samples = tracked_run
     store = out / "trackers" / "mlruns"

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from grpo_trainer.metrics import read_metrics
 from helpers import run_cli, small_run_overrides
 
+pytestmark = pytest.mark.slow  # training runs through the CLI
+
 REQUIRED_METRICS = {
     "step", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "loss", "learning_rate", "step_time",
 }

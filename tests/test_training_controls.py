@@ -18,7 +18,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import entropy_threshold, importance_weight, token_loss
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.update import add_logprobs, select_high_entropy_tokens, update
-from helpers import accelerate_launch, cpu_launch_file, run_cli, run_ranks, small_run_overrides
+from helpers import accelerate_launch, cpu_launch_file, free_port, run_cli, run_ranks, small_run_overrides
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
 NAN = float("nan")
@@ -232,6 +232,7 @@ def test_mini_batch_updates_do_not_depend_on_micro_batches(accelerator_factory):
     torch.testing.assert_close(one.policy.w.detach(), two.policy.w.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_mini_batches_and_entropy_selection_match_across_ranks(tmp_path, tiny_model_path):
     """One process (2 micro-batches per mini-batch) vs two DDP ranks (1 each), 2 mini-batches, rho = 0.5, RLOO:
     the same completions (seeded per prompt), so the same loss, gradient norm, clipping and entropy selection."""
@@ -240,7 +241,7 @@ def test_mini_batches_and_entropy_selection_match_across_ranks(tmp_path, tiny_mo
     one, two = tmp_path / "one", tmp_path / "two"
     single = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(one, steps=1), *common])
     assert single.returncode == 0, single.stderr[-3000:]
-    launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port", "29741")
+    launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port", str(free_port()))
     ddp = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *common],
                   launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
     assert ddp.returncode == 0, ddp.stderr[-3000:]

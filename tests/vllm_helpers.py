@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from grpo_trainer.models import TokenLogprobs, make_sequence_batch
-from grpo_trainer.tiny import ensure_tiny_model
+from grpo_trainer.builtin.tiny import ensure_model as ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2  # <|im_end|>, the tiny tokenizer's EOS

@@ -1,7 +1,7 @@
 """A reward for the tiny model's one learnable habit, used by tests/test_loss_family_2026.py's learning demos.
 
 The tiny model's warm start writes the sum out before its boxed answer ("7+5=\\boxed{12}") about a quarter of the
-time and blurts a guess ("\\boxed{9}") otherwise (grpo_trainer/tiny.py). Whether it works the sum out is one
+time and blurts a guess ("\\boxed{9}") otherwise (grpo_trainer/builtin/tiny.py). Whether it works the sum out is one
 decision at the first token, the same for every prompt, so any loss that optimises its objective raises this
 reward within a few steps, on any build of the model (how often the worked-out sum is also right depends on
 how well the build learnt to read the prompt; `math_accuracy` measures that).

@@ -8,22 +8,24 @@ samples from the training model, so the loop skips the push and, under ZeRO-3,
 the all-gather that would precede it), frees its memory while the policy is
 updated (`sleep`, `wake_up`) and releases what it holds at the end (`close`).
 
-`build_engine` is the registry: each engine reads the sampling settings common to
-all (`SamplingSettings`) and its own typed config section; engines are imported
-lazily, so nothing from vLLM is imported unless it is chosen.
+`registry.build_engine` picks and builds one: each engine reads the sampling
+settings common to all (`SamplingSettings`) and its own typed config section;
+engines are imported lazily, so nothing from vLLM is imported unless it is
+chosen. This module holds only what engines and the loop share, and imports no
+engine: the engines import it.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..seeds import mix_seed  # noqa: F401 (the engines' seed rule, imported from here by them)
+
 if TYPE_CHECKING:
     from ..config import Config
-    from .tools import ToolBox
 
 
 @dataclass
@@ -107,14 +109,6 @@ class RolloutEngine(Protocol):
         """Release processes and memory; the engine is not used afterwards."""
 
 
-def mix_seed(*parts: int) -> int:
-    """One seed from several integers (a seed, a step, a position...), the same on every machine."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + part) % (2**63)
-    return value
-
-
 def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings:
     r = cfg.rollout
     return SamplingSettings(
@@ -128,56 +122,3 @@ def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings
         stop=tuple(r.stop),
         batch_size=r.batch_size,
     )
-
-
-def build_engine(
-    cfg: Config,
-    sampling: SamplingSettings,
-    *,
-    get_model: Callable[[], torch.nn.Module],
-    pad_token_id: int,
-    tokenizer=None,
-    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
-    rank: int = 0,
-    is_main_process: bool = True,
-    toolbox: ToolBox | None = None,
-    lockstep=None,
-) -> RolloutEngine:
-    """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
-    the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
-    forward of the model is itself a collective, see HFEngine); with a `toolbox` (rollout.tools), wrapped in
-    the multi-turn loop (multi_turn.py)."""
-    engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process, lockstep=lockstep)
-    from .multi_turn import with_tools
-
-    return with_tools(engine, toolbox, tokenizer, cfg, sampling)
-
-
-def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
-             is_main_process, lockstep=None) -> RolloutEngine:
-    name = cfg.rollout.engine
-    if name == "hf":
-        from .hf import HFEngine
-
-        return HFEngine(
-            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
-            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()), lockstep=lockstep,
-            compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
-        )
-    seed = cfg.seed + rank  # ranks must not share a random stream
-    if name == "vllm_colocate":
-        from ..tiny import resolve_model_path
-        from .vllm_colocate import VLLMColocateEngine
-
-        settings = cfg.rollout.vllm
-        if settings.dtype == "auto":
-            # The trainer's dtype. vLLM's own "auto" runs a float32 checkpoint in bfloat16, and the
-            # sampler/trainer log-prob gap grows from ~3e-7 to ~5e-3 nats (measured, tests/test_vllm.py).
-            settings = settings.model_copy(update={"dtype": cfg.model.dtype})
-        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed)
-    if name == "vllm_server":
-        from .vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
-    raise ValueError(f"rollout.engine: unknown engine {name!r}")

@@ -228,7 +228,7 @@ void exponential_argmax(uint32_t *key, int64_t *pos, const float *probs, int64_t
 def native_library() -> ctypes.CDLL | None:
     """The compiled C draw (built once per machine and compiler into the cache), or None where no C compiler
     works; the result is checked against torch's own draw before it is trusted."""
-    from ..tiny import cache_dir
+    from ..builtin import cache_dir
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

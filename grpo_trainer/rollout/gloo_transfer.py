@@ -50,8 +50,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .vllm_server import address_towards
-from .weight_sync import ParamMeta, retie, tied_parameter_groups
+from .weight_sync import ParamMeta, address_towards, retie, tied_parameter_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -200,7 +200,7 @@ def _measured_busy_now_quiet(entry: dict) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def default_table() -> KernelTable:
-    from ..tiny import cache_dir
+    from ..builtin import cache_dir
 
     return KernelTable(cache_dir() / CACHE_FILE)
 

@@ -18,11 +18,14 @@ goes back to the model as the tool message. Two kinds:
 Calls are parsed from the Hermes / Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (several per turn allowed). Whatever the model writes, parsing and running never raise: a malformed call,
 an unknown tool, bad arguments or a failing run all become an error message to the model and a counted tool
-error. Every output is cut to `rollout.tool_output_chars`.
+error. "Bad arguments" means arguments that do not fit the tool's signature (checked before it runs); a
+TypeError raised inside a tool is reported as the tool's own failure, like any other exception. Every output
+is cut to `rollout.tool_output_chars`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import time
@@ -148,9 +151,11 @@ class ToolBox:
             return ToolResult(call.name, f"error: there is no tool {call.name!r} (tools: {known})", error=True)
         start = time.perf_counter()
         try:
-            output, error = tool.run(**call.arguments), False
+            inspect.signature(tool.run).bind(**call.arguments)  # a TypeError here is the call's, not the tool's
         except TypeError as exc:
-            output, error = f"error: bad arguments for {call.name}: {exc}", True
+            return ToolResult(call.name, f"error: bad arguments for {call.name}: {exc}", error=True)
+        try:
+            output, error = tool.run(**call.arguments), False
         except ToolFailed as exc:
             output, error = str(exc), True
         except Exception as exc:  # the user's function failed: the model is told, training goes on
@@ -172,7 +177,7 @@ def python_tool(timeout: float) -> Tool:
 
     def run(code: str) -> str:
         if not isinstance(code, str):
-            raise TypeError("'code' must be a string")
+            raise ToolFailed(f"error: bad arguments for {PYTHON_TOOL}: 'code' must be a string, not {type(code).__name__}")
         result = sandbox.run_python(code, limits=limits)
         stdout = result.stdout.decode("utf-8", errors="replace")
         if result.completed:
@@ -192,12 +197,9 @@ def function_tool(spec: str, where: str) -> Tool:
     from transformers.utils import get_json_schema
 
     from ..errors import ConfigError
-    from ..rewards import RewardError, resolve_reward
+    from ..user_functions import resolve_function
 
-    try:
-        fn = resolve_reward(spec, where=where)
-    except RewardError as exc:
-        raise ConfigError(str(exc).replace("reward", "tool")) from None
+    fn = resolve_function(spec, where, "tool", ConfigError, builtins=[PYTHON_TOOL])
     try:
         schema = get_json_schema(fn)
     except Exception as exc:
@@ -211,13 +213,13 @@ def function_tool(spec: str, where: str) -> Tool:
 def build_toolbox(rollout: RolloutConfig) -> ToolBox | None:
     """`rollout.tools` -> the tool box (None without tools); names must be unique."""
     from ..errors import ConfigError
+    from ..user_functions import first_duplicate
 
     if not rollout.tools:
         return None
     tools = [python_tool(rollout.tool_timeout) if spec == PYTHON_TOOL else function_tool(spec, f"rollout.tools.{i}")
              for i, spec in enumerate(rollout.tools)]
-    names = [t.name for t in tools]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
+    duplicate = first_duplicate([t.name for t in tools])
     if duplicate:
         raise ConfigError(f"rollout.tools: two tools are named {duplicate!r}")
     return ToolBox(tools, rollout.tool_timeout, rollout.tool_output_chars)

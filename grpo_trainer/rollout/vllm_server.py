@@ -64,7 +64,7 @@ import torch
 from ..errors import UserError
 from . import Rollout, SamplingSettings
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
-from .weight_sync import Gather, MergedWeights, save_weights
+from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
 if TYPE_CHECKING:
     from ..config import VLLMServerConfig
@@ -574,15 +574,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def address_towards(host: str) -> str:
-    """This machine's address on the interface that reaches `host`: where the servers find the transfer group."""
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP: nothing is sent, the kernel just picks the route
-        return s.getsockname()[0]
 
 
 def _lost_connection(error: BaseException) -> bool:

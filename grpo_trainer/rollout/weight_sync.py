@@ -29,6 +29,7 @@ parallelism itself.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,11 @@ from typing import ContextManager
 
 import torch
 
+from ..models import is_lora
+
 PEFT_PREFIX = "base_model.model."
 
 Gather = Callable[[list[torch.nn.Parameter]], ContextManager]  # makes the given parameters whole while open
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
@@ -110,7 +109,7 @@ class _Entry:
 def _entries(model: torch.nn.Module) -> list[_Entry]:
     """Every tensor to push, in state-dict order, each once (a tied weight under its first name)."""
     state = model.state_dict(keep_vars=True)
-    peft = _is_peft(model)
+    peft = is_lora(model)
     chosen: dict[str, str] = {}  # checkpoint name -> the state-dict name it is read from
     for raw_name in state:
         clean = _clean_name(raw_name) if peft else raw_name
@@ -202,6 +201,15 @@ def zero3_gather(accelerator) -> Gather | None:
     import deepspeed
 
     return lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches `host`: where the servers find the transfer group."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: nothing is sent, the kernel just picks the route
+        return s.getsockname()[0]
 
 
 def save_weights(model: torch.nn.Module, folder: str | Path, filename: str = "model.safetensors",

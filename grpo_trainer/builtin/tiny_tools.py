@@ -16,7 +16,7 @@ learn to call the tool more: the reward and the tool-call rate rise together. To
 with the tool offered is 56 tokens; a tool-using completion 113-115 (77 for the call and its EOS, 24-25
 tool tokens, 12-13 for the answer); a guess 12-13.
 
-The model is tiny.py's family (character vocabulary, 2-layer Llama, 0.31M parameters) with hidden size
+The model is charlm.py's family (character vocabulary, 2-layer Llama, 0.31M parameters: 312,704) with hidden size
 128 and 4 heads of 32 (vLLM's CPU attention supports head_dim 32), q/k/v/o biases and RoPE theta 100.
 It has to copy digits: the operands from the prompt into the code, the tool's result into the answer.
 Learnt from scratch, finding the attention heads that do this took 150-400 steps of 64 conversations,
@@ -24,7 +24,7 @@ varying with the seed, so layer 0's first three heads start out looking back the
 involved (`_init_copying_heads`); it then copies after about 50 steps of 32. Loss is on model-written
 tokens only (not the prompt, not the tool's turn).
 
-Measured (`python -m grpo_trainer.tiny_tools`; 100 test prompts x 8 samples at temperature 1, the tool
+Measured (`python scripts/tiny_tools_warm_start.py`; 100 test prompts x 8 samples at temperature 1, the tool
 run on each call, as the multi-turn rollout would):
 
     build on a 2-core machine                   67 s (400 steps of 32 tool-using + 12 guessing conversations)
@@ -42,27 +42,29 @@ rounding). vLLM's CPU build scores a tool conversation within 3e-5 nats per toke
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
-from .tiny import _make_tokenizer_config_portable, build_canonically, build_tokenizer, cache_dir, format_answer
+from .build import build_canonically, cached_build
+from .charlm import build_char_model, build_tokenizer
+from .tiny import format_answer
 
-TINY_TOOLS_NAME = "tiny-tools"
+NAME = "tiny-tools"
 # Bump when the recipe below changes, so stale caches are not reused.
-TINY_TOOLS_VERSION = 3  # 3: built with tiny.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
+VERSION = 3  # 3: built with build.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
 TOOL_SHARE = 0.27  # share of warm-start first turns that call the tool (see the module docstring)
 SFT_STEPS = 400
 ROPE_THETA = 100.0  # sharper positional attention than Llama's 10000, for copying digits at fixed distances
 SPLIT_SIZES = {"train": 400, "test": 100}
 SEED = 4321
+SHAPE = dict(  # on charlm's defaults (2 layers, 4 query heads, 2 key/value heads)
+    hidden_size=128,  # heads of 32, a size vLLM's CPU attention supports
+    attention_bias=True,  # the biases carry the copying heads' positional pattern (`_init_copying_heads`)
+    rope_theta=ROPE_THETA,
+)
 
-# ChatML as in tiny.py, plus tools: a one-line system message naming them (the context is 256 positions),
+# ChatML as in charlm.py, plus tools: a one-line system message naming them (the context is 256 positions),
 # `tool` messages, and assistant tool calls as Hermes/Qwen `<tool_call>` + compact JSON + `</tool_call>`.
 CHAT_TEMPLATE = (
     "{% if tools %}"
@@ -139,67 +141,20 @@ def tool_turn_text(content: str) -> str:
 # ----------------------------------------------------------------------------- building
 
 
-def ensure_tiny_tools_model() -> Path:
-    """Return the model's folder, building it first if this machine has none (safe under races, atomic)."""
-    import fcntl
-
-    target = cache_dir() / f"{TINY_TOOLS_NAME}-v{TINY_TOOLS_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:  # one builder per machine; others wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            staging = Path(tempfile.mkdtemp(prefix=f".{TINY_TOOLS_NAME}-building-", dir=target.parent))
-            try:
-                build_canonically("grpo_trainer.tiny_tools:build_tiny_tools_model", staging)
-                staging.rename(target)  # a crash mid-build leaves no half-built model behind
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-    return target
+def ensure_model() -> Path:
+    """The model's folder, built first if this machine has none (once per machine, atomically)."""
+    return cached_build(f"{NAME}-v{VERSION}", lambda folder: build_canonically(f"{__name__}:build_model", folder))
 
 
-def build_tiny_tools_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
+def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
     """Build tokenizer and model into `folder`: copying heads at init, then the supervised warm start."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    tokenizer = build_tokenizer(CHAT_TEMPLATE)
 
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(
-        vocab_size=128,  # 99 tokens used; a round size keeps matmuls aligned
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 32, which vLLM's CPU attention supports
-        num_key_value_heads=2,
-        attention_bias=True,  # the biases carry the copying heads' positional pattern (`_init_copying_heads`)
-        rope_theta=ROPE_THETA,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    def warm_start(model) -> None:
         _init_copying_heads(model, _copy_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    _make_tokenizer_config_portable(folder)  # inlines tiny.py's template; ours replaces it
-    _update_json(folder / "tokenizer_config.json", chat_template=CHAT_TEMPLATE)
-    _update_json(folder / "config.json", rope_theta=ROPE_THETA)  # where transformers 4.x reads it
 
-
-def _update_json(path: Path, **values) -> None:
-    config = json.loads(path.read_text())
-    config.update(values)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    build_char_model(folder, tokenizer, SHAPE, seed, warm_start, rope_theta=ROPE_THETA)
 
 
 def _conversation(tokenizer, prompt: str, record: dict[str, str], guess: str | None = None) -> list[tuple[str, bool]]:
@@ -222,7 +177,7 @@ def _copy_offsets(tokenizer) -> list[int]:
     offsets = []
     for a, b in ((12, 34), (34, 56)):  # products 408 and 1904
         record = _record(a, b)
-        conversation = _conversation(tokenizer, _prompt_text(tokenizer, record["prompt"]), record)
+        conversation = _conversation(tokenizer, prompt_text(tokenizer, record["prompt"]), record)
         ids, labels = _ids_and_labels(tokenizer, conversation, decide=True)
         text = [tokenizer.convert_ids_to_tokens(i) for i in ids]
         digits = [i for i, t in enumerate(text) if t.isdigit()]
@@ -292,7 +247,7 @@ def _supervised_warm_start(
             for a, b in rng.sample(pairs, size):
                 record = _record(a, b)
                 if record["prompt"] not in prompts:
-                    prompts[record["prompt"]] = _prompt_text(tokenizer, record["prompt"])
+                    prompts[record["prompt"]] = prompt_text(tokenizer, record["prompt"])
                 guess = None if use_tool else rng.choice(answers)
                 conversation = _conversation(tokenizer, prompts[record["prompt"]], record, guess)
                 rows.append(_ids_and_labels(tokenizer, conversation, decide=not use_tool or rng.random() < decide_share))
@@ -312,7 +267,7 @@ def _supervised_warm_start(
     model.eval()
 
 
-def _prompt_text(tokenizer, question: str) -> str:
+def prompt_text(tokenizer, question: str) -> str:
     """The prompt for `question` with the python tool offered, as the trainer renders it."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tools=[PYTHON_TOOL], add_generation_prompt=True, tokenize=False
@@ -331,123 +286,3 @@ def _ids_and_labels(tokenizer, segments: list[tuple[str, bool]], decide: bool) -
     if not decide:
         labels[next(i for i, label in enumerate(labels) if label != -100)] = -100
     return ids, labels
-
-
-# ----------------------------------------------------------------------------- measuring the warm start
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-SAFE_CODE = re.compile(r"print\([0-9*+\- ()]*\)")  # all the measurement will run: a copy of a product
-
-
-def run_python_tool(call: str) -> tuple[str, bool]:
-    """The tool message for one `<tool_call>` body, and whether it was a well-formed python call.
-
-    For measuring only: it runs nothing but `print(<digits and * + - ( )>)` in-process (no `**`);
-    anything else gets an error message back, as a real tool would return one.
-    """
-    try:
-        parsed = json.loads(call)
-        code = parsed["arguments"]["code"] if parsed.get("name") == "python" else None
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return "error: the tool call is not JSON with a name and arguments\n", False
-    if not isinstance(code, str) or not SAFE_CODE.fullmatch(code) or "**" in code:
-        return "error: not run\n", False
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(code, {"__builtins__": {"print": print}})
-    except Exception as exc:  # noqa: BLE001 - the error is the tool's answer
-        return f"{type(exc).__name__}: {exc}\n", False
-    return out.getvalue(), True
-
-
-def sample_conversations(model, tokenizer, records: list[dict[str, str]], samples: int = 8, seed: int = 0) -> list[dict]:
-    """Sample `samples` conversations per record at temperature 1, as a multi-turn rollout would: the first
-    turn until EOS; if it holds `<tool_call>` and ended with EOS, run the call (an unclosed or malformed
-    one gets an error message), append the tool's turn and sample the final turn.
-
-    Returns one dict per conversation: `tool` (started a tool call), `tool_ok` (a well-formed call that
-    printed the right product), `correct` (the last boxed answer is right), `text` (all after the prompt).
-    """
-    import torch
-
-    prompts = [_prompt_text(tokenizer, r["prompt"]) for r in records for _ in range(samples)]
-    answers = [r["answer"] for r in records for _ in range(samples)]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        results = [{"text": text, "tool": "<tool_call>" in text} for text in _generate(model, tokenizer, prompts, 96)]
-        called = [i for i, r in enumerate(results) if r["tool"] and r["text"].endswith(tokenizer.eos_token)]
-        for i in called:
-            match = TOOL_CALL.search(results[i]["text"])
-            output, ok = run_python_tool(match.group(1)) if match else ("error: the tool call is not closed\n", False)
-            results[i]["tool_ok"] = ok and output.strip() == answers[i]
-            results[i]["text"] += tool_turn_text(output)
-        finals = _generate(model, tokenizer, [prompts[i] + results[i]["text"] for i in called], 24)
-        for i, final in zip(called, finals):
-            results[i]["text"] += final
-    for result, answer in zip(results, answers):
-        boxed = BOXED.findall(result["text"])
-        result["correct"] = bool(boxed) and boxed[-1].strip() == answer
-        result.setdefault("tool_ok", False)
-    return results
-
-
-def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, batch_size: int = 256) -> list[str]:
-    """One sampled turn per text (temperature 1, no top-k/top-p), up to and including its EOS."""
-    import torch
-
-    out = []
-    for start in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, padding_side="left")
-        with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-        out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=False)
-    return [text.split(tokenizer.eos_token)[0] + tokenizer.eos_token if tokenizer.eos_token in text else text for text in out]
-
-
-def tool_call_probability(model, tokenizer, records: list[dict[str, str]]) -> list[float]:
-    """For each record, the model's probability that its first turn starts a tool call (`<`)."""
-    import torch
-
-    enc = tokenizer([_prompt_text(tokenizer, r["prompt"]) for r in records], return_tensors="pt", padding=True,
-                    padding_side="left")
-    with torch.no_grad():
-        logits = model(**enc).logits[:, -1].float()
-    return logits.softmax(-1)[:, tokenizer.convert_tokens_to_ids("<")].tolist()
-
-
-def summarize(results: list[dict]) -> dict[str, float]:
-    """Tool-call rate, share of calls that printed the right product, and accuracies with, without, overall."""
-    def share(items, key):
-        return sum(r[key] for r in items) / len(items) if items else float("nan")
-
-    tool = [r for r in results if r["tool"]]
-    guess = [r for r in results if not r["tool"]]
-    return {
-        "tool_call_rate": len(tool) / len(results),
-        "tool_call_ok": share(tool, "tool_ok"),
-        "accuracy_with_tool": share(tool, "correct"),
-        "accuracy_without_tool": share(guess, "correct"),
-        "accuracy": share(results, "correct"),
-    }
-
-
-def main() -> None:
-    """`python -m grpo_trainer.tiny_tools`: build (or reuse) the model and print the warm start's numbers."""
-    import time
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    start = time.perf_counter()
-    folder = ensure_tiny_tools_model()
-    print(f"{folder} ({time.perf_counter() - start:.0f} s)")
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    probability = tool_call_probability(model, tokenizer, multiplication_records("test"))
-    print(f"P(first token starts a tool call), mean over the test prompts: {sum(probability) / len(probability):.3f}")
-    for name, value in summarize(sample_conversations(model, tokenizer, multiplication_records("test"))).items():
-        print(f"{name}: {value:.3f}")
-
-
-if __name__ == "__main__":
-    main()

