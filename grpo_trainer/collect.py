@@ -14,8 +14,13 @@ ways to fill the batch, one result type:
   If the bound is hit, degenerate groups (advantage 0, no gradient) fill the
   batch and a warning says so.
 
-The phase reads `run.cfg`, `run.geometry`, `run.comm`, `run.engine`, `run.task`
-and `run.sampler`, nothing else, so tests call it with stand-ins for those.
+Prompts and completions come from `run.rollouts` (rollout_queue.py): the step's batch is drawn and sampled
+there and then (the synchronous loop, rollout.max_staleness 0), or was sampled while earlier steps trained
+(max_staleness K >= 1, no completion more than K weight versions old); dynamic sampling's extra rounds are
+sampled when asked for, with the current weights.
+
+The phase reads `run.cfg`, `run.geometry`, `run.comm`, `run.rollouts`, `run.task`, nothing else, so tests call
+it with stand-ins for those.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from .advantages import group_advantages
 from .metrics import PhaseTimer
 from .rewards import RewardBatch, reward_statistics
-from .rollout import Rollout, mix_seed
+from .rollout import Rollout
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -58,8 +63,7 @@ class ScoredBatch:
 def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
     if run.cfg.loss.dynamic_sampling:
         return _collect_dynamic(run, step, timer)
-    indices = _next_prompts(run)
-    rollout, scores = _sample_and_score(run, indices, step, 0, timer)
+    indices, rollout, scores = _sample_and_score(run, step, 0, timer)
     rewards = run.comm.gather(scores.total)  # [world * local_n]
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
     per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
@@ -67,24 +71,16 @@ def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
                        per_function=per_function, tool_metrics=tool_metrics(run.comm, rollout))
 
 
-def _next_prompts(run) -> list[int]:
-    """This rank's part of the next prompts_per_step prompts (every rank advances the same sampler)."""
-    return run.geometry.my_prompts(run.sampler.next_indices(run.cfg.train.prompts_per_step))
-
-
-def _sample_and_score(run, indices: list[int], step: int, draw: int, timer: PhaseTimer) -> tuple[Rollout, RewardBatch]:
+def _sample_and_score(run, step: int, draw: int, timer: PhaseTimer) -> tuple[list[int], Rollout, RewardBatch]:
+    """This rank's prompts of round `draw` (0: the step's batch; more: dynamic sampling), completions, rewards."""
     g = run.geometry.group_size
     with timer.phase("timing/rollout"):
-        seeds = None
-        if run.cfg.rollout.seed_per_prompt:  # a function of (seed, step, round, position in the global batch)
-            first = run.geometry.rank * run.geometry.prompts_per_rank
-            seeds = [mix_seed(run.cfg.seed, step, draw, first + j) for j in range(len(indices))]
-        rollout = run.engine.generate(run.task.prompt_ids(indices), g, seeds=seeds)
+        indices, rollout = run.rollouts.take(step) if draw == 0 else run.rollouts.sample_more(step, draw)
     if rollout.tool_calls is not None:  # part of the rollout's time, shown on its own
         timer.seconds["timing/tools"] = timer.seconds.get("timing/tools", 0.0) + rollout.tool_seconds
     with timer.phase("timing/reward"):
         scores = run.task.score([i for i in indices for _ in range(g)], rollout)
-    return rollout, scores
+    return indices, rollout, scores
 
 
 @dataclass
@@ -117,8 +113,7 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
     first_round: list[Group] = []
     generated = 0
     for draw in range(run.cfg.loss.max_sampling_rounds + 1):
-        indices = _next_prompts(run)
-        rollout, scores = _sample_and_score(run, indices, step, draw, timer)
+        indices, rollout, scores = _sample_and_score(run, step, draw, timer)
         all_groups: list[Group] = run.comm.gather_objects(_groups(indices, rollout, scores, g))  # rank order
         if draw == 0:
             first_round, counters = all_groups, scores.metrics

@@ -255,6 +255,14 @@ class RolloutConfig(_Section):
         description="Draw each prompt's group from its own seed, so samples do not depend on the number of ranks "
         "(the hf engine then generates one prompt at a time).",
     )
+    max_staleness: int = Field(
+        0, ge=0,
+        description="K: asynchronous rollouts (docs/async.md). 0: sample, then train (the synchronous loop). K >= 1: "
+        "the server samples the next batches while the trainer updates; a step trains on completions sampled by "
+        "weights exactly K optimizer steps old, and none older (left out, counted, resampled). Needs "
+        "engine vllm_server. Logged: rollout/staleness_mean, rollout/staleness_max, timing/rollout_wait, "
+        "timing/server_idle.",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -262,6 +270,20 @@ class RolloutConfig(_Section):
         if any(not s for s in stop):
             raise ValueError("rollout.stop: an empty stop string would end every completion at its first token")
         return stop
+
+    @model_validator(mode="after")
+    def _async_needs_a_server(self):
+        if self.max_staleness > 0 and self.engine != "vllm_server":
+            raise ValueError(
+                f"rollout.max_staleness {self.max_staleness} needs rollout.engine vllm_server: the {self.engine} engine "
+                "samples in the training process, so sampling cannot overlap the update (use max_staleness 0)"
+            )
+        if self.max_staleness > 0 and self.tools:
+            raise ValueError(
+                "rollout.max_staleness >= 1 with rollout.tools is not supported: tool calls run in the trainer's "
+                "sandbox, and asynchronous rollouts keep the trainer's background work to HTTP requests (use max_staleness 0)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_p_alone(self):
@@ -362,6 +384,19 @@ class LossConfig(_Section):
     )
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM)."
+    )
+    tis_min: float | None = Field(
+        None, gt=0,
+        description="Lower bound of the ratio pi_old/pi_sampler (TRL's vllm_importance_sampling_clip_min): `*_mask` "
+        "modes zero what falls outside [tis_min, tis_cap], `*_truncate` modes clamp it into that range. IcePop "
+        "(Ring-1T): tis_mode token_mask, tis_min 0.5, tis_cap 5 (or [1/k, k]). Needs tis_cap.",
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None, ge=0,
+        description="delta: off-policy sequence masking (DeepSeek-V3.2): a completion with advantage < 0 whose mean "
+        "log-ratio log pi_sampler - log pi_theta over its tokens exceeds delta carries no policy gradient (TRL's name; "
+        "0.5 is a starting point). Without sampler log-probs (hf engine) pi_old stands in. Logged: "
+        "sampling/off_policy_masked_fraction.",
     )
     tis_mode: ImportanceSamplingMode = Field(
         "token_truncate",
@@ -592,6 +627,11 @@ class Config(_Section):
             raise ValueError(
                 "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "
                 f"set loss.scale_rewards to batch (got {self.loss.scale_rewards})"
+            )
+        if self.loss.tis_min is not None and (self.loss.tis_cap is None or self.loss.tis_min >= self.loss.tis_cap):
+            raise ValueError(
+                f"loss.tis_min ({self.loss.tis_min}) is the lower end of [tis_min, tis_cap]: set loss.tis_cap above it "
+                f"(got tis_cap {self.loss.tis_cap})"
             )
         if self.loss.type == "vespo" and self.loss.tis_cap is not None and self.loss.tis_mode.startswith("sequence"):
             raise ValueError(

@@ -298,11 +298,12 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 
 def importance_weight(
-    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float, mode: str = "token_truncate"
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float, mode: str = "token_truncate",
+    floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rollout correction for a sampler (e.g. vLLM) that scores tokens slightly differently from the trainer:
-    per-token weight [B, T] (detached) for `token_loss`'s `policy_weight`, and which real tokens went over
-    the cap [B, T] (bool).
+    """Rollout correction for a sampler (e.g. vLLM) that scores tokens slightly differently from the trainer, or
+    sampled them with older weights (asynchronous rollouts, docs/async.md): per-token weight [B, T] (detached) for
+    `token_loss`'s `sampler_weight`, and which real tokens fell outside [floor, cap] [B, T] (bool).
 
     The ratio is pi_old / pi_sampler per token (`token_*`), or its product over the completion's tokens,
     exp(sum_t log pi_old - log pi_sampler), shared by every token of it (`sequence_*`). `*_truncate` caps it,
@@ -310,6 +311,11 @@ def importance_weight(
     Brings You Off-Policy RL Training"); `*_mask` drops what goes over the cap, ratio if ratio <= cap else 0
     (masked importance sampling, as TRL's `vllm_importance_sampling_mode`). Masking discards a token (or a
     completion) whose sampler probability is far off instead of keeping it at weight `cap`.
+
+    `floor` bounds the ratio from below as well (TRL's `vllm_importance_sampling_clip_min`): clamped up to it
+    (`*_truncate`), or zeroed below it (`*_mask`). `token_mask` with [floor, cap] is IcePop (Ling Team 2025,
+    Ring-1T, "IcePop: token-level discrepancy masking"): M(k) = k if k in [alpha, beta] else 0, with
+    k = pi_train(theta_old) / pi_infer(theta_old); alpha 0.5, beta 5 there.
     """
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance sampling mode {mode!r}; expected one of {IS_MODES}")
@@ -317,9 +323,31 @@ def importance_weight(
     if mode.startswith("sequence"):
         log_ratio = masked_sum(log_ratio, mask, dim=1)[:, None].expand_as(old_logp)  # log of the product over tokens
     ratio = torch.exp(log_ratio)
-    over = ratio > cap
-    weight = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(over, torch.zeros_like(ratio), ratio)
-    return weight.detach(), over & (mask > 0)
+    outside = ratio > cap if floor is None else (ratio > cap) | (ratio < floor)
+    if mode.endswith("truncate"):
+        weight = ratio.clamp(min=floor, max=cap)
+    else:
+        weight = torch.where(outside, torch.zeros_like(ratio), ratio)
+    return weight.detach(), outside & (mask > 0)
+
+
+def off_policy_sequence_mask(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-AI 2025, DeepSeek-V3.2 technical report, "Off-Policy Sequence
+    Masking"): [B, 1] (detached), 0 for a completion that both hurt (A_i < 0) and has drifted far from the policy
+    that sampled it, 1 otherwise:
+
+        M_i = 0  if  A_i < 0  and  (1/|o_i|) sum_t log(pi_sampler(o_i,t) / pi_theta(o_i,t)) > threshold
+
+    pi_sampler is the sampler's own log-probs (the inference engine's, possibly K weight versions old), pi_theta
+    the policy being trained, without gradient. Why only negative advantages (the report's reasoning): a policy
+    learns most from its own mistakes, while a negative sample that is far off-policy can mislead or destabilise
+    the update. TRL's `off_policy_mask_threshold`, the same rule.
+    `mask` [B, T] marks the tokens that count (a row of zeros is never masked)."""
+    drift = masked_sum(sampling_logp - logp.detach(), mask, dim=1) / mask.sum(1).clamp(min=1)  # [B] mean log-ratio
+    drop = (advantages < 0) & (drift > threshold)
+    return (~drop).to(logp.dtype)[:, None]
 
 
 def entropy_threshold(entropies: torch.Tensor, rho: float) -> float:

@@ -38,6 +38,12 @@ def preflight(cfg: Config) -> list[str]:
             f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "
             "the learning rate never reaches train.learning_rate"
         )
+    if cfg.rollout.max_staleness and cfg.loss.tis_cap is None:
+        warnings.append(
+            f"rollout.max_staleness {cfg.rollout.max_staleness} without loss.tis_cap: completions sampled by weights up to "
+            f"{cfg.rollout.max_staleness} steps old are trained on as if the current policy had sampled them; set "
+            "loss.tis_cap (e.g. 2) so the importance weight corrects the lag (docs/async.md)"
+        )
     if cfg.model.dtype == "bfloat16" and _runs_on_cpu() and not cpu_has_bf16_instructions():
         warnings.append(
             "model.dtype: bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16/amx_bf16) is emulated and far "

@@ -3,7 +3,7 @@
 Everything a step's phases read comes from the `Run`: the accelerator and its
 collectives, the batch geometry, the tokenizer, the policy (wrapped by
 Accelerate), the reference, the optimizer and schedule, the rollout engine, the
-task (prompts + rewards), the prompt sampler and the writers. Counters that
+task (prompts + rewards), the prompt sampler, the rollout queue and the writers. Counters that
 change during the run and go into checkpoints (`start_step`,
 `nonfinite_in_a_row`, the adaptive entropy coefficient `entropy_control`)
 live here too.
@@ -38,6 +38,7 @@ from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
 from .rollout.tools import build_toolbox
+from .rollout_queue import RolloutQueue
 from .task import Task, load_task
 from .trackers import start_trackers
 
@@ -123,6 +124,7 @@ class Run:
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
+    rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
 
     @property
     def output_dir(self) -> Path:
@@ -187,13 +189,15 @@ def build_run(cfg: Config) -> Run:
     eval_task = None
     if cfg.eval.every:  # every rank evaluates (see trainer.periodic_eval)
         eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
-    return Run(
+    run = Run(
         cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
         tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
         engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,
         entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
+    run.rollouts = RolloutQueue(run)
+    return run
 
 
 def _policy_and_optimizer(cfg: Config, accelerator, lm):
@@ -244,6 +248,7 @@ def resume(run: Run) -> None:
         ckpt.load_checkpoint(accelerator, found)
         run.sampler.load_state_dict(saved["sampler"])
         run.start_step = int(saved["step"])
+        run.rollouts.load_state_dict(saved.get("rollout_queue", {}), run.start_step)
         run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
         if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
             run.entropy_control = EntropyControl(**saved["entropy_control"])
@@ -271,6 +276,8 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
     }
+    if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
+        state["rollout_queue"] = run.rollouts.state_dict()
     ckpt.save_checkpoint(
         run.accelerator, run.output_dir, step, state, run.cfg.checkpoint.keep_last, files={ckpt.METRICS_HISTORY: history}
     )
@@ -287,6 +294,7 @@ def stop_run(run: Run) -> None:
     """Close the writers and the engine, end the trackers (after the last step, or a preemption)."""
     run.progress.close()
     run.metrics.close()
+    run.rollouts.close()
     run.engine.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()

@@ -3,7 +3,9 @@
 One step, as named phases (each a function with a typed input and output):
 
     1. collect      (collect.py)  prompts -> G completions each -> rewards        -> ScoredBatch
-                                  (plain, or DAPO dynamic sampling: same result type)
+                                  (plain, or DAPO dynamic sampling: same result type); the completions come
+                                  from the rollout queue (rollout_queue.py): sampled now, or, with
+                                  rollout.max_staleness K >= 1, while the K steps before trained
                     engine.sleep()                 the sampler frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU)  -> TrainBatch
@@ -11,7 +13,8 @@ One step, as named phases (each a function with a typed input and output):
                                   (top_entropy_quantile < 1), reference (beta > 0)   -> into the TrainBatch
     5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss, backward,
                                   a step per mini-batch                               -> StepStats
-    6. weight sync                the engine gets the new weights, if it keeps its own copy
+    6. weight sync  (rollout_queue.py) the engine gets the new weights, if it keeps its own copy (after the
+                                  generation in flight, K >= 1), and the queue samples the batch K+1 steps ahead
     7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
     then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
@@ -67,6 +70,7 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
     with StopRequests(cfg.checkpoint.save_on_signals) as stop:
         run = build_run(cfg)
         resume(run)
+        run.rollouts.start(run.start_step)
         last: dict = {}
         for step in range(run.start_step + 1, cfg.train.max_steps + 1):
             last = train_step(run, step)
@@ -115,9 +119,10 @@ def train_step(run: Run, step: int) -> dict:
     with timer.phase("timing/update"):
         stats = update(run, batch, step)
     with timer.phase("timing/weight_sync"):
-        sync_weights(run)
+        run.rollouts.after_update(step)
     eval_metrics = periodic_eval(run, step, timer)
-    record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm), {**eval_metrics, **timer.seconds})
+    record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm),
+                         {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()})
     record["step_time"] = time.perf_counter() - started
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
     if checkpoint_due(cfg, step):
@@ -144,16 +149,6 @@ def skips_zero_advantage(cfg: Config) -> bool:
     (losses.LossVariant)."""
     return (cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and not cfg.loss.entropy_term
             and loss_variant(cfg.loss.type).exact_zero_advantage_skip)
-
-
-def sync_weights(run: Run) -> None:
-    """Push the updated weights to an engine that keeps its own copy (gathered first under ZeRO-3)."""
-    if not run.engine.needs_weight_sync:
-        return  # the hf engine samples from the training model: nothing to push, nothing to gather
-    bare_lm = run.bare_lm()
-    with distributed.gathered_if_zero3(run.accelerator, bare_lm):
-        run.engine.sync_weights(bare_lm)
-    run.accelerator.wait_for_everyone()  # a server engine is pushed to by the main process only
 
 
 def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:

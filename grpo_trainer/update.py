@@ -84,7 +84,8 @@ class StepStats:
     term_tokens: torch.Tensor  # ... and their count (entropy_target is compared with the ratio)
     logp_gap: torch.Tensor  # sum of |trainer - sampler| log-prob over trained tokens (engines that report them)
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
-    is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio went over loss.tis_cap (first iteration)
+    is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio left [tis_min, tis_cap] (first iteration)
+    off_policy_masked: torch.Tensor  # completions off-policy sequence masking left out (first iteration)
     trained_tokens: torch.Tensor
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
@@ -104,9 +105,11 @@ class StepStats:
         return replace(self, **dict(zip(names, sums)), logp_gap_max=comm.max(self.logp_gap_max.reshape(1))[0])
 
     def metrics(
-        self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None
+        self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None,
+        off_policy_masking: bool = False,
     ) -> dict:
-        """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric)."""
+        """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric),
+        `off_policy_masking` when loss.off_policy_mask_threshold is set."""
         tokens, trained = max(total_tokens, 1), max(float(self.trained_tokens), 1)
         out = {
             "loss": float(self.loss),
@@ -129,6 +132,8 @@ class StepStats:
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
         if tis_mode is not None:
             out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = float(self.is_capped) / trained
+        if off_policy_masking:
+            out["sampling/off_policy_masked_fraction"] = float(self.off_policy_masked) / max(float(self.trained_completions), 1)
         return out
 
 
@@ -169,6 +174,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                 stats.entropy_term += parts["entropy_term"] / steps
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
+                stats.off_policy_masked += parts.get("off_policy_masked", 0.0)
                 stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
                 if term is not None:
@@ -189,23 +195,36 @@ def micro_batch_loss(
     term: EntropyTerm | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
-    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens over the rollout-correction cap, and
-    `entropy_term`, c times this share of H, when the loss has an entropy term: `entropy` then carries its
-    gradient)."""
+    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens outside the rollout-correction range,
+    `off_policy_masked`, completions off-policy sequence masking left out, and `entropy_term`, c times this share
+    of H, when the loss has an entropy term: `entropy` then carries its gradient).
+
+    The PPO ratio's "old" policy is the trainer's own at the start of the step (`old_logp`, or the current
+    log-probs detached when one optimizer step is taken); the sampler's log-probs enter only through the
+    rollout correction and the off-policy masks. With asynchronous rollouts this is decoupled PPO: the sampler
+    is the behaviour policy, K weight versions old (docs/async.md explains the choice)."""
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    correction, capped = None, None
+    correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
     if mb.sampling_logp is not None and cfg.loss.tis_cap is not None:
-        correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode)
+        correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
+                                                      floor=cfg.loss.tis_min)
+    if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler, pi_old without one
+        behaviour = mb.sampling_logp if mb.sampling_logp is not None else old
+        keep = losses.off_policy_sequence_mask(logp, behaviour, mb.advantages, mb.mask, cfg.loss.off_policy_mask_threshold)
+        masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
+        gate = keep if gate is None else gate * keep
     token_loss, parts = losses.token_loss(
         logp, old, mb.advantages, mb.mask, cfg.loss.type,
         epsilon_low=cfg.loss.epsilon_low, epsilon_high=cfg.loss.epsilon_high_value, delta=cfg.loss.delta,
         ref_logp=mb.ref_logp, beta=cfg.loss.beta,
-        policy_weight=mb.entropy_mask,  # like the rollout correction, it gates the policy term, not the KL term
+        policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
         sampler_weight=correction, soft_gate=cfg.loss.soft_gate, gamma=cfg.loss.gamma_shape,
     )
     if capped is not None:
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
+    if masked_sequences is not None:
+        parts["off_policy_masked"] = masked_sequences
     share = losses.aggregate(
         token_loss, mb.mask, cfg.loss.type,
         total_sequences=geometry.total_completions // geometry.mini_batches,

@@ -72,5 +72,12 @@ if python3 -c "import vllm" 2>/dev/null; then
 else
   skip vllm_gloo_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
+# Asynchronous rollouts (docs/async.md): a vLLM server on the same GPU (30% of it) samples the next batch while the
+# trainer updates; step time with rollout.max_staleness 1 against 0 (scripts/async_speed.py --gpu).
+if python3 -c "import vllm" 2>/dev/null; then
+  check async_k1 540 python3 scripts/async_speed.py --gpu --steps 6 --warmup 2 --reps 1 --json "$out/gpu_check_async.json"
+else
+  skip async_k1 "vllm is not installed (pip install 'grpo-trainer[vllm]')"
+fi
 echo "gpu_check: ${failed} failed"
 exit $((failed > 0))

@@ -14,6 +14,7 @@ from grpo_trainer.data import PromptSampler
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout_queue import RolloutQueue
 from grpo_trainer.state import batch_geometry
 from helpers import ThreadCollectives, Exchange, run_ranks
 
@@ -55,10 +56,12 @@ def fake_run(comm, informative_every: int, dynamic: bool = True, prompts_per_ste
     cfg = load_config(None, [f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={G}",
                              "train.micro_batch_size=4", f"loss.dynamic_sampling={str(dynamic).lower()}",
                              "loss.max_sampling_rounds=3"])
-    return SimpleNamespace(
+    run = SimpleNamespace(
         cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=FakeEngine(),
         task=FakeTask(informative_every), sampler=PromptSampler(size=1000, seed=0, shuffle=False),
     )
+    run.rollouts = RolloutQueue(run)  # the synchronous schedule (rollout.max_staleness 0): drawn and sampled when taken
+    return run
 
 
 def one_rank(informative_every: int, dynamic: bool = True):

@@ -37,6 +37,11 @@ EVAL = ["eval.every=2", "eval.num_samples=4", "eval.num_generations=2"]
 
 
 TWO_NODES = ["ddp", "zero3"]  # launched as two nodes (see the module docstring)
+# zero3's run also scores with a learned reward model (tests/test_reward_model.py builds it), weighted beside
+# math_accuracy: the policy is sharded, the reward model must not be (transformers partitions any model loaded
+# while a ZeRO-3 config is live: its forward then fails on empty weights); every rank scores its own completions,
+# in training and in the evaluation, with the same model.
+REWARD_MODEL_ON = "zero3"
 
 
 @pytest.mark.parametrize("name", ["ddp", *DEEPSPEED_FILES])
@@ -46,10 +51,16 @@ def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_pa
         pytest.importorskip("deepspeed")
     out = tmp_path / "run"
     env = None if deepspeed else {"ACCELERATE_USE_CPU": "1"}
+    extra = list(EVAL)
+    if name == REWARD_MODEL_ON:
+        from test_reward_model import build_reward_model
+
+        rm = build_reward_model(tmp_path / "rm")
+        extra.append(f"rewards=[{{name: math_accuracy}}, {{model: '{rm}', weight: 0.5}}]")
     if name in TWO_NODES:
-        log = train_two_steps_on_two_nodes(cpu_launch_file(name, tmp_path), out, env or {}, extra=EVAL)
+        log = train_two_steps_on_two_nodes(cpu_launch_file(name, tmp_path), out, env or {}, extra=extra)
     else:
-        result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=env, extra=EVAL)
+        result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=env, extra=extra)
         assert result.returncode == 0, result.stderr[-4000:]
         log = result.stderr
     # bf16 for DeepSpeed comes from the JSON, where DeepSpeed reads it; DDP runs in the model's dtype.
@@ -58,9 +69,16 @@ def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_pa
     assert "prompts_per_rank=2" in log  # two real ranks, not one process silently (the CPU trap)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]  # one writer: the main process
-    for row in rows:  # per-reward statistics cover both ranks, like `reward` (one reward, weight 1)
-        assert abs(row["rewards/math_accuracy/mean"] - row["reward"]) < 1e-6
-    assert "eval/reward/mean@2" not in rows[0] and 0 <= rows[1]["eval/reward/mean@2"] <= 1
+    for row in rows:  # per-reward statistics cover both ranks, like `reward` (their weighted sum)
+        if name == REWARD_MODEL_ON:
+            expected = row["rewards/math_accuracy/mean"] + 0.5 * row["rewards/reward_model/mean"]
+            assert row["reward"] == pytest.approx(expected, abs=1e-5)
+        else:
+            assert abs(row["rewards/math_accuracy/mean"] - row["reward"]) < 1e-6
+    assert "eval/reward/mean@2" not in rows[0] and "eval/reward/mean@2" in rows[1]
+    assert 0 <= rows[1]["eval/math_accuracy/mean@2"] <= 1
+    if name == REWARD_MODEL_ON:  # the same model, so the same scale, in training and evaluation
+        assert rows[1]["eval/reward_model/mean@2"] == pytest.approx(rows[1]["rewards/reward_model/mean"], abs=1.0)
     assert (out / "model" / "model.safetensors").is_file()
 
 

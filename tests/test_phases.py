@@ -14,7 +14,7 @@ from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.state import batch_geometry
-from grpo_trainer.trainer import sync_weights
+from grpo_trainer.rollout_queue import push_weights
 from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
 
@@ -162,7 +162,7 @@ class RecordingEngine:
         self.calls.append("generate")
         return self.inner.generate(*args, **kwargs)
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, version=None, gather=None):
         self.calls.append("sync_weights")
 
     def sleep(self):
@@ -181,9 +181,10 @@ def test_sync_weights_only_for_engines_that_keep_their_own_copy(needs_weight_syn
     lm = nn.Linear(2, 2)
     run = SimpleNamespace(
         engine=RecordingEngine(None, needs_weight_sync, calls), bare_lm=lambda: lm,
-        accelerator=SimpleNamespace(state=SimpleNamespace(), wait_for_everyone=lambda: barriers.append(1)),
+        accelerator=SimpleNamespace(state=SimpleNamespace()),
+        comm=SimpleNamespace(max=lambda t: barriers.append(1) or t),  # the ranks agree the push went through
     )
-    sync_weights(run)
+    push_weights(run, version=1)
     assert calls == (["sync_weights"] if needs_weight_sync else [])
     assert len(barriers) == int(needs_weight_sync)
 

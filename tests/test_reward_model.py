@@ -188,24 +188,6 @@ def test_demo_trains_with_the_reward_model_weighted_beside_math_accuracy(tmp_pat
     assert "eval/reward_model/mean@2" in evaluated.stdout and "eval/math_accuracy/mean@2" in evaluated.stdout
 
 
-@pytest.mark.slow
-def test_each_rank_scores_its_own_completions_under_zero3(tmp_path, rm_path, tiny_model_path):
-    """Two DeepSpeed ZeRO-3 ranks: the policy is sharded, the reward model must not be (transformers partitions any
-    model loaded while a ZeRO-3 config is live: its forward then fails on empty weights). Evaluation at step 1
-    scores with the same model on every rank."""
-    pytest.importorskip("deepspeed")
-    from helpers import accelerate_launch, cpu_launch_file, free_port
-
-    config = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
-    config["rewards"] = [{"name": "math_accuracy"}, {"model": str(rm_path), "weight": 0.5}]
-    config_path = tmp_path / "rm.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    out = tmp_path / "run"
-    result = run_cli(["train", str(config_path), *small_run_overrides(out, steps=1), "eval.every=1", "eval.num_samples=4",
-                      "eval.num_generations=2", "checkpoint.save_final_model=false"],
-                     launcher=accelerate_launch(cpu_launch_file("zero3", tmp_path), "--main_process_port", str(free_port())))
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "world_size=2 distributed_type=DEEPSPEED" in result.stderr and "prompts_per_rank=2" in result.stderr
-    [row] = read_metrics(out)
-    assert row["reward"] == pytest.approx(row["rewards/math_accuracy/mean"] + 0.5 * row["rewards/reward_model/mean"], abs=1e-5)
-    assert row["eval/reward_model/mean@2"] == pytest.approx(row["rewards/reward_model/mean"], abs=1.0)  # same model, same scale
+# Two DeepSpeed ZeRO-3 ranks scoring with a reward model (the policy sharded, the reward model whole on every
+# rank, in training and evaluation): tests/test_launch_files.py::test_each_shipped_launch_file_trains_two_steps[zero3],
+# in the same launch as the shipped zero3.yaml.

@@ -43,16 +43,20 @@ def float32_launch_file(name: str, folder):
 RUN = ["rollout.seed_per_prompt=true", "train.num_iterations=2"]
 
 
-def train(out, launcher=None, env=None):
-    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), *RUN], launcher=launcher, env=env)
+def train(out, launcher=None, env=None, extra=()):
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), *RUN, *extra], launcher=launcher,
+                     env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, tiny_model_path):
+    """The one-process baseline, in 4 micro-batches of 4 (grad_accum=4) where each of the 2 ranks takes one of 8:
+    the sharded runs are also compared with another split of the batch into micro-batches."""
     out = tmp_path_factory.mktemp("single") / "run"
-    train(out)
+    log = train(out, extra=["train.micro_batch_size=4"]).stderr
+    assert "grad_accum=4" in log
     return out
 
 
@@ -65,12 +69,16 @@ def test_sharded_run_matches_one_process(setup, single, tmp_path, tiny_model_pat
     launcher = accelerate_launch(float32_launch_file(setup, tmp_path), "--main_process_port", str(free_port()))
     log = train(out, launcher=launcher, env=env).stderr
     assert f"world_size=2 distributed_type={expected_type}" in log and "mixed_precision=no" in log
+    assert "grad_accum=1" in log  # each rank's 8 completions in one micro-batch, against 4 in one process
 
     ours, theirs = read_metrics(out), read_metrics(single)
     assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
     assert [r["completions/mean_length"] for r in ours] == [r["completions/mean_length"] for r in theirs]
     for key in ("loss", "grad_norm", "clip_ratio/region_mean", "entropy"):
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
+    if setup == "ddp":  # grpo's aggregation across micro-batches and ranks (see the loss test below): step 1
+        for key in ("loss", "grad_norm", "clip_ratio/region_mean"):  # scores the same completions, same weights
+            assert ours[0][key] == pytest.approx(theirs[0][key], abs=1e-6, rel=1e-5), key
     base = load_file(tiny_model_path / "model.safetensors")
     assert_same_update(base, load_file(out / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors"))
 
@@ -111,14 +119,15 @@ def test_lora_under_zero3_saves_the_adapter_and_merged_model_one_process_saves(t
         torch.testing.assert_close(merged.state_dict()[name], weight, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
 def test_loss_does_not_depend_on_micro_batches_or_ranks(loss_type, tmp_path, tiny_model_path):
     """One process with 4 micro-batches vs two DDP ranks with 1 each: the same batch loss and gradient norm.
 
     One step, so both runs score the very same completions (seeded per prompt) with the same weights.
-    One loss type per aggregation across ranks (losses.LOSS_VARIANTS): gspo and sapo aggregate as grpo, cispo and
-    vespo as dapo, and tests/test_losses.py checks every type's invariance in-process (luspo's sequence_sum only
-    there, with ranks simulated). (`bnpo` is defined per micro-batch.)
+    One loss type per aggregation across ranks (losses.LOSS_VARIANTS): grpo (the demo's, which gspo and sapo
+    aggregate as) in test_sharded_run_matches_one_process[ddp], whose first step is this comparison; cispo and
+    vespo aggregate as dapo; tests/test_losses.py checks every type's invariance in-process (luspo's
+    sequence_sum only there, with ranks simulated). (`bnpo` is defined per micro-batch.)
     """
     common = ["rollout.seed_per_prompt=true", f"loss.type={loss_type}", "train.num_iterations=2"]
     one, two = tmp_path / "one", tmp_path / "two"

@@ -44,9 +44,12 @@ class Rollout:
     tool_errors: list[int] | None = None  # of which failed (malformed, unknown tool, error, timeout)
     turns: list[int] | None = None  # model turns per completion
     tool_seconds: float = 0.0  # wall time spent running tools on this rank
+    # The weight version that sampled each completion (the optimizer step whose weights the sampler held; 0: the
+    # initial weights). Set by the loop's rollout queue (rollout_queue.py), which knows what it pushed.
+    weight_versions: list[int] | None = None
 
     PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
-                      "tool_calls", "tool_errors", "turns")
+                      "tool_calls", "tool_errors", "turns", "weight_versions")
 
     def select(self, rows: list[int]) -> Rollout:
         """The given completions, every per-completion field alike (tool seconds are not split)."""
@@ -91,13 +94,13 @@ class RolloutEngine(Protocol):
         result does not depend on batching or on how prompts are split over ranks. `max_tokens` lowers the
         length limit for this call (multi-turn rollouts continue conversations within what is left)."""
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the sampler use the trainer's current weights (called only when needs_weight_sync).
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
+        """Make the sampler use the trainer's current weights (called only when needs_weight_sync, on every rank).
 
-        The vLLM engines also take `version=` (what the push is recorded as: their `weight_version`, the
-        server's `/weight_info`; default, the count of pushes) and `gather=` (weight_sync.zero3_gather: under
-        ZeRO-3, called on every rank, the weights are gathered one decoder layer at a time instead of the
-        trainer gathering the whole model first)."""
+        `version`: what the push is recorded as (the vLLM engines' `weight_version`, the server's
+        `/weight_info`; default, the count of pushes); the trainer passes the step whose update made the weights.
+        `gather`: weight_sync.zero3_gather's context (None outside ZeRO-3): the weights are gathered one decoder
+        layer at a time, every rank taking part, instead of the trainer gathering the whole model first."""
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
@@ -78,8 +78,9 @@ class HFEngine:
                 raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
             self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to do: this engine samples from the training model itself."""
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
+        """Nothing to do: this engine samples from the training model itself (`needs_weight_sync` is False, so
+        the trainer never calls it; the keywords are the protocol's)."""
 
     def sleep(self) -> None:
         """Nothing to free: the weights are the training model's, and the KV cache lives only inside `generate`."""
