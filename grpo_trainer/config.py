@@ -113,6 +113,21 @@ class DataConfig(_Section):
     eval_split: str | None = Field(None, description="Split for evaluation (None: `test`).")
 
 
+class HFEngineConfig(_Section):
+    """The `hf` engine's decode loop (`rollout.engine: hf`)."""
+
+    compile: bool = Field(
+        False,
+        description="Run each decode step through torch.compile over a static KV cache, rows bucketed in powers of two "
+        "as completions finish (rollout/static_decode.py). Off by default: on the 2-core CPUs measured, compiling took "
+        "minutes and the step was not faster (docs/performance.md); on GPUs it cuts per-token launch overhead. "
+        "Tokens may differ from the eager loop's by float rounding.",
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode for `compile` (`reduce-overhead` adds CUDA graphs on a GPU)."
+    )
+
+
 class VLLMConfig(_Section):
     """The in-process vLLM engine (`rollout.engine: vllm_colocate`)."""
 
@@ -196,6 +211,7 @@ class RolloutConfig(_Section):
     engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
+    hf: HFEngineConfig = Field(default_factory=HFEngineConfig, description="The transformers decode loop (hf).")
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig,
         description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",

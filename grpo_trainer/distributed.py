@@ -157,6 +157,20 @@ def steps_without_backward(accelerator) -> bool:
     return accelerator.distributed_type.value not in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
 
 
+def forward_is_collective(accelerator) -> bool:
+    """Whether every forward of the model is itself a collective while the hf engine samples, so that all ranks
+    must make the same forward calls (the engine then runs in lockstep): under FSDP each layer all-gathers its
+    parameters in its forward. Not under ZeRO-3, whose hooks are removed for sampling
+    (`zero3_sampling_context`), nor DDP, nor one process: there ranks stop when their own completions end."""
+    return accelerator.num_processes > 1 and accelerator.distributed_type.value == "FSDP"
+
+
+def sampling_lockstep(accelerator, comm: Collectives) -> Collectives | None:
+    """What the hf engine gets as `lockstep` (training rollouts and periodic evaluation alike): the ranks'
+    collectives where a forward is one (`forward_is_collective`), else None (each rank stops when it is done)."""
+    return comm if forward_is_collective(accelerator) else None
+
+
 def global_grad_norm(accelerator, policy, max_norm: float | None) -> torch.Tensor:
     """Clip (when max_norm is set) and return the global gradient norm, the same on every rank.
 

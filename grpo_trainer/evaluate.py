@@ -162,11 +162,13 @@ def evaluate_model(
     num_prompts: int | None = None,
     progress: bool = True,
     full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    lockstep=None,
 ) -> dict[str, float]:
     """Evaluate an already-loaded causal LM (plain, unwrapped) on the eval prompts; see the module docstring.
 
     `full_parameters(lm)` is the context in which a sharded model is whole (the trainer passes its ZeRO-3
-    gathering, entered by all ranks together); by default there is nothing to gather.
+    gathering, entered by all ranks together); by default there is nothing to gather. `lockstep`: the ranks'
+    collectives where every forward is one (FSDP, see HFEngine), so that all ranks make the same forward calls.
 
     Pass `task=load_eval_task(...)` to reuse the tokenized prompts across periodic evaluations
     (then `num_prompts`, which overrides eval.num_samples, is decided there).
@@ -177,7 +179,7 @@ def evaluate_model(
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
     engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters)
+                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep)
     engine = with_tools(engine, build_toolbox(cfg.rollout), tokenizer, cfg, sampling)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)

@@ -118,6 +118,7 @@ def build_run(cfg: Config) -> Run:
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
+    comm = distributed.Collectives(accelerator)
     engine = build_engine(
         cfg,
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
@@ -128,13 +129,14 @@ def build_run(cfg: Config) -> Run:
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
         toolbox=toolbox,
+        lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
     eval_task = None
     if cfg.eval.every:  # every rank evaluates (see trainer.periodic_eval)
         eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
     run = Run(
-        cfg=cfg, accelerator=accelerator, comm=distributed.Collectives(accelerator), geometry=geometry,
+        cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
         tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
         engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,

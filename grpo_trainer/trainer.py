@@ -159,7 +159,9 @@ def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
 
     Every rank evaluates the same prompts with the same seed, in the same full-parameters context as sampling,
     so a sharded model (ZeRO-3) is gathered by all ranks together and every rank makes the same forward calls;
-    the ranks would otherwise wait idle for the main process. The main process's results are logged.
+    the ranks would otherwise wait idle for the main process. Where a forward is itself a collective (FSDP) the
+    engine runs in lockstep as it does for rollouts: ranks whose kernels round differently may still end their
+    completions at different lengths. The main process's results are logged.
     """
     if not (run.cfg.eval.every and step % run.cfg.eval.every == 0):
         return {}
@@ -167,5 +169,6 @@ def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
         results = evaluate_model(
             run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False,
             full_parameters=lambda _lm: distributed.zero3_sampling_context(run.accelerator, run.policy),
+            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm),
         )
     return results if run.is_main_process else {}

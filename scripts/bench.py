@@ -16,7 +16,10 @@ gradient_accumulation_steps = prompts_per_step x G; steps_per_generation = gradi
 
 Every run is its own process, and the trainers alternate (ours, TRL, ours, TRL, ...), so drift in
 machine load hits both alike. The first `--warmup` steps of each run are dropped; the table shows
-the median over the remaining steps of all reps.
+the median over the remaining steps of all reps, and under it the ours/TRL ratio of each alternating
+pair of reps with its spread (the JSON's `ratio_spread_over_reps`). The machine is measured first and
+recorded with every number (scripts/machine.py: CPU model and flags, ATen's vector capability, threads,
+load average at the start and the end, matmul peak, read bandwidth).
 
 Columns:
   step time         wall time of one optimizer step (ours: `step_time` in metrics.jsonl; TRL: a
@@ -347,6 +350,22 @@ METRICS = [
 ]
 
 
+def rep_ratios(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
+    """ours/TRL of each alternating rep pair (rep i of ours ran right before rep i of TRL, so both saw the same
+    load): median step time, generation time and peak RSS, with their spread over the pairs."""
+    def median_of(run, key):
+        return statistics.median(s[key] for s in run["steps"][warmup:])
+
+    pairs = list(zip(runs["ours"], runs["trl"]))
+    per_rep = {
+        "median_step_time_s": [median_of(a, "step_time") / median_of(b, "step_time") for a, b in pairs],
+        "median_gen_time_s": [median_of(a, "gen_time") / median_of(b, "gen_time") for a, b in pairs],
+        "peak_rss_mib": [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs],
+    }
+    return {key: {"per_rep": [round(r, 4) for r in values], "median": statistics.median(values), "min": min(values),
+                  "max": max(values)} for key, values in per_rep.items()}
+
+
 def table(results: dict) -> str:
     names = list(results)
     head = ["metric"] + names + (["ours/TRL"] if len(names) == 2 else [])
@@ -430,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
                 "packing": preset.get("packing", False) if args.packing is None else args.packing == "true"}
         plen = prompt_tokens(path, spec["task"])
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
+        import machine
+
+        host = machine.describe()  # before the runs: the machine's roofs, and its load when the bench started
+        log(f"machine: {machine.one_line(host)}")
         runs: dict[str, list[dict]] = {t: [] for t in trainers}
         for rep in range(preset["reps"]):
             for t in trainers:  # alternate A/B
@@ -448,21 +471,24 @@ def main(argv: list[str] | None = None) -> int:
     if "trl" in pythons:
         versions["trl"] = subprocess.run([pythons["trl"], "-c", "import trl; print(trl.__version__)"],
                                          capture_output=True, text=True, cwd=REPO).stdout.strip()
-    ratios = {}
+    ratios, spread = {}, {}
     if len(summaries) == 2:
         ours, trl = summaries["ours"], summaries["trl"]
         ratios = {key: ours[key] / trl[key] for _, key, _, _ in METRICS
                   if ours.get(key) is not None and trl.get(key)}
+        spread = rep_ratios(runs, preset["warmup"])
     report = {
         "model": args.model,
         "config": {**{k: v for k, v in spec.items() if k != "model_path"}, "warmup": preset["warmup"], "reps": preset["reps"],
                    "threads": args.threads,
                    "completions_per_step": n, "mean_prompt_tokens": plen, "beta": 0.0,
                    "temperature": 1.0, "generation": args.engine},
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "cuda": torch.cuda.is_available()},
+        "machine": {**host, "cpus": os.cpu_count(), "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+                    "cuda": torch.cuda.is_available()},
         "versions": versions,
         "results": summaries,
         "ratios_ours_over_trl": ratios,
+        "ratio_spread_over_reps": spread,
         "per_run": {t: [{"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"], "steps": r["steps"]} for r in runs[t]]
                     for t in trainers},
         "notes": notes + ["rollout tok/s: completion tokens / generation time (ours timing/rollout; TRL time in "
@@ -471,7 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmodel={args.model} completions/step={n} (prompts {spec['prompts_per_step']} x G {spec['num_generations']}) "
           f"max_completion_length={spec['max_completion_length']} steps={spec['steps']} (first {preset['warmup']} dropped) "
           f"reps={preset['reps']} threads={args.threads or 'default'} {versions}")
+    print(f"machine: {machine.one_line(host)}; load at the end " + "/".join(f"{x:.1f}" for x in os.getloadavg()))
     print(table(summaries))
+    for key, label in (("median_step_time_s", "step time"), ("peak_rss_mib", "peak RSS")):
+        if key in spread:
+            r = spread[key]
+            print(f"{label} ours/TRL per alternating rep: {' '.join(f'{x:.2f}' for x in r['per_rep'])} "
+                  f"(median {r['median']:.2f}, min {r['min']:.2f}, max {r['max']:.2f})")
     for note in notes:
         print("note:", note)
     if args.json:

@@ -3,28 +3,35 @@
     python scripts/decode_roofline.py                 # SmolLM2-135M, 16 rows (4 prompts x G 4), ~2 min on 2 cores
     python scripts/decode_roofline.py --rows 32       # G 8
     python scripts/decode_roofline.py --json out.json
+    ATEN_CPU_CAPABILITY=avx2 python scripts/decode_roofline.py   # the AVX2 kernels on an AVX-512 machine
+    python scripts/decode_roofline.py --compile       # + the compiled static-cache step (minutes to compile here)
+    python scripts/decode_roofline.py --threads 1 --cpu-time   # on a shared machine: one core, CPU time
 
 A decode step reads every weight once to produce one token per row. With 16 rows a weight is used for
 16 multiply-adds per read, far below what keeps a CPU core's FMA units busy, so the step's floor is the
 memory traffic: float32 weights / read bandwidth. Both are measured here, not looked up:
 
-  read bandwidth     best `tensor.sum()` rate over a float32 tensor the size of the model's weights
-                     (larger than the caches, so it streams from DRAM)
+  read bandwidth     best `tensor.sum()` rate over a float32 tensor the size of the model's weights (at
+                     least 256 MiB: larger than the caches, so it streams from DRAM)
   matmul peak        best `torch.mm` rate over square float32 matrices (scripts/scaling.py)
   roofline step      max(weight bytes / bandwidth, step FLOPs / matmul peak)
 
-Then it times the engine's own decode step (reserved KV room, grouped-query attention, weight-stationary linears)
-at a context of prompt + half the completion, and its parts: the whole step, the LM head alone (as the
-engine computes it and as `nn.Linear` does), the sampler alone, and transformers' plain decode step
-(DynamicCache, repeat_kv, `nn.Linear`) for comparison. Every
-number is the best of `--reps` after warm-up: on a shared 2-core machine the best is the least
-disturbed run.
+Then it times the engine's own decode step (reserved KV room, and the kernels the engine chose on this
+machine: rollout/kernels.py, measured on first use and cached) at a context of prompt + half the completion,
+and its parts: the whole step, the LM head alone in each linear form, the sampler with each exact draw and
+with the engine's choice, and transformers' plain decode step (DynamicCache, repeat_kv, `nn.Linear`) for
+comparison. Every number is the best of `--reps` after warm-up, the alternatives timed in turn (one rep of
+each, then the next round): on a shared 2-core machine the best is the least disturbed run, and a change in
+load hits all alike. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
+capability, threads, load average before and after) and the kernel choices in force.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,30 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: allocator, oneDNN primitives
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(n_bytes: int, reps: int) -> float:
-    import torch
-
-    x = torch.ones(n_bytes // 4)
-    return n_bytes / best_seconds(lambda: x.sum(), reps)
-
-
 def decode_step(model, rows: int, context: int, in_place: bool):
-    """A function that runs one decode step of `rows` rows after a `context`-token cache (built once here)."""
+    """(step, context): `step()` runs one decode step of `rows` rows after a `context`-token cache (built once
+    here), to be timed inside `context`. `in_place`: the engine's step (reserved KV room, its measured kernel
+    choices, put in place by the context once, as the engine does per batch), else transformers' own."""
     import contextlib
 
     import torch
 
-    from grpo_trainer.rollout.decode import decode_kernels, reserve_room
+    from grpo_trainer.rollout.decode import DecodeKernels, reserve_room
 
     ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(rows, context + 1, dtype=torch.long)
@@ -68,11 +60,55 @@ def decode_step(model, rows: int, context: int, in_place: bool):
     nxt, position = ids[:, -1:], torch.full((rows, 1), context)
 
     def step():
-        with torch.no_grad(), decode_kernels(model) if in_place else contextlib.nullcontext():
+        with torch.no_grad():
             model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
         rewind(cache, length)  # back to `context` tokens for the next rep
 
-    return step
+    return step, DecodeKernels(model) if in_place else contextlib.nullcontext()
+
+
+def alternating_best(calls: dict, reps: int) -> dict[str, float]:
+    """Best seconds of each of `calls` ({name: (function, context it runs in)}), one rep of each in turn, so
+    that a change in machine load hits every alternative alike; contexts are entered outside the timing."""
+    import machine
+
+    best = {}
+    for function, context in calls.values():
+        with context:
+            function()  # warm-up: allocator, oneDNN primitives, the kernel choices' first measurement
+    for _ in range(reps):
+        for name, (function, context) in calls.items():
+            with context:
+                start = machine.CLOCK()
+                function()
+                best[name] = min(best.get(name, float("inf")), machine.CLOCK() - start)
+    return best
+
+
+def compiled_step(model, rows: int, context: int, reps: int, mode: str = "default") -> tuple[float, float]:
+    """The compiled static-cache step (`rollout.hf.compile`): (wall seconds of the first call, which compiles;
+    best seconds of a step after it). The compile is timed by the wall clock even under --cpu-time: inductor
+    builds its C++ kernels in worker processes, whose CPU time this process's clock would leave out."""
+    import torch
+
+    import machine
+    from grpo_trainer.rollout.static_decode import CompiledForward, StaticDecoder
+
+    ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(rows, context, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+        decoder = StaticDecoder(CompiledForward(model, mode), cache, mask, reps + 2)
+        nxt, position = ids[:, -1], torch.full((rows,), context)
+        start = time.perf_counter()
+        decoder.forward(nxt, position)
+        compile_s = time.perf_counter() - start
+        best = float("inf")
+        for _ in range(reps):
+            start = machine.CLOCK()
+            decoder.forward(nxt, position)
+            best = min(best, machine.CLOCK() - start)
+    return compile_s, best
 
 
 def rewind(cache, length: int) -> None:
@@ -93,13 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=100, help="tokens in the cache: ~prompt + half a 64-token completion")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own, all cores)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this process's CPU time instead of the wall clock: with --threads 1 on a machine "
+                        "other jobs share, the time the process waits for a core is left out (memory contention is not)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the compiled static-cache step (rollout.hf.compile): compile seconds, ms per step")
     args = p.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    import scaling
-    from grpo_trainer.rollout.decode import weight_stationary_linear
+    import machine
+    from grpo_trainer.rollout.decode import LINEAR, DecodeKernels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        machine.CLOCK = time.process_time
+    from grpo_trainer.rollout.draw import DRAWS, available_draws
     from grpo_trainer.rollout.hf import sample_next_token
     from grpo_trainer.builtin import resolve_model_path
 
@@ -111,19 +159,29 @@ def main(argv: list[str] | None = None) -> int:
     attention_width = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     step_flops = args.rows * (2 * linear_params + 4 * cfg.num_hidden_layers * args.context * attention_width)
 
-    bandwidth = read_bandwidth(weight_bytes, args.reps)
-    peak = scaling.matmul_peak_flops(None)
+    host = machine.describe(bandwidth_bytes=max(weight_bytes, 256 * 2**20), reps=args.reps)
+    host["clock"] = "process CPU time" if args.cpu_time else "wall"
+    bandwidth, peak = host["read_bandwidth_gb_s"] * 1e9, host["matmul_peak_gflop_s"] * 1e9
     floor = max(weight_bytes / bandwidth, step_flops / peak)
     logits = torch.randn(args.rows, cfg.vocab_size) * 4
     hidden = torch.randn(args.rows, 1, cfg.hidden_size)
-    timings = {
-        "engine_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=True), args.reps),
-        "transformers_step_s": best_seconds(decode_step(model, args.rows, args.context, in_place=False), args.reps),
-        "lm_head_s": best_seconds(lambda: model.lm_head(hidden), args.reps),
-        "lm_head_engine_s": best_seconds(lambda: weight_stationary_linear(model.lm_head, hidden), args.reps),
-        "sampler_s": best_seconds(lambda: sample_next_token(logits), args.reps),
+    kernels = DecodeKernels(model)
+    plain = contextlib.nullcontext()
+    engine_step = decode_step(model, args.rows, args.context, in_place=True)
+    calls = {
+        "engine_step_s": engine_step,
+        "transformers_step_s": decode_step(model, args.rows, args.context, in_place=False),
+        **{f"lm_head_{form}_s": (lambda form=form: LINEAR[form](model.lm_head, hidden), plain) for form in LINEAR},
+        **{f"sampler_{name}_s": (lambda name=name: sample_next_token(logits, draw=DRAWS[name]), plain)
+           for name in available_draws()},
+        "sampler_s": (lambda: sample_next_token(logits, draw=kernels.draw), plain),  # the engine's choice
     }
+    timings = alternating_best(calls, args.reps)
     engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
+    compile_s = None
+    if args.compile:
+        model.config.use_cache = True
+        compile_s, timings["compiled_step_s"] = compiled_step(model, args.rows, args.context, args.reps)
     report = {
         "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),
         "weight_mib": weight_bytes / 2**20, "step_gflop": step_flops / 1e9,
@@ -131,14 +189,21 @@ def main(argv: list[str] | None = None) -> int:
         **timings,
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
+        "compile_s": compile_s,
+        "kernel_choices": {**engine_step[1].chosen, **kernels.chosen},
+        "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
-    print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}, "
-          f"{report['threads']} threads")
-    print(f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s, matmul peak {report['matmul_peak_gflop_s']:.0f} GFLOP/s "
-          f"-> roofline {floor * 1e3:.0f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
-    for key in ("engine_step_s", "transformers_step_s", "lm_head_engine_s", "lm_head_s", "sampler_s"):
-        print(f"  {key[:-2]:20s} {timings[key] * 1e3:7.1f} ms")
-    print(f"engine: {report['engine_tokens_per_s']:.0f} tok/s = {100 * report['engine_share_of_roofline']:.0f}% of the roofline")
+    print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}")
+    print(f"machine: {machine.one_line(host)}")
+    print(f"roofline: max({report['weight_mib']:.0f} MiB / {bandwidth / 1e9:.1f} GB/s, {step_flops / 1e9:.1f} GFLOP / "
+          f"{peak / 1e9:.0f} GFLOP/s) = {floor * 1e3:.1f} ms/step ({report['roofline_tokens_per_s']:.0f} tok/s)")
+    for key, value in timings.items():
+        print(f"  {key[:-2]:24s} {value * 1e3:7.1f} ms")
+    if compile_s is not None:
+        print(f"compiled step: first call (compiling) {compile_s:.1f} s wall")
+    print("kernel choices: " + ", ".join(f"{k} -> {v}" for k, v in sorted(report["kernel_choices"].items())))
+    print(f"engine: step + sampler {engine_token_s * 1e3:.1f} ms, {report['engine_tokens_per_s']:.0f} tok/s = "
+          f"{100 * report['engine_share_of_roofline']:.0f}% of the roofline")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

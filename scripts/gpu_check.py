@@ -7,6 +7,7 @@ embedded character tokenizer. Rewards are therefore ~0: this measures speed and 
 not learning. Prints median step time, completion tokens/s, and peak GPU memory.
 
     bash scripts/gpu_check.sh                 # on the GPU machine: every GPU-only check, this one among them
+    python scripts/gpu_check.py --compile     # the hf engine's compiled decode step (rollout.hf.compile)
     python scripts/gpu_check.py --small       # a CPU smoke test of the script itself
 """
 
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--small", action="store_true", help="a tiny shape, for a CPU smoke test")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--engine", default="hf")
+    parser.add_argument("--compile", action="store_true",
+                        help="hf: rollout.hf.compile (static KV cache under torch.compile; reduce-overhead mode on CUDA)")
     parser.add_argument("--sleep-mode", action="store_true", help="vllm_colocate: rollout.vllm.enable_sleep_mode")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="vllm_colocate: rollout.vllm.tensor_parallel_size")
     parser.add_argument("--packing", action="store_true",
@@ -81,6 +84,8 @@ def main() -> int:
             f"rollout.vllm.enable_sleep_mode={str(args.sleep_mode).lower()}",
             f"rollout.vllm.tensor_parallel_size={args.tensor_parallel}", f"train.packing={str(args.packing).lower()}",
             *([f"train.micro_batch_tokens={args.micro_batch_tokens}"] if args.micro_batch_tokens else []),
+            f"rollout.hf.compile={str(args.compile).lower()}",
+            f"rollout.hf.compile_mode={'reduce-overhead' if cuda else 'default'}",
         ])
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -91,9 +96,10 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "model": "random-init Qwen2.5-0.5B shape" if not args.small else "small smoke shape",
-        "engine": args.engine,
+        "engine": args.engine + (" compiled" if args.compile else ""),
         "packing": args.packing,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "first_step_time_s": rows[0]["step_time"],  # with --compile: the compiling
         "median_update_s": statistics.median(r["timing/update"] for r in timed),
         "median_step_time_s": statistics.median(r["step_time"] for r in timed),
         "median_rollout_s": statistics.median(r["timing/rollout"] for r in timed),

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU-only path, one command, one line per check, on the day a GPU is lent:
 #
-#   bash scripts/gpu_check.sh            # writes JSON details to ${OUT:-.}; about 5-8 minutes on one H200
+#   bash scripts/gpu_check.sh            # writes JSON details to ${OUT:-.}; about 6-12 minutes on one H200
 #   DRY_RUN=1 bash scripts/gpu_check.sh  # prints each check's command instead (tests/test_gpu_check.py runs them)
 #
 # What CPU tests cannot reach, each check with its own time limit:
 #   hf_bf16           a random-init Qwen2.5-0.5B-shaped model (gpu_check.py), bf16, the hf engine
 #   hf_bf16_packed    the same with train.packing and a token budget (train.micro_batch_tokens=8192): the packed
 #                     rows' 4D mask through SDPA on the GPU; compare median_update_s and peak memory with hf_bf16
+#   hf_compiled       the same with rollout.hf.compile (static KV cache under torch.compile, CUDA graphs): compare
+#                     its median step with hf_bf16's, and its first step (the compiling) with the steps it saves
 #   vllm_sleep        the same with rollout.engine=vllm_colocate and rollout.vllm.enable_sleep_mode (sleep/wake
 #                     around each update, weight push into a woken engine); needs vllm installed
 #   deepspeed_bf16    the shipped zero3.yaml on 1 GPU: bf16 from its JSON, ZeRO-3 gathering for sampling and eval
@@ -45,6 +47,7 @@ demo_steps=(configs/demo_cpu.yaml train.max_steps=3 train.warmup_steps=0 logging
 check hf_bf16 180 python3 scripts/gpu_check.py --engine hf --json "$out/gpu_check_hf.json"
 check hf_bf16_packed 180 python3 scripts/gpu_check.py --engine hf --packing --micro-batch-tokens 8192 \
   --json "$out/gpu_check_hf_packed.json"
+check hf_compiled 420 python3 scripts/gpu_check.py --engine hf --compile --json "$out/gpu_check_hf_compiled.json"
 if python3 -c "import vllm" 2>/dev/null; then
   check vllm_sleep 240 python3 scripts/gpu_check.py --engine vllm_colocate --sleep-mode --json "$out/gpu_check_vllm.json"
 else

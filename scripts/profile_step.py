@@ -9,7 +9,8 @@ It trains this trainer in-process (same config as `scripts/bench.py`'s `_run_our
 steps 3.. (the first two pay one-off start-up: reward workers, allocator warm-up). It prints:
   1. the step's phases (`timing/*` in metrics.jsonl, medians over the profiled steps);
   2. per phase (the trainer marks each with `torch.profiler.record_function`), the operators that
-     take the most self CPU time inside it.
+     take the most self CPU time inside it;
+and first the machine it ran on (scripts/machine.py), load average included.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace:
             prof.export_chrome_trace(str(args.trace))
 
+    import machine
+
     step = statistics.median(r["step_time"] for r in rows)
+    print(f"machine: {machine.one_line(machine.describe(measure=False))}")
     print(f"model={args.model} share_prompt={args.share_prompt} profiled steps={len(rows)} median step {step:.3f} s")
     print("| phase | median s | share of step |\n|---|---|---|")
     for key in PHASES:

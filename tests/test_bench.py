@@ -47,6 +47,28 @@ def test_bench_ours_only(tmp_path):
     run = report["per_run"]["ours"][0]
     assert len(run["steps"]) == 2 and {"step_time", "gen_time", "mean_length"} <= set(run["steps"][0])
     assert report["ratios_ours_over_trl"] == {}
+    # Which machine the numbers hold for (issue 26): model, vector units, threads, load, both measured roofs.
+    machine = report["machine"]
+    assert machine["cpu_model"] and machine["aten_cpu_capability"] and machine["torch_threads"] >= 1
+    assert len(machine["loadavg"]) == 3 and len(machine["loadavg_at_end"]) == 3
+    assert machine["matmul_peak_gflop_s"] > 0 and machine["read_bandwidth_gb_s"] > 0
+    assert "machine: " in stdout and "GFLOP/s" in stdout
+
+
+def test_the_ratio_is_reported_for_every_alternating_pair_of_reps():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+
+    def run(steps, rss):
+        return {"steps": [{"step_time": t, "gen_time": t / 2} for t in steps], "peak_rss_mib": rss}
+
+    runs = {"ours": [run([9, 1.0, 1.2, 1.1], 100), run([9, 2.0, 2.0, 2.0], 110)],
+            "trl": [run([9, 4.0, 4.0, 4.0], 400), run([9, 5.0, 5.0, 5.0], 400)]}
+    spread = bench.rep_ratios(runs, warmup=1)  # the first step of each run is dropped
+    step = spread["median_step_time_s"]
+    assert step["per_rep"] == [0.275, 0.4] and step["min"] == 0.275 and step["max"] == 0.4
+    assert step["median"] == pytest.approx(0.3375)
+    assert spread["peak_rss_mib"]["per_rep"] == [0.25, 0.275]
 
 
 @pytest.mark.slow
@@ -56,6 +78,7 @@ def test_bench_both(tmp_path):
     assert set(report["results"]) == {"ours", "trl"}
     assert RESULT_KEYS <= set(report["results"]["trl"])
     assert report["ratios_ours_over_trl"]["median_step_time_s"] > 0
+    assert len(report["ratio_spread_over_reps"]["median_step_time_s"]["per_rep"]) == 1
 
 
 def test_profile_step_attributes_operators_to_the_trainer_phases():

@@ -27,7 +27,8 @@ def commands(tmp_path_factory) -> dict[str, list[str]]:
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     listed = {line.split()[1].rstrip(":") for line in lines if line.startswith(("CHECK ", "SKIP "))}
-    assert listed == {"hf_bf16", "hf_bf16_packed", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2", "vllm_nccl_push", "vllm_gloo_push"}
+    assert listed == {"hf_bf16", "hf_bf16_packed", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2",
+                      "vllm_nccl_push", "vllm_gloo_push"}
     return {line.split()[1]: shlex.split(line)[2:] for line in lines if line.startswith("CHECK ")}
 
 

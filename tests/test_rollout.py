@@ -169,11 +169,19 @@ def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_
     assert sample(False) == clean
 
 
+# Every alternative of the decode loop's measured choices (rollout/kernels.py), forced: each must be exact.
+FORCED_KERNELS = ["linear=weight_stationary,attention=grouped", "linear=linear,attention=repeated",
+                  "linear=weight_stationary,attention=grouped_matmul"]
+
+
+@pytest.mark.parametrize("kernels", FORCED_KERNELS)
 @pytest.mark.parametrize("drop_row_after", [None, 1], ids=["all-rows", "a-row-finishes"])
-def test_decode_loop_cache_and_attention_equal_transformers_own(tiny_model_path, drop_row_after):
-    """The decode loop's reserved KV room and grouped-query attention (the tiny model has 4 query heads on 2
-    key/value heads) give transformers' own decode logits, padding and a row leaving the batch included."""
+def test_decode_loop_cache_and_attention_equal_transformers_own(tiny_model_path, drop_row_after, kernels, monkeypatch):
+    """The decode loop's reserved KV room and each of its kernel alternatives (the tiny model has 4 query heads on
+    2 key/value heads) give transformers' own decode logits, padding and a row leaving the batch included."""
     from helpers import decode_logits
+
+    monkeypatch.setenv("GRPO_TRAINER_DECODE_KERNELS", kernels)
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_path)))
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
@@ -187,23 +195,6 @@ def test_decode_loop_cache_and_attention_equal_transformers_own(tiny_model_path,
     assert lm.config._attn_implementation == "sdpa"  # switched back after the loop
     for a, b in zip(plain, in_place):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-
-
-def test_decode_kernels_compute_what_the_model_computes_and_restore_it(tiny_model_path):
-    from grpo_trainer.rollout.decode import decode_kernels, weight_stationary_linear
-
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(24, 40)  # with a bias, unlike the Llama layers
-    x = torch.randn(3, 1, 24)
-    torch.testing.assert_close(weight_stationary_linear(layer, x), layer(x), atol=1e-6, rtol=1e-6)
-    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
-    linears = [m for m in lm.modules() if type(m) is torch.nn.Linear]
-    with decode_kernels(lm):
-        assert all("forward" in vars(m) for m in linears) and lm.config._attn_implementation != "sdpa"
-    assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError), decode_kernels(lm):
-        raise RuntimeError("a failure inside the loop")
-    assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------------------- stop strings

@@ -83,10 +83,14 @@ def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
     assert torch.isfinite(entropy).all()
 
 
-def test_decode_loop_cache_and_attention_equal_transformers_own(smol):
-    """9 query heads on 3 key/value heads: the decode loop's in-place cache and grouped-query attention give
-    transformers' own decode logits, across two prompt lengths (left padding) and a row leaving the batch."""
+@pytest.mark.parametrize("kernels", ["linear=weight_stationary,attention=grouped", "linear=linear,attention=repeated",
+                                     "linear=weight_stationary,attention=grouped_matmul"])
+def test_decode_loop_cache_and_attention_equal_transformers_own(smol, kernels, monkeypatch):
+    """9 query heads on 3 key/value heads: the decode loop's in-place cache and each of its kernel alternatives
+    give transformers' own decode logits, across two prompt lengths (left padding) and a row leaving the batch."""
     from helpers import decode_logits
+
+    monkeypatch.setenv("GRPO_TRAINER_DECODE_KERNELS", kernels)
 
     cfg, tokenizer, lm = smol
     prompts = [chat_prompt(tokenizer, q) for q in ("What is 12+7?", "Name a colour of the sky at noon.")]

@@ -10,14 +10,17 @@ the cache (build.py):
 Tasks (`data.source`), lists of records with `prompt` and `answer`: `builtin:arithmetic` (tiny.py),
 `builtin:multiplication` (tiny_tools.py), `builtin:word_problems` (word_problems.py).
 
-The rest of the package reaches the built-ins only through `resolve_model_path` and `task_records`; the
-modules here import nothing from the rest of the package but its errors.
+The rest of the package reaches the built-ins only through `resolve_model_path` and `task_records` (and
+`cache_dir`, the per-machine cache, where the decode loop also keeps its measured kernel choices and its
+native draw: rollout/kernels.py, rollout/draw.py); the modules here import nothing from the rest of the
+package but its errors.
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError, DataError
 from . import smollm2, tiny, tiny_tools, word_problems
+from .build import cache_dir  # noqa: F401 (the cache other parts of the package keep their per-machine files in)
 
 PREFIX = "builtin:"
 MODELS = {  # name -> the function that returns its folder, building it first where needed

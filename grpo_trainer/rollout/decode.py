@@ -1,4 +1,4 @@
-"""Three pieces of the hf engine's decode loop: copies and slow kernels transformers uses on every token.
+"""The hf engine's decode loop kernels: no per-token copies, and of each exact alternative the faster here.
 
 Profiled on SmolLM2-135M (30 layers, 9 query heads sharing 3 key/value heads), 16 rows, 64 new
 tokens on a 2-core CPU (docs/performance.md), a fifth of decode time went to copying the KV cache,
@@ -9,27 +9,40 @@ not to computing with it:
   that write each new token into room set aside after the prefill.
 * With a padding mask, transformers' SDPA path repeats every key/value head for each query head it
   serves (`repeat_kv`) before calling the kernel: another copy of the whole cache per layer per
-  token. For a single-token query `grouped_query_attention` folds the query heads of a group into
-  the query-length axis instead, so each key/value head is read once, in place. Same attention, no
-  copy; the result differs from the repeated version only by float rounding (tested).
-* On CPU, `nn.Linear` with a few rows (`F.linear(x, W)`, i.e. x @ W^T) ran at 4-5 GB/s of weights read
-  here, while the same product computed as (W @ x^T)^T ran at 10-22 GB/s (`scripts/decode_roofline.py`,
-  docs/performance.md): for a 16-row decode step, all of the model's weights go through the slow form
-  once per token. `decode_kernels` swaps the plain `nn.Linear` layers to the fast form for the loop.
+  token. For a single-token query the `grouped` attention folds the query heads of a group into
+  the query-length axis instead, so each key/value head is read once, in place.
 
-All are used only inside `HFEngine._decode_shared_prompt`; training forwards are untouched.
+Then there are alternatives that compute the same products with different kernels, whose speed depends
+on the machine (issue 26). `DecodeKernels` picks one of each per shape by measuring them where they run
+(kernels.py, cached per machine):
+
+* linear form: `weight_stationary`, (W @ x^T)^T, which on one AVX-512 CPU read the weights twice as fast
+  as `nn.Linear`'s x @ W^T for a few rows; or `linear`, `nn.Linear`'s own. The output is made contiguous:
+  a transposed one sent the attention after it down SDPA's slow "math" path (the flash kernel wants a unit
+  stride on the head dimension), which cost a sixth of the step before this was measured.
+* attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
+  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). Measured
+  on CPUs; on GPUs `grouped`, the same on every rank.
+* the multinomial draw: draw.py.
+
+Every alternative is tested against transformers' own decode (tests/test_rollout.py, forced through
+`GRPO_TRAINER_DECODE_KERNELS`). All of this is used only inside `HFEngine`'s decode loop; training forwards
+are untouched.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+import threading
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .draw import DRAWS, available_draws, draw_torch
+from .kernels import MIN_WORK_BYTES, KernelTable, default_table, length_bucket, row_bucket
 
 DECODE_ATTENTION = "grpo_trainer_decode_sdpa"
 
@@ -95,52 +108,220 @@ def reserve_room(cache: DynamicCache, room: int) -> bool:
     return True
 
 
-def grouped_query_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """SDPA without `repeat_kv` for single-token queries; anything else goes to transformers' own SDPA function.
+class EagerDecoder:
+    """The decode loop's forward on the eager model: KV cache with reserved room, padding mask grown a column a
+    token (the compiled alternative is static_decode.StaticDecoder, with the same two methods)."""
 
-    query [B, H, 1, D], key/value [B, Hkv, L, D]: query head h reads key/value head h // (H / Hkv), so
-    the H / Hkv query heads of one group become that group's "query positions" [B, Hkv, H/Hkv, D].
-    All of them sit at the same position, so the [B, 1, 1, L] padding mask applies to each unchanged.
-    """
-    batch, heads, query_length, dim = query.shape
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor):
+        self.model, self.cache, self.mask = model, cache, mask
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)
+        return self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions[:, None],
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep the live rows `indices`: the cache's only copy, made when rows finish, not per token."""
+        self.cache.reorder_cache(indices)
+        self.mask = self.mask[indices]
+
+
+def grouped_attention(query, key, value, attention_mask, scaling):
+    """SDPA without `repeat_kv`: query [B, H, 1, D], key/value [B, Hkv, L, D]; query head h reads key/value
+    head h // (H / Hkv), so the H / Hkv query heads of one group become that group's "query positions"
+    [B, Hkv, H/Hkv, D]. All sit at the same position, so the [B, 1, 1, L] padding mask applies to each unchanged."""
+    batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    if query_length != 1 or kv_heads == heads or dropout or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
     folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, 1, dim)
 
 
-AttentionInterface.register(DECODE_ATTENTION, grouped_query_attention)
-AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+def grouped_matmul_attention(query, key, value, attention_mask, scaling):
+    """The same folded attention as two matmuls and a softmax (no SDPA kernel selection, no padding of blocks)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(folded, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)  # [B, Hkv, g, L]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, -float("inf")) if attention_mask.dtype == torch.bool else scores + attention_mask
+    return torch.matmul(scores.softmax(-1), value).reshape(batch, heads, 1, dim)
+
+
+def repeated_attention(query, key, value, attention_mask, scaling):
+    """transformers' own path: every key/value head repeated for the query heads it serves, then SDPA."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+
+
+ATTENTION = {"grouped": grouped_attention, "repeated": repeated_attention, "grouped_matmul": grouped_matmul_attention}
 
 
 def weight_stationary_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward` for a few rows on CPU: (W @ x^T)^T instead of x @ W^T, the same products."""
+    """`nn.Linear.forward` as (W @ x^T)^T: the same products, the weights streamed as the stationary operand."""
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(self.weight, rows.t()).t()
+    out = torch.mm(self.weight, rows.t()).t().contiguous()
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-@contextlib.contextmanager
-def decode_kernels(model: torch.nn.Module) -> Iterator[None]:
-    """For the decode loop: `grouped_query_attention` where the model runs transformers' SDPA, and on CPU
-    `weight_stationary_linear` for every plain `nn.Linear` (not subclasses: quantized or LoRA-merged layers
-    keep their own forward). Everything is restored on exit, also on error."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-    config = getattr(model, "config", None)
-    switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
-    for module in linears:
-        module.forward = weight_stationary_linear.__get__(module)
-    if switch_attention:
-        model.set_attn_implementation(DECODE_ATTENTION)
-    try:
-        yield
-    finally:
-        if switch_attention:
-            model.set_attn_implementation("sdpa")
-        for module in linears:
+def plain_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+LINEAR = {"weight_stationary": weight_stationary_linear, "linear": plain_linear}
+
+
+class DecodeKernels:
+    """The decode loop's kernels for one model, each choice measured per shape on first use (kernels.py).
+
+    As a context manager it puts them in place: every plain `nn.Linear` on CPU (not subclasses: quantized or
+    LoRA layers keep their own forward) computes the chosen form for its shape and row count, and the model's
+    attention runs through `decode_attention` where it used transformers' SDPA. Everything is restored on exit,
+    also on error.
+    """
+
+    def __init__(self, model: torch.nn.Module, table: KernelTable | None = None):
+        self.model = model
+        self.table = table or default_table()
+        self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+        self.by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
+        for module in self.linears:
+            self.by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+        self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
+        self.attention_paths: dict[tuple[int, ...], Callable] = {}
+        self.draws: dict[tuple[int, int], Callable] = {}
+        self.chosen: dict[str, str] = {}  # "decision/shape" -> alternative, as chosen so far (for reports)
+        config = getattr(model, "config", None)
+        self.layers = getattr(config, "num_hidden_layers", 1) or 1
+        self.switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
+
+    # -- linear form
+
+    def linear_form(self, module: torch.nn.Linear, rows: int) -> Callable:
+        out_features, in_features = module.weight.shape
+        key = (out_features, in_features, row_bucket(rows))
+        form = self.forms.get(key)
+        if form is None:
+            name = self.chosen["linear/" + "x".join(map(str, key))] = self._choose_linear(key)
+            form = self.forms[key] = LINEAR[name]
+        return form
+
+    def _choose_linear(self, key: tuple[int, int, int]) -> str:
+        out_features, in_features, bucket = key
+        same_shape = self.by_shape.get((out_features, in_features), [])
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
+
+        def measure():
+            # Every weight of this shape once, as a decode step reads them: streamed, not hot in a cache.
+            x = torch.randn(bucket, in_features, dtype=same_shape[0].weight.dtype)
+            return {name: (lambda form=form: [form(m, x) for m in same_shape]) for name, form in LINEAR.items()}
+
+        return self.table.choose("linear", key, list(LINEAR), measure, worth_measuring=weight_bytes >= MIN_WORK_BYTES)
+
+    # -- attention
+
+    def attention_path(self, query: torch.Tensor, key: torch.Tensor, attention_mask) -> Callable:
+        if query.device.type != "cpu":
+            # Measured on CPUs only: on GPUs every rank then runs the same kernels, so ranks that evaluate the
+            # same prompts with the same seed (and no lockstep) also make the same forward calls.
+            return ATTENTION["grouped"]
+        batch, heads, _, dim = query.shape
+        kv_heads, length = key.shape[1], key.shape[2]
+        shape = (row_bucket(batch), heads, kv_heads, length_bucket(length), dim)
+        path = self.attention_paths.get(shape)
+        if path is None:
+            name = self.chosen["attention/" + "x".join(map(str, shape))] = self._choose_attention(shape, query.dtype)
+            path = self.attention_paths[shape] = ATTENTION[name]
+        return path
+
+    def _choose_attention(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+        rows, heads, kv_heads, length, dim = shape
+        cache_bytes = 2 * rows * kv_heads * length * dim * torch.finfo(dtype).bits // 8 * self.layers
+
+        def measure():
+            generator = torch.Generator().manual_seed(0)
+            q = torch.randn(rows, heads, 1, dim, generator=generator, dtype=dtype)
+            k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
+            mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+            mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
+            return {name: (lambda fn=fn: [fn(q, k, v, mask, None) for _ in range(self.layers)]) for name, fn in ATTENTION.items()}
+
+        return self.table.choose("attention", shape, list(ATTENTION), measure, worth_measuring=cache_bytes >= MIN_WORK_BYTES)
+
+    # -- the draw
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of `probs` [B, V], as torch.multinomial(probs, 1) draws it, by the faster exact way here."""
+        rows, vocab = probs.shape
+        if probs.device.type != "cpu":
+            return draw_torch(probs)
+        shape = (row_bucket(rows), vocab)
+        draw = self.draws.get(shape)
+        if draw is None:
+            name = self.table.choose("draw", shape, available_draws(), lambda: _draw_timings(shape),
+                                     worth_measuring=rows * vocab >= 2**16)
+            self.chosen["draw/" + "x".join(map(str, shape))] = name
+            draw = self.draws[shape] = DRAWS[name]
+        return draw(probs)
+
+    # -- in place for the loop
+
+    def __enter__(self) -> DecodeKernels:
+        for module in self.linears:
+            module.forward = _chosen_linear(self, module)
+        if self.switch_attention:
+            self.model.set_attn_implementation(DECODE_ATTENTION)
+        _active.kernels = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.kernels = None
+        if self.switch_attention:
+            self.model.set_attn_implementation("sdpa")
+        for module in self.linears:
             del module.forward
+
+
+def _chosen_linear(kernels: DecodeKernels, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    in_features = module.weight.shape[1]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear_form(module, x.numel() // in_features)(module, x)
+
+    return forward
+
+
+def _draw_timings(shape: tuple[int, int]) -> dict[str, Callable[[], torch.Tensor]]:
+    probs = torch.softmax(torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4, -1)
+    return {name: (lambda fn=DRAWS[name]: fn(probs)) for name in available_draws()}
+
+
+_active = threading.local()  # the DecodeKernels of the loop running in this thread (ranks may be threads in tests)
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The attention function registered for the decode loop: for single-token queries the chosen path,
+    anything else (and anything unusual: dropout, attention sinks) transformers' own SDPA function."""
+    kernels = getattr(_active, "kernels", None)
+    if query.shape[2] != 1 or dropout or kwargs.get("s_aux") is not None or kernels is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if key.shape[1] == query.shape[1]:
+        path = ATTENTION["repeated"]  # no groups to fold: plain SDPA
+    else:
+        path = kernels.attention_path(query, key, attention_mask)
+    return path(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
+def decode_kernels(model: torch.nn.Module, table: KernelTable | None = None) -> DecodeKernels:
+    """The decode loop's kernels for `model`, as a context manager (see DecodeKernels)."""
+    return DecodeKernels(model, table)

@@ -164,12 +164,15 @@ class MultiTurnEngine:
             conv.add_model_turn(first.completion_ids[j], first.truncated[j], _row(first.sampling_logprobs, j),
                                 self.tokenizer, self.eos_token_ids)
         tool_seconds = 0.0
+        # An engine in lockstep (the hf engine under FSDP) needs every rank to make the same generate calls:
+        # then a round runs while any rank has a conversation going, the others calling with nothing.
+        lockstep = getattr(self.engine, "lockstep", None)
         for round_ in range(1, self.max_tool_turns + 1):
             acting = [c for c in conversations if not c.done and c.calls and c.ended_with_eos]
             for conv in conversations:
                 if conv not in acting:
                     conv.done = True
-            if not acting:
+            if not (acting if lockstep is None else int(lockstep.max(torch.tensor([len(acting)]))[0])):
                 break
             started = time.perf_counter()
             results = self.toolbox.run([call for conv in acting for call in conv.calls])
@@ -184,7 +187,7 @@ class MultiTurnEngine:
                     continue
                 conv.add_tool_results(mine, tokens)
                 going.append((conv, room))
-            if going:
+            if going or lockstep is not None:
                 self._continue(going, round_)
         return Rollout(
             completion_ids=[c.ids for c in conversations],
@@ -202,9 +205,9 @@ class MultiTurnEngine:
         """The next model turn of each conversation, from its whole context, within its own room."""
         contexts = [conv.prompt + conv.ids for conv, _ in going]
         seeds = None
-        if going[0][0].seed is not None:
+        if going and going[0][0].seed is not None:
             seeds = [mix_seed(conv.seed, round_) for conv, _ in going]
-        out = self.engine.generate(contexts, 1, seeds=seeds, max_tokens=max(room for _, room in going))
+        out = self.engine.generate(contexts, 1, seeds=seeds, max_tokens=max((room for _, room in going), default=1))
         for j, (conv, room) in enumerate(going):
             tokens, truncated, logprobs = out.completion_ids[j], out.truncated[j], _row(out.sampling_logprobs, j)
             if len(tokens) > room:  # drawn with the largest room of the batch: cut to this conversation's own

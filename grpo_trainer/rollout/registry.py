@@ -29,26 +29,29 @@ def build_engine(
     rank: int = 0,
     is_main_process: bool = True,
     toolbox: ToolBox | None = None,
+    lockstep=None,
 ) -> RolloutEngine:
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
-    the tokenizer, which the `hf` engine needs for stop strings); with a `toolbox` (rollout.tools), wrapped in
+    the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
+    forward of the model is itself a collective, see HFEngine); with a `toolbox` (rollout.tools), wrapped in
     the multi-turn loop (multi_turn.py)."""
     engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process)
+                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process, lockstep=lockstep)
     from .multi_turn import with_tools
 
     return with_tools(engine, toolbox, tokenizer, cfg, sampling)
 
 
 def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
-             is_main_process) -> RolloutEngine:
+             is_main_process, lockstep=None) -> RolloutEngine:
     name = cfg.rollout.engine
     if name == "hf":
         from .hf import HFEngine
 
         return HFEngine(
             sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
-            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()),
+            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()), lockstep=lockstep,
+            compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
         )
     seed = cfg.seed + rank  # ranks must not share a random stream
     if name == "vllm_colocate":

@@ -1,0 +1,217 @@
+"""Which of the decode loop's exact alternatives runs: measured on the machine that runs it, once, then cached.
+
+The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
+path; draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
+and the shapes: the weight-stationary linear that was twice as fast on one AVX-512 machine gained 8% on an
+AVX2 one (issue 26). So each decision is timed where it runs, on first use, for its shape: every
+alternative a few times, alternating, the best time of each kept (the least disturbed on a busy machine),
+and the fastest wins. Timing takes milliseconds to a second, once per machine.
+
+Choices are cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the CPU
+model and its flags (or the GPU's name), ATen's CPU capability (`ATEN_CPU_CAPABILITY=avx2` runs the AVX2
+kernels on an AVX-512 machine), torch's version and thread count; then by decision and shape. Each entry
+keeps its timings and the load average when measured.
+
+Three rules keep the measurement honest:
+* A decision is measured only where it can matter (`worth_measuring`, decided by the caller: e.g. the
+  weights or KV cache a kernel class reads per decode step are at least `MIN_WORK_BYTES`). Below that a
+  kernel class costs microseconds per step, the timings are noise, and the incumbent (the first
+  alternative, today's behaviour) stays. Alternatives of the linear form and the attention path round
+  differently, so this also keeps small models (the demo's, the golden test's) on one path on every machine.
+* An alternative replaces the incumbent only when it is at least `MARGIN` faster.
+* A choice timed on an overloaded machine (load average above its CPU count) is timed again when the
+  machine is next quiet (below half of it).
+
+`GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native"` forces choices
+(the tests do so to check every alternative); an unknown name is an error naming the choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORCE_ENV = "GRPO_TRAINER_DECODE_KERNELS"
+CACHE_FILE = "decode_kernels.json"
+CACHE_VERSION = 1
+MIN_WORK_BYTES = 16 * 2**20
+MARGIN = 0.10
+REPS = 5
+
+
+def row_bucket(rows: int) -> int:
+    """Rows are measured in powers of two (16, 8, 4, ...): rows leave the batch as completions finish."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def length_bucket(length: int) -> int:
+    """Context lengths, in powers of two from 64."""
+    return max(64, 1 << max(0, length - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+def machine_fingerprint(device_type: str = "cpu") -> dict[str, Any]:
+    """What decides which kernel is fastest here (and what a performance number holds for)."""
+    fingerprint: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device_type == "cuda":
+        fingerprint["gpu"] = torch.cuda.get_device_name()
+        return fingerprint
+    cpu = cpu_info()
+    fingerprint.update(cpu=cpu["model"], flags_sha256=hashlib.sha256(" ".join(cpu["flags"]).encode()).hexdigest()[:16],
+                       capability=torch.backends.cpu.get_cpu_capability())
+    return fingerprint
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict[str, Any]:
+    """CPU model name and flags from /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
+    model, flags = platform.processor() or platform.machine(), []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = sorted(value.split())
+    return {"model": model, "flags": flags, "logical_cpus": os.cpu_count()}
+
+
+def machine_key(device_type: str) -> str:
+    return hashlib.sha256(json.dumps(machine_fingerprint(device_type), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_alternatives(candidates: dict[str, Callable[[], Any]], reps: int = REPS, device_type: str = "cpu") -> dict[str, float]:
+    """Best milliseconds of each candidate over `reps` alternating rounds (after one warm-up call each);
+    the global random state is left as it was (the draw alternatives consume it)."""
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    best = {name: float("inf") for name in candidates}
+    names = list(candidates)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for name in names:
+            candidates[name]()
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:  # each goes first in turn
+                sync()
+                start = time.perf_counter()
+                candidates[name]()
+                sync()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+class KernelTable:
+    """Measured choices for this machine: in memory, backed by a JSON file (`path`; None: memory only)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._choices: dict[str, dict] | None = None
+
+    def choose(self, decision: str, shape: tuple[int, ...], alternatives: list[str],
+               measure: Callable[[], dict[str, Callable[[], Any]]], worth_measuring: bool, device_type: str = "cpu") -> str:
+        """The alternative to run for `decision` at `shape`: forced, cached, the incumbent (alternatives[0])
+        where the work is too small to matter, or measured now (`measure()` builds the timed calls)."""
+        forced = forced_choices().get(decision)
+        if forced is not None:
+            if forced not in alternatives:
+                raise ValueError(f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}")
+            return forced
+        if len(alternatives) == 1 or not worth_measuring:
+            return alternatives[0]
+        key = f"{machine_key(device_type)}/{decision}/{'x'.join(map(str, shape))}"
+        entry = self._load().get(key)
+        if entry is not None and entry.get("choice") in alternatives and not _measured_busy_now_quiet(entry):
+            return entry["choice"]
+        ms = time_alternatives(measure(), device_type=device_type)
+        incumbent = alternatives[0]
+        fastest = min(ms, key=ms.get)
+        choice = fastest if ms[fastest] < (1 - MARGIN) * ms[incumbent] else incumbent
+        self._store(key, {"choice": choice, "ms": {k: round(v, 4) for k, v in ms.items()},
+                          "loadavg": round(os.getloadavg()[0], 2),
+                          "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+                          "machine": machine_fingerprint(device_type)})
+        logger.info("decode kernels: %s at %s -> %s (%s ms)", decision, shape, choice,
+                    ", ".join(f"{k} {v:.3f}" for k, v in ms.items()))
+        return choice
+
+    def entries(self) -> dict[str, dict]:
+        return dict(self._load())
+
+    def _load(self) -> dict[str, dict]:
+        if self._choices is None:
+            self._choices = self._read()
+        return self._choices
+
+    def _read(self) -> dict[str, dict]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            logger.warning("decode kernels: %s is unreadable; measuring again", self.path)
+            return {}
+        return data.get("choices", {}) if data.get("version") == CACHE_VERSION else {}
+
+    def _store(self, key: str, entry: dict) -> None:
+        self._load()[key] = entry
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_suffix(".lock"), "w") as lock:  # several processes may measure at once
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                merged = {**self._read(), key: entry}
+                with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".decode_kernels-", delete=False) as tmp:
+                    json.dump({"version": CACHE_VERSION, "choices": merged}, tmp, indent=1, sort_keys=True)
+                os.replace(tmp.name, self.path)
+            self._choices = merged
+        except OSError as exc:  # a read-only cache costs a re-measurement next time, nothing else
+            logger.warning("decode kernels: could not write %s (%s)", self.path, exc)
+
+
+def _measured_busy_now_quiet(entry: dict) -> bool:
+    """A choice timed while the machine was overloaded (load average above its CPU count) is timed again once
+    it is quiet (below half of it): a busy machine's timings are the weakest evidence there is."""
+    cpus = os.cpu_count() or 1
+    return entry.get("loadavg", 0.0) > cpus and os.getloadavg()[0] < cpus / 2
+
+
+@functools.lru_cache(maxsize=1)
+def default_table() -> KernelTable:
+    from ..builtin import cache_dir
+
+    return KernelTable(cache_dir() / CACHE_FILE)
+
+
+def forced_choices() -> dict[str, str]:
+    """`GRPO_TRAINER_DECODE_KERNELS="decision=alternative,..."` as a dict."""
+    spec = os.environ.get(FORCE_ENV, "").strip()
+    forced = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        decision, sep, name = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{FORCE_ENV}: {item!r} is not decision=alternative (e.g. linear=weight_stationary)")
+        forced[decision.strip()] = name.strip()
+    return forced

@@ -1,0 +1,239 @@
+"""The decode loop's measured kernel choices (rollout/kernels.py, decode.py, draw.py): every alternative exact,
+the choice cached per machine and shape, forced choices honoured, and measurement only where it can matter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpo_trainer.rollout import draw as draws
+from grpo_trainer.rollout import kernels
+from grpo_trainer.rollout.decode import ATTENTION, LINEAR, DecodeKernels
+
+
+def _stream_at(seed: int, offset: int) -> None:
+    torch.manual_seed(seed)
+    torch.rand(offset)  # start anywhere in the twister's 624-word block
+
+
+@pytest.mark.parametrize("name", ["numpy", "native"])
+def test_every_draw_gives_torch_multinomials_tokens_and_generator_state(name):
+    """Same seed, same tokens as torch.multinomial(probs, 1), and the generator left where multinomial leaves it,
+    so the next draw (and `generate`'s tokens per seed) is unchanged too. Peaked, flat, sparse rows included."""
+    if name not in draws.available_draws():
+        pytest.skip(f"the {name} draw is not available here (no working C compiler)")
+    for seed in range(24):
+        vocab = 49152 if seed % 2 else 97
+        logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(seed)) * (2, 6, 30)[seed % 3]
+        if seed % 4 == 3:
+            logits[:, vocab // 2 :] = -float("inf")  # zero probabilities, as top-k/top-p leave them
+        probs = logits.softmax(-1)
+        _stream_at(seed, 37 * seed)
+        expected = torch.multinomial(probs, 1).squeeze(1)
+        state = torch.get_rng_state()
+        _stream_at(seed, 37 * seed)
+        assert torch.equal(draws.DRAWS[name](probs), expected), f"seed {seed}"
+        assert torch.equal(torch.get_rng_state(), state), f"seed {seed}: generator state differs"
+
+
+def test_the_draws_fall_back_to_torch_where_they_cannot_emulate_it():
+    probs = torch.tensor([[0.25, 0.75]], dtype=torch.float64)  # not float32: torch's own draw
+    for draw in draws.DRAWS.values():
+        torch.manual_seed(0)
+        expected = torch.multinomial(probs, 1).squeeze(1)
+        torch.manual_seed(0)
+        assert torch.equal(draw(probs), expected)
+
+
+def test_without_a_c_compiler_the_native_draw_is_simply_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("GRPO_TRAINER_CACHE", str(tmp_path))
+    draws.native_library.cache_clear()
+    try:
+        assert draws.native_library() is None and "native" not in draws.available_draws()
+        probs = torch.tensor([[0.5, 0.5]])
+        torch.manual_seed(3)
+        expected = torch.multinomial(probs, 1).squeeze(1)
+        torch.manual_seed(3)
+        assert torch.equal(draws.draw_native(probs), expected)
+    finally:
+        draws.native_library.cache_clear()
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _counting(timings: dict[str, float]):
+    """A measure() whose calls are counted; the timed functions sleep nothing, the table sees `timings`."""
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {name: (lambda: None) for name in timings}
+
+    return measure, calls
+
+
+def test_a_choice_is_measured_once_per_machine_and_shape_then_read_from_the_cache(tmp_path, monkeypatch):
+    path = tmp_path / "decode_kernels.json"
+    fake = {"a": 2.0, "b": 1.0}
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {k: fake[k] for k in candidates})
+    measure, calls = _counting(fake)
+    assert kernels.KernelTable(path).choose("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
+    assert len(calls) == 1
+    entry = next(iter(json.loads(path.read_text())["choices"].values()))
+    assert entry["choice"] == "b" and entry["ms"] == fake and "loadavg" in entry
+    assert entry["machine"]["cpu"] == kernels.cpu_info()["model"] and entry["machine"]["torch"] == torch.__version__
+    # A new process (a fresh table on the same file) reuses it; another shape is measured on its own.
+    fresh = kernels.KernelTable(path)
+    assert fresh.choose("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
+    assert len(calls) == 1
+    fresh.choose("linear", (8, 4, 8), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 2 and len(json.loads(path.read_text())["choices"]) == 2
+
+
+def test_the_incumbent_stays_unless_measurement_matters_and_the_gain_is_clear(tmp_path, monkeypatch):
+    timings = {}
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: dict(timings))
+    table = kernels.KernelTable(None)
+    measure, calls = _counting({"old": 0, "new": 0})
+    timings.update(old=1.0, new=0.1)
+    assert table.choose("x", (1,), ["old", "new"], measure, worth_measuring=False) == "old"  # too small to matter
+    assert calls == []
+    timings.update(old=1.0, new=0.95)  # 5% is within noise: keep what runs today
+    assert table.choose("x", (2,), ["old", "new"], measure, worth_measuring=True) == "old"
+    timings.update(old=1.0, new=0.8)
+    assert table.choose("x", (3,), ["old", "new"], measure, worth_measuring=True) == "new"
+
+
+def test_forced_choices_win_and_a_wrong_name_is_an_error_naming_the_choices(monkeypatch):
+    table = kernels.KernelTable(None)
+    measure, calls = _counting({"a": 1, "b": 1})
+    monkeypatch.setenv(kernels.FORCE_ENV, "linear=b, draw=torch")
+    assert table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True) == "b" and calls == []
+    monkeypatch.setenv(kernels.FORCE_ENV, "linear=c")
+    with pytest.raises(ValueError, match=r"linear='c' is not available here; choose from \['a', 'b'\]"):
+        table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    monkeypatch.setenv(kernels.FORCE_ENV, "linear")
+    with pytest.raises(ValueError, match="is not decision=alternative"):
+        table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+
+
+def test_timing_alternates_and_leaves_the_random_stream_alone():
+    order = []
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    ms = kernels.time_alternatives({"a": lambda: order.append("a") or torch.rand(3),
+                                    "b": lambda: order.append("b") or torch.rand(3)}, reps=4)
+    assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+    assert order[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # after one warm-up call each, each goes first in turn
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_buckets():
+    assert [kernels.row_bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+    assert [kernels.length_bucket(n) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+
+
+# ----------------------------------------------------------------------------- the kernels themselves
+
+
+@pytest.mark.parametrize("form", sorted(LINEAR))
+def test_every_linear_form_computes_nn_linear(form):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)  # with a bias, unlike the Llama layers
+    for rows in ((3, 1, 24), (5, 24), (1, 1, 24)):
+        x = torch.randn(*rows)
+        out = LINEAR[form](layer, x)
+        torch.testing.assert_close(out, layer(x), atol=1e-6, rtol=1e-6)
+        assert out.is_contiguous()  # a transposed output sent the next attention down SDPA's slow path
+
+
+@pytest.mark.parametrize("path", sorted(ATTENTION))
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padding"])
+def test_every_attention_path_computes_grouped_query_attention(path, masked):
+    """query [B, 6, 1, D] on key/value [B, 2, L, D]: each path equals the textbook computation (heads repeated)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
+    mask = None
+    if masked:
+        mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+        mask[0, ..., :2] = False
+    kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    scores = q @ kr.transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -float("inf"))
+    expected = scores.softmax(-1) @ vr
+    torch.testing.assert_close(ATTENTION[path](q, k, v, mask, None), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_decode_kernels_put_their_choices_in_place_and_restore_the_model(tiny_model_path):
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    linears = [m for m in lm.modules() if type(m) is torch.nn.Linear]
+    with DecodeKernels(lm, kernels.KernelTable(None)) as chosen:
+        assert all("forward" in vars(m) for m in linears) and lm.config._attn_implementation != "sdpa"
+        x = torch.randn(4, 1, lm.config.hidden_size)
+        torch.testing.assert_close(linears[0](x), torch.nn.functional.linear(x, linears[0].weight), atol=1e-6, rtol=1e-6)
+        assert chosen.chosen == {f"linear/{linears[0].weight.shape[0]}x{lm.config.hidden_size}x4": "weight_stationary"}
+    assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), DecodeKernels(lm, kernels.KernelTable(None)):
+        raise RuntimeError("a failure inside the loop")
+    assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
+
+
+def test_small_models_keep_todays_kernels_without_measuring(tiny_model_path, monkeypatch):
+    """The tiny model's linears and cache are far below what is worth timing: incumbents, nothing measured,
+    so the demo (and the golden test) runs the same kernels on every machine."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+
+    monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("measured a tiny kernel"))
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    chosen = DecodeKernels(lm, kernels.KernelTable(None))
+    module = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
+    assert chosen.linear_form(module, 128) is LINEAR["weight_stationary"]
+    q = torch.randn(128, lm.config.num_attention_heads, 1, 24)
+    k = torch.randn(128, lm.config.num_key_value_heads, 48, 24)
+    assert chosen.attention_path(q, k, None) is ATTENTION["grouped"]
+
+
+@pytest.mark.parametrize("draw", sorted(draws.DRAWS))
+def test_the_engine_samples_generates_tokens_with_every_draw(tiny_model_path, draw, monkeypatch):
+    """End to end: with each draw forced, the decode loop gives `generate`'s tokens for the same seeds."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm, load_tokenizer
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout.hf import HFEngine
+
+    if draw not in draws.available_draws():
+        pytest.skip(f"the {draw} draw is not available here")
+    monkeypatch.setenv(kernels.FORCE_ENV, f"draw={draw}")
+    tokenizer, lm = load_tokenizer(ModelConfig()), load_causal_lm(ModelConfig())
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a}+{b}?"}],
+                                                       add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)["input_ids"] for a, b in ((1, 2), (13, 4), (7, 75))]
+    settings = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=12, temperature=1.2)
+    out = {share: HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, share_prompt=share)
+           .generate(prompts, 1, seeds=[5, 6, 7]).completion_ids for share in (True, False)}
+    assert out[True] == out[False]
+
+
+def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_it_is_quiet(tmp_path, monkeypatch):
+    path = tmp_path / "decode_kernels.json"
+    monkeypatch.setattr(kernels.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {"a": 2.0, "b": 1.0})
+    measure, calls = _counting({"a": 0, "b": 0})
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 1  # still busy: the cached choice stands
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (0.3, 0.5, 1.0))
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 2 and next(iter(json.loads(path.read_text())["choices"].values()))["loadavg"] == 0.3
+    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert len(calls) == 2  # measured quietly: kept
