@@ -28,7 +28,7 @@ def commands(tmp_path_factory) -> dict[str, list[str]]:
     lines = result.stdout.splitlines()
     listed = {line.split()[1].rstrip(":") for line in lines if line.startswith(("CHECK ", "SKIP "))}
     assert listed == {"hf_bf16", "hf_bf16_packed", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2",
-                      "vllm_nccl_push", "vllm_gloo_push"}
+                      "vllm_nccl_push", "vllm_gloo_push", "async_k1"}
     return {line.split()[1]: shlex.split(line)[2:] for line in lines if line.startswith("CHECK ")}
 
 
