@@ -26,7 +26,10 @@ venv: $(STAMP)
 
 # Installs go through uv (from PyPI, into the venv): measured here on a fresh venv, demo + test dependencies
 # took 55 s with uv (cold cache) against 138 s with pip (warm cache). pip only bootstraps torch and uv.
-UV := $(PY) -m uv pip install -q --python $(PY) -c $(CONSTRAINTS)
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (it is on these
+# machines) Python never writes them either, so every process compiled transformers, DeepSpeed and vLLM from
+# source again: `import deepspeed` took 10.4 s instead of 4.8 s, `import transformers` 4.1 s instead of 1.9 s.
+UV := $(PY) -m uv pip install -q --compile-bytecode --python $(PY) -c $(CONSTRAINTS)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
