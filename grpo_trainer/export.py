@@ -13,6 +13,8 @@ merging it in place, so the model can still be used (and, under ZeRO-3, re-parti
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 from .checkpoint import load_checkpoint_model, read_trainer_state
@@ -29,19 +31,39 @@ def save_model(lm, tokenizer, folder: Path | None = None, *, adapter_folder: Pat
     call this inside a gather of every parameter (`distributed.gathered_if_zero3`): PEFT and the merge read the
     live parameters.
     """
-    if adapter_folder is not None:
-        if not is_lora(lm):
-            raise ValueError("save_model: an adapter folder was asked of a model without LoRA adapters")
-        lm.save_pretrained(adapter_folder)
-        tokenizer.save_pretrained(adapter_folder)
-    if folder is None:
-        return
-    if is_lora(lm):
-        from .rollout.weight_sync import iter_merged_weights
+    if adapter_folder is not None and not is_lora(lm):
+        raise ValueError("save_model: an adapter folder was asked of a model without LoRA adapters")
+    with _deepspeed_left_unimported():
+        if adapter_folder is not None:
+            lm.save_pretrained(adapter_folder)
+            tokenizer.save_pretrained(adapter_folder)
+        if folder is None:
+            return
+        if is_lora(lm):
+            from .rollout.weight_sync import iter_merged_weights
 
-        state_dict = {name: tensor.to("cpu", copy=True) for name, tensor in iter_merged_weights(lm)}
-    base_model(lm).save_pretrained(folder, state_dict=state_dict)
-    tokenizer.save_pretrained(folder)
+            state_dict = {name: tensor.to("cpu", copy=True) for name, tensor in iter_merged_weights(lm)}
+        base_model(lm).save_pretrained(folder, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def _deepspeed_left_unimported():
+    """transformers' `save_pretrained` unwraps the model with Accelerate's `extract_model_from_parallel`, which
+    imports DeepSpeed wherever it is installed, only to recognise a DeepSpeed engine: 2 s (10 s without bytecode
+    caches) and DeepSpeed's banner in a run that never used it. A model cannot be a DeepSpeed engine while
+    DeepSpeed has never been imported, so Accelerate is told it is absent for the duration of the save."""
+    import accelerate.utils.other as accelerate_other
+
+    if "deepspeed" in sys.modules or not hasattr(accelerate_other, "is_deepspeed_available"):
+        yield
+        return
+    available = accelerate_other.is_deepspeed_available
+    accelerate_other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        accelerate_other.is_deepspeed_available = available
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:

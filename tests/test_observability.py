@@ -103,3 +103,32 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops(tmp_path, tiny_model_p
     assert "train.max_consecutive_nonfinite=2" in result.stderr and "Traceback" not in result.stderr
     rows = read_metrics(tmp_path / "run")
     assert [r["nonfinite_skipped"] for r in rows] == [1, 1]  # the two skipped steps were logged, then it stopped
+
+
+SAVE_IN_A_FRESH_PROCESS = """
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from grpo_trainer.export import save_model
+model, out = sys.argv[1], Path(sys.argv[2])
+save_model(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), out)
+print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+
+
+def test_saving_a_model_in_a_run_without_deepspeed_does_not_import_it(tiny_model_path, tmp_path):
+    """transformers' save_pretrained would import DeepSpeed (installed here) only to check that the model is not
+    one of its engines: 2 s and a banner at the end of every plain run. The saved folder is the model."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    pytest.importorskip("deepspeed")
+    result = subprocess.run([sys.executable, "-c", SAVE_IN_A_FRESH_PROCESS, str(tiny_model_path), str(tmp_path / "saved")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("deepspeed imported: False")
+    saved, original = load_file(tmp_path / "saved" / "model.safetensors"), load_file(tiny_model_path / "model.safetensors")
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in saved)
