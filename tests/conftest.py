@@ -6,14 +6,30 @@ script; a vLLM engine or server) or loads a real model is marked `slow`, per tes
 
 Workers (`make test` runs two, `--dist loadgroup`): the tests of a module that share a module-scoped fixture (a
 training run, vLLM servers) are one `xdist_group`, so that fixture is built once, on one worker; a file's own
-`xdist_group` mark (several files sharing a worker) comes first.
+`xdist_group` mark (several files sharing a worker) comes first. Each worker, and every process it starts, gets
+its share of the cores as torch/OpenMP threads: two workers of two threads each on two cores spent half their time
+in OpenMP's spin-waits (tests/test_packing.py + test_losses.py + test_token_budget.py + test_golden.py: 49 s
+with two threads a worker, 23 s with one, on this 2-core machine). A thread count set by the caller is kept.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, this worker's share of the cores as threads (see the module docstring)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads  # what this worker starts inherits it
+    import torch
+
+    torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(scope="session")
