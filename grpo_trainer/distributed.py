@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 
 import torch
 
@@ -30,11 +31,6 @@ def partial_state():
 
     launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
     kwargs = {"backend": "gloo"} if launched and not torch.cuda.is_available() else {}
-    if not torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        # transformers' save_pretrained imports DeepSpeed wherever it is installed (Accelerate's unwrap looks for
-        # its engine), and on a machine without GPUs DeepSpeed then warns that it found none. Name the device it
-        # would pick, so that a run that does not use DeepSpeed does not print DeepSpeed's warning.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
 
 
@@ -93,6 +89,25 @@ def unwrap(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def deepspeed_left_unimported():
+    """For a `save_pretrained`: transformers unwraps the model with Accelerate's `extract_model_from_parallel`,
+    which imports DeepSpeed wherever it is installed, only to recognise its engine (2 s with bytecode caches,
+    10 s without, and DeepSpeed's banner on a machine without GPUs). A model cannot be a DeepSpeed engine while
+    DeepSpeed has never been imported, so Accelerate is told it is absent for the duration (see `unwrap`)."""
+    import accelerate.utils.other as accelerate_other
+
+    if "deepspeed" in sys.modules or not hasattr(accelerate_other, "is_deepspeed_available"):
+        yield
+        return
+    available = accelerate_other.is_deepspeed_available
+    accelerate_other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        accelerate_other.is_deepspeed_available = available
 
 
 def full_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -226,7 +241,6 @@ def exit_without_teardown(code: int):
     (more often on a loaded machine). Nothing is left for the teardown to do that matters, so it is skipped.
     """
     import logging
-    import sys
 
     logging.shutdown()
     sys.stdout.flush()

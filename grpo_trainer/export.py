@@ -13,11 +13,10 @@ merging it in place, so the model can still be used (and, under ZeRO-3, re-parti
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from pathlib import Path
 
 from .checkpoint import load_checkpoint_model, read_trainer_state
+from .distributed import deepspeed_left_unimported
 from .model_card import Setup, write_model_card
 from .models import base_model, is_lora
 
@@ -33,7 +32,7 @@ def save_model(lm, tokenizer, folder: Path | None = None, *, adapter_folder: Pat
     """
     if adapter_folder is not None and not is_lora(lm):
         raise ValueError("save_model: an adapter folder was asked of a model without LoRA adapters")
-    with _deepspeed_left_unimported():
+    with deepspeed_left_unimported():
         if adapter_folder is not None:
             lm.save_pretrained(adapter_folder)
             tokenizer.save_pretrained(adapter_folder)
@@ -45,25 +44,6 @@ def save_model(lm, tokenizer, folder: Path | None = None, *, adapter_folder: Pat
             state_dict = {name: tensor.to("cpu", copy=True) for name, tensor in iter_merged_weights(lm)}
         base_model(lm).save_pretrained(folder, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
-
-
-@contextlib.contextmanager
-def _deepspeed_left_unimported():
-    """transformers' `save_pretrained` unwraps the model with Accelerate's `extract_model_from_parallel`, which
-    imports DeepSpeed wherever it is installed, only to recognise a DeepSpeed engine: 2 s (10 s without bytecode
-    caches) and DeepSpeed's banner in a run that never used it. A model cannot be a DeepSpeed engine while
-    DeepSpeed has never been imported, so Accelerate is told it is absent for the duration of the save."""
-    import accelerate.utils.other as accelerate_other
-
-    if "deepspeed" in sys.modules or not hasattr(accelerate_other, "is_deepspeed_available"):
-        yield
-        return
-    available = accelerate_other.is_deepspeed_available
-    accelerate_other.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        accelerate_other.is_deepspeed_available = available
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
