@@ -10,18 +10,28 @@ training run, vLLM servers) are one `xdist_group`, so that fixture is built once
 its share of the cores as torch/OpenMP threads: two workers of two threads each on two cores spent half their time
 in OpenMP's spin-waits (tests/test_packing.py + test_losses.py + test_token_budget.py + test_golden.py: 49 s
 with two threads a worker, 23 s with one, on this 2-core machine). A thread count set by the caller is kept.
+
+Every process the tests start finds this venv's programs first on the PATH, as in an activated venv: DeepSpeed
+builds its CPU ops with whichever `ninja` the PATH gives, and the venv's (1.13) and the system's (1.11) keep
+incompatible build logs, so launches with and without the venv on the PATH rebuilt `shm_comm` (about a minute
+of a core) each time they took turns.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, this worker's share of the cores as threads (see the module docstring)."""
+    """The venv first on the PATH; under xdist, this worker's share of the cores as threads (see the module
+    docstring)."""
+    venv_bin = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv_bin:
+        os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow  # a shell script and a training run in fresh proc
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory) -> dict[str, list[str]]:
-    """check name -> its command, as the script would run it with this venv's python3 on the PATH."""
+    """check name -> its command, as the script would run it with this venv's python3 on the PATH (conftest.py)."""
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out)}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

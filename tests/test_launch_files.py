@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -133,5 +132,4 @@ def train_two_steps_on_two_nodes(launch_file, out, env: dict, extra=()) -> str:
 def _env(extra: dict) -> dict:
     import os
 
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-            "PATH": f"{sys.executable.rsplit('/', 1)[0]}:{os.environ.get('PATH', '')}", **extra}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **extra}  # PATH: conftest.py

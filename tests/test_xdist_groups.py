@@ -1,4 +1,4 @@
-"""`make test` relies on `--dist loadgroup`: the tests of one `xdist_group` run on one worker, so a module fixture
+"""How `make test` runs the suite. It relies on `--dist loadgroup`: the tests of one `xdist_group` run on one worker, so a module fixture
 that starts vLLM servers (tests/test_vllm_server.py, tests/test_async_vllm.py) or trains a run starts once.
 
 pytest 9.2 with pytest-xdist 3.8 dropped the groups without a word (pytest-dev/pytest-xdist#1386: xdist marks a
@@ -58,3 +58,12 @@ def test_a_group_runs_on_one_worker_and_its_module_fixture_starts_once(tmp_path)
         ran = (tmp_path / f"{name}.ran").read_text().split()
         assert len(ran) == 6 and len(set(ran)) == 1, f"{name}: the group ran on workers {sorted(set(ran))}"
         assert (tmp_path / f"{name}.setups").read_text().split() == ran[:1], f"{name}: the fixture was set up twice"
+
+
+def test_the_venvs_programs_come_first_on_the_path():
+    """conftest.py puts this venv first on the PATH for everything the tests start: launchers (`accelerate`,
+    `torchrun`) and the `ninja` DeepSpeed builds its CPU ops with are the venv's, whichever test starts them."""
+    venv_bin = Path(sys.executable).parent
+    assert shutil.which("accelerate") == str(venv_bin / "accelerate")
+    if (venv_bin / "ninja").exists():
+        assert shutil.which("ninja") == str(venv_bin / "ninja")
