@@ -25,7 +25,8 @@ PYTEST_WORKERS ?= 2
 venv: $(STAMP)
 
 # Installs go through uv (from PyPI, into the venv): measured here on a fresh venv, demo + test dependencies
-# took 55 s with uv (cold cache) against 138 s with pip (warm cache). pip only bootstraps torch and uv.
+# took 55 s with uv (cold cache) against 138 s with pip (warm cache); 85 s with --compile-bytecode (warm uv cache).
+# pip only bootstraps torch and uv.
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (it is on these
 # machines) Python never writes them either, so every process compiled transformers, DeepSpeed and vLLM from
 # source again: `import deepspeed` took 10.4 s instead of 4.8 s, `import transformers` 4.1 s instead of 1.9 s.
