@@ -1,30 +1,86 @@
-"""The tiny model's build is the same on every machine (build.build_canonically): the golden metrics and the
-README's demo numbers depend on its weights."""
+"""The tiny models' recipes give the same weights on every machine (build.build_canonically), and the package
+ships what they give (build.shipped_weights): the golden metrics and the README's demo numbers depend on them.
+
+The full builds take ~6-7 minutes of one core each, so `make test` checks each recipe's first steps against
+the hash recorded with the shipped weights (weights/manifest.json), and the folder assembled from those
+weights against a recipe's own folder; `python scripts/build_builtins.py` checks the full builds.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import filecmp
+import shutil
 
 import pytest
 
-from grpo_trainer.builtin import tiny, tiny_tools
-from grpo_trainer.builtin.build import build_canonically
+from grpo_trainer.builtin import build, tiny, tiny_tools
+from grpo_trainer.builtin.build import build_canonically, read_manifest, sha256_of, shipped_weights
 from grpo_trainer.builtin.charlm import build_tokenizer, char_llama_config
 
 
 def weights_hash(folder) -> str:
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return sha256_of(folder / "model.safetensors")
+
+
+def assert_same_folder_but_the_weights(assembled, built) -> None:
+    """Config, generation config, tokenizer and template of the two folders are byte for byte the same."""
+    names = sorted(p.name for p in built.iterdir())
+    assert sorted(p.name for p in assembled.iterdir()) == names
+    others = [n for n in names if n != "model.safetensors"]
+    _, mismatch, errors = filecmp.cmpfiles(assembled, built, others, shallow=False)
+    assert not mismatch and not errors, (mismatch, errors)
 
 
 @pytest.mark.slow  # two model builds in child processes
 def test_the_canonical_build_does_not_depend_on_the_cpus_instructions_or_threads(tmp_path, monkeypatch):
-    """A short warm start (30 steps) built twice: as builds run (one thread, MKL free to use the best
-    instructions it finds: AVX-512 here), and on two threads with MKL held to AVX2. Built plainly, ATen's
-    AVX-512 and AVX2 kernels gave different weights here."""
-    build_canonically("grpo_trainer.builtin.tiny:build_model", tmp_path / "as_built", sft_steps=30)
+    """A short warm start built twice: as builds run (one thread, MKL free to use the best instructions it
+    finds: AVX-512 here), and on two threads with MKL held to AVX2. Built plainly, ATen's AVX-512 and AVX2
+    kernels gave different weights here. Both equal the short build recorded beside the shipped weights, so
+    the recipe is still the one that produced them."""
+    entry = read_manifest()[tiny.FOLDER]
+    builder = "grpo_trainer.builtin.tiny:build_model"
+    build_canonically(builder, tmp_path / "as_built", sft_steps=entry["check_steps"])
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    build_canonically("grpo_trainer.builtin.tiny:build_model", tmp_path / "avx2_two_threads", threads=2, sft_steps=30)
-    assert weights_hash(tmp_path / "as_built") == weights_hash(tmp_path / "avx2_two_threads")
+    build_canonically(builder, tmp_path / "avx2_two_threads", threads=2, sft_steps=entry["check_steps"])
+    assert weights_hash(tmp_path / "as_built") == weights_hash(tmp_path / "avx2_two_threads") == entry["check_sha256"]
+    tiny.build_model(tmp_path / "assembled", weights=shipped_weights(tiny.FOLDER))
+    assert weights_hash(tmp_path / "assembled") == entry["sha256"]
+    assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "as_built")
+
+
+@pytest.mark.slow  # a model build in a child process
+def test_the_tool_models_recipe_is_the_one_its_shipped_weights_came_from(tmp_path):
+    entry = read_manifest()[tiny_tools.FOLDER]
+    build_canonically("grpo_trainer.builtin.tiny_tools:build_model", tmp_path / "built", sft_steps=entry["check_steps"])
+    assert weights_hash(tmp_path / "built") == entry["check_sha256"]
+    tiny_tools.build_model(tmp_path / "assembled", weights=shipped_weights(tiny_tools.FOLDER))
+    assert weights_hash(tmp_path / "assembled") == entry["sha256"]
+    assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "built")
+
+
+def test_every_shipped_file_is_in_the_manifest_and_matches_its_recipe():
+    manifest = read_manifest()
+    assert sorted(manifest) == sorted([tiny.FOLDER, tiny_tools.FOLDER])
+    assert sorted(p.name for p in build.WEIGHTS_DIR.glob("*.safetensors")) == sorted(f"{n}.safetensors" for n in manifest)
+    for module in (tiny, tiny_tools):
+        assert manifest[module.FOLDER]["sft_steps"] == module.SFT_STEPS
+
+
+def test_missing_or_altered_shipped_weights_are_an_error_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "WEIGHTS_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / tiny.FOLDER}.safetensors: the shipped weights .* missing"):
+        shipped_weights(tiny.FOLDER)
+    (tmp_path / f"{tiny.FOLDER}.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="not the weights manifest.json records for 'tiny-v5'.*build_builtins.py"):
+        shipped_weights(tiny.FOLDER)
+    with pytest.raises(FileNotFoundError, match="no entry for 'tiny-v9'"):
+        shipped_weights("tiny-v9")
+
+
+def test_weights_that_do_not_fit_the_recipes_model_are_refused(tmp_path):
+    shutil.copyfile(shipped_weights(tiny.FOLDER), tmp_path / "tiny.safetensors")
+    with pytest.raises(ValueError, match="does not fit the model its recipe builds"):
+        tiny_tools.build_model(tmp_path / "out", weights=tmp_path / "tiny.safetensors")
 
 
 @pytest.mark.parametrize("module, count", [(tiny, "215,520"), (tiny_tools, "312,704")])
@@ -37,3 +93,41 @@ def test_the_parameter_count_in_the_docstring_is_the_models(module, count):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     assert f"{sum(p.numel() for p in model.parameters()):,}" == count and count in module.__doc__
+
+
+def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_weights(tmp_path, monkeypatch, capsys):
+    """scripts/build_builtins.py's comparison and --write, with the canonical build replaced by assembling the
+    shipped weights (a full build takes minutes): the full builds match, the short ones cannot."""
+    import importlib.util
+    import json
+    import sys
+
+    spec = importlib.util.spec_from_file_location("build_builtins", build.WEIGHTS_DIR.parents[2] / "scripts" / "build_builtins.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    shipped = {module: shipped_weights(module.FOLDER) for module in (tiny, tiny_tools)}
+
+    def assemble(builder, folder, threads=1, **kwargs):
+        module = tiny if builder.startswith("grpo_trainer.builtin.tiny:") else tiny_tools
+        module.build_model(folder, weights=shipped[module])
+
+    monkeypatch.setattr(script, "build_canonically", assemble)
+    monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER])
+    assert script.main() == 1
+    out = capsys.readouterr()
+    assert f"{tiny.FOLDER}: built in" in out.out and "DIFFERENT from the shipped weights" in out.out
+    assert "bump the recipe's VERSION and run this with --write" in out.err
+
+    shipped_manifest = read_manifest()
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(build.MANIFEST.read_text())
+    for module in (build, script):
+        monkeypatch.setattr(module, "MANIFEST", manifest)
+        monkeypatch.setattr(module, "WEIGHTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER, "--write"])
+    assert script.main() == 0
+    written = json.loads(manifest.read_text())
+    assert written[tiny.FOLDER]["sha256"] == written[tiny.FOLDER]["check_sha256"] == sha256_of(shipped[tiny])
+    assert written[tiny_tools.FOLDER] == shipped_manifest[tiny_tools.FOLDER]  # not rebuilt, kept
+    assert (tmp_path / f"{tiny.FOLDER}.safetensors").read_bytes() == shipped[tiny].read_bytes()

@@ -1,21 +1,36 @@
-"""Building a built-in model once per machine: the cache, the lock, the staging folder, the canonical float settings.
+"""Building a built-in model once per machine: the cache, the lock, the staging folder, the canonical float
+settings, and the shipped weights of the trained tiny models.
 
 Every built-in model is a folder under the cache (`$GRPO_TRAINER_CACHE`, default `~/.cache/grpo_trainer`)
 named with its recipe's version (`tiny-v3`), so a changed recipe builds a new folder instead of reusing a
 stale one. `cached_build` is the one way such a folder comes to exist: built in a staging folder beside it
 and renamed into place, by one process per machine while the others (ranks, parallel tests) wait on a lock.
+
+Why the tiny models' weights are shipped (weights/, 2.1 MB): their recipes (tiny.py, tiny_tools.py) train
+them in the canonical float settings below, which make every machine get the same weights but run on one
+core at SSE2 speed: ~6 and ~7 minutes of one core on a 2-core Xeon, on every fresh machine, before a demo or a test
+could start. The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;
+a fresh machine assembles the folder from them in a second (the same code, the warm start replaced by
+loading the weights). `scripts/build_builtins.py` runs the recipes and checks (or, with --write, records)
+that they give exactly the shipped bytes; tests/test_tiny.py checks each recipe's first steps against the
+manifest, so a changed recipe cannot go unnoticed beside stale weights.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+MANIFEST = WEIGHTS_DIR / "manifest.json"
 
 
 def cache_dir() -> Path:
@@ -70,3 +85,54 @@ def build_canonically(builder: str, folder: Path, threads: int = 1, **kwargs: in
     result = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"building {builder} into {folder} failed:\n{result.stderr[-3000:]}")
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest() -> dict[str, dict]:
+    """weights/manifest.json: for each shipped model folder name (`tiny-v5`), the sha256 of its weights, how
+    they were built, and the hash a short build of its recipe (`check_steps` steps) gives."""
+    return json.loads(MANIFEST.read_text())
+
+
+def shipped_weights(folder_name: str) -> Path:
+    """The shipped `model.safetensors` of `folder_name` (`tiny-v5`), checked against the manifest's sha256.
+
+    A missing or altered file (a partial checkout, a Git LFS pointer, a hand edit) is an error naming it,
+    never silently different weights: the golden metrics and the README's demo numbers depend on them.
+    """
+    path = WEIGHTS_DIR / f"{folder_name}.safetensors"
+    entry = read_manifest().get(folder_name)
+    rebuild = "python scripts/build_builtins.py --write rebuilds it from its recipe"
+    if entry is None:
+        raise FileNotFoundError(f"{MANIFEST} has no entry for {folder_name!r}; {rebuild}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the shipped weights of builtin {folder_name!r} are missing; {rebuild}")
+    if sha256_of(path) != entry["sha256"]:
+        raise ValueError(f"{path}: not the weights {MANIFEST.name} records for {folder_name!r} (sha256 differs); "
+                         f"restore it from the repository, or {rebuild}")
+    return path
+
+
+def load_weights(path: Path) -> Callable[[Any], None]:
+    """A warm start that loads `path` (a `model.safetensors`) into the model instead of training it.
+
+    The file is what `save_pretrained` wrote, so a tied output head is absent from it and tied again here;
+    any other key missing or left over is an error (the shape or the names changed since it was built)."""
+
+    def load(model) -> None:
+        from safetensors.torch import load_file
+
+        misfit = f"{path} does not fit the model its recipe builds"
+        try:
+            missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+        except RuntimeError as exc:  # a tensor of another shape
+            raise ValueError(f"{misfit}: {str(exc).splitlines()[-1].strip()}") from None
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{misfit}: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+        model.tie_weights()
+
+    return load

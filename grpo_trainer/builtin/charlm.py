@@ -93,6 +93,9 @@ def save_char_model(model, tokenizer, folder: Path, **config_json: float) -> Non
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
     )
     model.save_pretrained(folder)
+    # A warm start that tokenizes padded batches leaves padding switched on in the backend, and tokenizer.json
+    # would keep it (a loaded tokenizer then pads until its first call without padding): saved as built.
+    tokenizer.backend_tokenizer.no_padding()
     tokenizer.save_pretrained(folder)
     # transformers 5 writes `TokenizersBackend`, which 4.x does not know, and keeps the template in a side
     # file that older loaders (and some servers) do not read: name the generic class, inline the template.

@@ -2,9 +2,11 @@
 
 `builtin:tiny` resolves to a folder in the real Hugging Face format (config.json,
 model.safetensors, tokenizer.json, a chat template), so `AutoModelForCausalLM`,
-`AutoTokenizer` and vLLM load it like any hub model. It is built once per
-machine into the cache (`$GRPO_TRAINER_CACHE`, default `~/.cache/grpo_trainer`)
-and deterministically: the same torch version gives the same weights.
+`AutoTokenizer` and vLLM load it like any hub model. Its recipe is below; it is
+trained in build.py's canonical float settings, so every machine gets the same
+weights, and the package ships those (build.py says why) so that a fresh
+machine assembles the folder into the cache (`$GRPO_TRAINER_CACHE`, default
+`~/.cache/grpo_trainer`) in a second instead of training for minutes.
 
 Why a warm start: RL cannot teach a randomly initialised model arithmetic in a
 few minutes, and real GRPO never starts from scratch either. So the build runs a
@@ -27,12 +29,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from .build import build_canonically, cached_build
+from .build import cached_build, load_weights, shipped_weights
 from .charlm import build_char_model, build_tokenizer
 
 NAME = "tiny"
 # Bump when the recipe below changes, so stale caches are not reused.
-VERSION = 4  # 4: built with build.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
+VERSION = 5  # 4: built with build.CANONICAL_ENV's MKL_CBWR=COMPATIBLE; 5: 4's weights, its tokenizer saved unpadded
+FOLDER = f"{NAME}-v{VERSION}"  # its folder in the cache, and the name of its shipped weights
 SFT_STEPS = 1000
 WORKED_SHARE = 0.25  # share of warm-start completions that work the sum out (see the module docstring)
 SHAPE = dict(hidden_size=96)  # on charlm's defaults: 2 layers, 4 query heads of 24, 2 key/value heads
@@ -69,15 +72,17 @@ def worked_completion(prompt: str, answer: str) -> str:
 
 
 def ensure_model() -> Path:
-    """The tiny model's folder, built first if this machine has none (once per machine, atomically)."""
-    return cached_build(f"{NAME}-v{VERSION}", lambda folder: build_canonically(f"{__name__}:build_model", folder))
+    """The tiny model's folder, assembled from the shipped weights first if this machine has none (build.py)."""
+    return cached_build(FOLDER, lambda folder: build_model(folder, weights=shipped_weights(FOLDER)))
 
 
-def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
-    """Build tokenizer and model into `folder`: random init, then the short supervised warm start."""
+def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights: Path | None = None) -> None:
+    """Build tokenizer and model into `folder`: random init, then the short supervised warm start, or, given
+    `weights` (what this recipe's canonical build saved: build.shipped_weights), those loaded instead."""
     tokenizer = build_tokenizer()
-    build_char_model(folder, tokenizer, SHAPE, seed,
-                     lambda model: _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed))
+    warm_start = load_weights(weights) if weights is not None else (
+        lambda model: _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed))
+    build_char_model(folder, tokenizer, SHAPE, seed, warm_start)
 
 
 def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 64) -> None:

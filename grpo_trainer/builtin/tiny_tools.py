@@ -27,10 +27,9 @@ tokens only (not the prompt, not the tool's turn).
 Measured (`python scripts/tiny_tools_warm_start.py`; 100 test prompts x 8 samples at temperature 1, the tool
 run on each call, as the multi-turn rollout would):
 
-    build on a 2-core machine                   67 s (400 steps of 32 tool-using + 12 guessing conversations),
-                                                before builds became canonical; the canonical build (one
-                                                thread, AVX2 kernels) takes 6 min 52 s alone on an AVX-512
-                                                Xeon, once per machine
+    build (400 steps of 32 tool-using +         6 min 52 s alone on a 2-core AVX-512 Xeon (canonical: one
+    12 guessing conversations)                  thread, AVX2 kernels); 67 s on 2 threads before builds
+                                                became canonical. Shipped, so done once (build.py)
     P(first token is `<`), mean over prompts    0.306 (0.29-0.33 across the test prompts)
     tool-call rate (turns with `<tool_call>`)    0.286
     calls well-formed, printing the product     0.895
@@ -49,13 +48,14 @@ import json
 import random
 from pathlib import Path
 
-from .build import build_canonically, cached_build
+from .build import cached_build, load_weights, shipped_weights
 from .charlm import build_char_model, build_tokenizer
 from .tiny import format_answer
 
 NAME = "tiny-tools"
 # Bump when the recipe below changes, so stale caches are not reused.
 VERSION = 3  # 3: built with build.CANONICAL_ENV's MKL_CBWR=COMPATIBLE
+FOLDER = f"{NAME}-v{VERSION}"  # its folder in the cache, and the name of its shipped weights
 TOOL_SHARE = 0.27  # share of warm-start first turns that call the tool (see the module docstring)
 SFT_STEPS = 400
 ROPE_THETA = 100.0  # sharper positional attention than Llama's 10000, for copying digits at fixed distances
@@ -145,19 +145,21 @@ def tool_turn_text(content: str) -> str:
 
 
 def ensure_model() -> Path:
-    """The model's folder, built first if this machine has none (once per machine, atomically)."""
-    return cached_build(f"{NAME}-v{VERSION}", lambda folder: build_canonically(f"{__name__}:build_model", folder))
+    """The model's folder, assembled from the shipped weights first if this machine has none (build.py)."""
+    return cached_build(FOLDER, lambda folder: build_model(folder, weights=shipped_weights(FOLDER)))
 
 
-def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0) -> None:
-    """Build tokenizer and model into `folder`: copying heads at init, then the supervised warm start."""
+def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights: Path | None = None) -> None:
+    """Build tokenizer and model into `folder`: copying heads at init, then the supervised warm start, or,
+    given `weights` (what this recipe's canonical build saved: build.shipped_weights), those loaded instead."""
     tokenizer = build_tokenizer(CHAT_TEMPLATE)
 
     def warm_start(model) -> None:
         _init_copying_heads(model, _copy_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
 
-    build_char_model(folder, tokenizer, SHAPE, seed, warm_start, rope_theta=ROPE_THETA)
+    build_char_model(folder, tokenizer, SHAPE, seed, load_weights(weights) if weights is not None else warm_start,
+                     rope_theta=ROPE_THETA)
 
 
 def _conversation(tokenizer, prompt: str, record: dict[str, str], guess: str | None = None) -> list[tuple[str, bool]]:
