@@ -91,25 +91,6 @@ def unwrap(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def deepspeed_left_unimported():
-    """For a `save_pretrained`: transformers unwraps the model with Accelerate's `extract_model_from_parallel`,
-    which imports DeepSpeed wherever it is installed, only to recognise its engine (2 s with bytecode caches,
-    10 s without, and DeepSpeed's banner on a machine without GPUs). A model cannot be a DeepSpeed engine while
-    DeepSpeed has never been imported, so Accelerate is told it is absent for the duration (see `unwrap`)."""
-    import accelerate.utils.other as accelerate_other
-
-    if "deepspeed" in sys.modules or not hasattr(accelerate_other, "is_deepspeed_available"):
-        yield
-        return
-    available = accelerate_other.is_deepspeed_available
-    accelerate_other.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        accelerate_other.is_deepspeed_available = available
-
-
 def full_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole state dict, gathered where parameters are sharded (collective under ZeRO-3 / FSDP);
     Accelerate's `get_state_dict`, without importing DeepSpeed where it is not used (see `unwrap`)."""

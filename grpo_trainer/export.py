@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint import load_checkpoint_model, read_trainer_state
-from .distributed import deepspeed_left_unimported
+from .deepspeed_guard import deepspeed_left_unimported
 from .model_card import Setup, write_model_card
 from .models import base_model, is_lora
 

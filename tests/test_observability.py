@@ -116,6 +116,30 @@ print("deepspeed imported:", "deepspeed" in sys.modules)
 """
 
 
+ASSEMBLE_A_BUILTIN_IN_A_FRESH_PROCESS = """
+import sys
+from pathlib import Path
+from grpo_trainer.builtin import tiny
+from grpo_trainer.builtin.build import shipped_weights
+tiny.build_model(Path(sys.argv[1]), weights=shipped_weights(tiny.FOLDER))
+print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+
+
+def test_a_fresh_machines_first_run_assembles_the_tiny_model_without_importing_deepspeed(tmp_path):
+    """The first run on a machine assembles builtin:tiny inside the user's process (build.cached_build): no
+    DeepSpeed import, no banner, for a model nobody shards."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    result = subprocess.run([sys.executable, "-c", ASSEMBLE_A_BUILTIN_IN_A_FRESH_PROCESS, str(tmp_path / "tiny")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("deepspeed imported: False")
+    assert "Setting accelerator" not in result.stderr and (tmp_path / "tiny" / "model.safetensors").is_file()
+
+
 def test_saving_a_model_in_a_run_without_deepspeed_does_not_import_it(tiny_model_path, tmp_path):
     """transformers' save_pretrained would import DeepSpeed (installed here) only to check that the model is not
     one of its engines: 2 s and a banner at the end of every plain run. The saved folder is the model."""

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from ..deepspeed_guard import deepspeed_left_unimported
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
 
@@ -92,7 +94,8 @@ def save_char_model(model, tokenizer, folder: Path, **config_json: float) -> Non
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
     )
-    model.save_pretrained(folder)
+    with deepspeed_left_unimported():  # a built-in model is assembled inside the user's (often DeepSpeed-free) run
+        model.save_pretrained(folder)
     # A warm start that tokenizes padded batches leaves padding switched on in the backend, and tokenizer.json
     # would keep it (a loaded tokenizer then pads until its first call without padding): saved as built.
     tokenizer.backend_tokenizer.no_padding()
