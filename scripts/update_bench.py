@@ -5,6 +5,7 @@
     python scripts/update_bench.py --zero-advantage      # a step where every advantage is 0, fillers vs none
     python scripts/update_bench.py --model builtin:tiny --reps 1    # seconds, for a smoke test
     python scripts/update_bench.py --spread longtail --budget 2048 --count-only   # tokens per layout, no passes
+    MALLOC_MMAP_THRESHOLD_=65536 python scripts/update_bench.py --spread longtail --budget 2048 --peaks
 
 One process, the model loaded once; the configuration is `configs/smollm2_cpu.yaml`'s (4 prompts x G 8, Dr. GRPO,
 beta 0, one iteration) with the recipe's real prompts, and completions of random tokens with the chosen length
@@ -22,7 +23,10 @@ falls on all alike; the table gives medians and each layout's ratio to `padded`.
 
 Peak memory is the process's peak resident set during the update less what it held before (Linux: VmHWM, reset
 through /proc/self/clear_refs), i.e. activations, logits chunks and gradients; run with MALLOC_MMAP_THRESHOLD_=65536
-so freed tensors go back to the system and one layout's peak does not hide in another's.
+so freed tensors go back to the system. In one process the layouts still share one high-water mark (the first,
+padded, sets it: what the allocator keeps is not given back between layouts), so `--peaks` measures each layout
+in a process of its own (this script with `--layout NAME`, one update, no warm-up) and prints those peaks; the
+time table comes from the alternating run, where load falls on all layouts alike.
 
 `--zero-advantage`: the update of a step whose advantages are all 0 (what `timing/update` showed 2.2 s for), with
 the fillers every rank used to run (`fillers`) and without them (`skipped`, where the backend allows: update.py),
@@ -156,11 +160,19 @@ def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     return seconds, peak, layout_counts(batch)
 
 
+def layouts_of(budget: int | None) -> dict[str, tuple[bool, int | None]]:
+    """name -> (train.packing, train.micro_batch_tokens)."""
+    layouts = {"padded": (False, None), "packed": (True, None)}
+    if budget:
+        layouts.update({f"padded, {budget} tokens": (False, budget), f"packed, {budget} tokens": (True, budget)})
+    return layouts
+
+
 def bench_layouts(args) -> dict:
     cfg, accelerator, policy, optimizer, scheduler, step = setup(args.model, args.spread)
-    layouts = {"padded": (False, None), "packed": (True, None)}
-    if args.budget:
-        layouts.update({f"padded, {args.budget} tokens": (False, args.budget), f"packed, {args.budget} tokens": (True, args.budget)})
+    layouts = layouts_of(args.budget)
+    if args.layout:  # this layout alone, one update: its peak is its own (see the module docstring)
+        layouts = {args.layout: layouts[args.layout]}
     runs = {name: run_for(cfg, accelerator, policy, optimizer, scheduler, *spec) for name, spec in layouts.items()}
     if args.count_only:  # the layouts' token counts: no forward or backward, seconds
         rows = {name: {"seconds": float("nan"), "ratio": float("nan"), "peak_mib": float("nan"),
@@ -168,6 +180,8 @@ def bench_layouts(args) -> dict:
         return {"spread": args.spread, "lengths": step.lengths, "prompt_lengths": sorted(set(step.prompt_lengths)),
                 "mean_length": statistics.mean(step.lengths), "layouts": rows}
     for name, run in runs.items():  # warm-up: allocator, kernels
+        if args.layout:
+            break
         print(f"warm-up {name}: {update_phase(run, step)[0]:.2f} s", file=sys.stderr, flush=True)
     times = {name: [] for name in runs}
     peaks = {name: [] for name in runs}
@@ -178,7 +192,7 @@ def bench_layouts(args) -> dict:
             print(f"{name}: {seconds:.2f} s, peak {peak:.0f} MiB", file=sys.stderr, flush=True)
             times[name].append(seconds)
             peaks[name].append(peak)
-    base = statistics.median(times["padded"])
+    base = statistics.median(times[next(iter(runs))])  # padded, unless --layout picked another alone
     rows = {}
     for name in runs:
         t = statistics.median(times[name])
@@ -213,6 +227,27 @@ def bench_zero_advantage(args) -> dict:
             "all": times, "profile": table}
 
 
+def bench_peaks(args) -> dict:
+    """Each layout's update in a fresh process of its own (`--layout NAME --reps 1`): its own peak memory."""
+    import subprocess
+    import tempfile
+
+    rows = {}
+    forwarded = ["--model", args.model, "--spread", args.spread]
+    forwarded += ["--budget", str(args.budget)] if args.budget else []
+    forwarded += ["--threads", str(args.threads)] if args.threads else []
+    with tempfile.TemporaryDirectory(prefix="update-bench-peaks-") as tmp:
+        for i, name in enumerate(layouts_of(args.budget)):
+            out = Path(tmp) / f"{i}.json"
+            command = [sys.executable, __file__, *forwarded, "--layout", name, "--reps", "1", "--json", str(out)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{name}: {result.stderr[-2000:]}")
+            rows[name] = json.loads(out.read_text())["layouts"][name]
+            print(f"{name}: peak {rows[name]['peak_mib']:.0f} MiB in its own process", file=sys.stderr, flush=True)
+    return {"spread": args.spread, "layouts": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -222,16 +257,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-advantage", action="store_true")
     p.add_argument("--top", type=int, default=12, help="profile rows (--zero-advantage)")
     p.add_argument("--count-only", action="store_true", help="only the tokens each layout computes (no passes)")
+    p.add_argument("--layout", default=None, help="only this layout (e.g. 'packed, 2048 tokens'), one update, no warm-up")
+    p.add_argument("--peaks", action="store_true", help="each layout's peak memory, each in a process of its own")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 is far less sensitive to other load on a shared machine")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.layout is not None and args.layout not in layouts_of(args.budget):
+        p.error(f"--layout: one of {', '.join(repr(n) for n in layouts_of(args.budget))} (with this --budget)")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     load = open("/proc/loadavg").read().split()[:3]
-    if args.zero_advantage:
+    if args.peaks:
+        out = bench_peaks(args)
+        print(f"{args.model}, spread {args.spread}: each layout's update in a process of its own; load before {' '.join(load)}")
+        print("| layout | peak MiB over the start of the update | micro-batches | tokens computed | of which padding |")
+        print("|---|---|---|---|---|")
+        for name, row in out["layouts"].items():
+            print(f"| {name} | {row['peak_mib']:.0f} | {row['micro_batches']} | {row['computed_tokens']} "
+                  f"| {row['padding'] / row['computed_tokens']:.0%} |")
+    elif args.zero_advantage:
         out = bench_zero_advantage(args)
         print(out["profile"])
         print(f"every advantage 0, {args.model}: update with fillers {out['fillers_s']:.3f} s, without "

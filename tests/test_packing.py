@@ -12,6 +12,7 @@ normaliser off) is of the order of the values themselves.
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -377,17 +378,20 @@ def test_lora_matches_the_padded_layout(tiny_model_path, loss_type):
 # ----------------------------------------------------------------------------- the measuring script
 
 
+def load_update_bench():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("update_bench", Path(__file__).resolve().parent.parent / "scripts" / "update_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path):
     """scripts/update_bench.py --count-only (the token table of docs/performance.md): the same seeded spread every
     run, the packed layout computes no padding and fewer tokens, a budget bounds every layout's passes."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "update_bench.py"
-    spec = importlib.util.spec_from_file_location("update_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_update_bench()
     assert bench.completion_lengths("longtail", 32) == bench.completion_lengths("longtail", 32)
     out = tmp_path / "counts.json"
     assert bench.main(["--model", "builtin:tiny", "--count-only", "--budget", "600", "--json", str(out)]) == 0
@@ -395,3 +399,16 @@ def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path
     assert rows["packed"]["padding"] == 0 < rows["padded"]["padding"]
     assert rows["packed"]["computed_tokens"] < rows["padded"]["computed_tokens"]
     assert rows["packed, 600 tokens"]["micro_batches"] < rows["padded, 600 tokens"]["micro_batches"]
+
+
+@pytest.mark.slow  # four processes
+def test_update_bench_measures_each_layouts_peak_in_a_process_of_its_own(tmp_path, tiny_model_path):
+    """--peaks: one process per layout, so each peak is its own; a shared process's later layouts read ~0 (its
+    high-water mark, optimizer state included, is the first layout's), a fresh process's first update never does."""
+    bench = load_update_bench()
+    out = tmp_path / "peaks.json"
+    assert bench.main(["--model", "builtin:tiny", "--peaks", "--budget", "600", "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert list(rows) == ["padded", "packed", "padded, 600 tokens", "packed, 600 tokens"]
+    assert all(row["peak_mib"] > 0 for row in rows.values()), rows
+    assert rows["packed"]["padding"] == 0 < rows["padded"]["padding"]
