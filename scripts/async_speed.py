@@ -1,6 +1,6 @@
 """Step time with asynchronous rollouts (rollout.max_staleness 1) against the synchronous loop (0), and where it goes.
 
-    flock /work/wt/measure.lock .venv/bin/python scripts/async_speed.py            # SmolLM2 recipe, ~15 min on 2 cores
+    .venv/bin/python scripts/async_speed.py            # SmolLM2 recipe, ~15 min on 2 cores
     .venv/bin/python scripts/async_speed.py --steps 5 --warmup 1 --reps 1 --json async_speed.json
 
 One vLLM server for the model (`python -m grpo_trainer serve`), pinned to one core (`taskset -c 1`, vLLM's OpenMP

@@ -13,8 +13,8 @@ and left out of the medians. After the last push of each kind, the engine's samp
 compared with the trainer's (a push that did not land would show).
 
 Prints a table and (with --json) writes the numbers, with the CPU model and the load average before and
-after. Measure with `flock /work/wt/measure.lock python scripts/bench_push.py` where several people share
-a machine.
+after. Where several people share a machine, serialise measurements with a lock of your own (e.g.
+`flock /tmp/measure.lock python scripts/bench_push.py`).
 """
 
 from __future__ import annotations
