@@ -11,6 +11,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_script(name: str):
+    """`scripts/NAME.py` imported as a module (the scripts are not a package), for tests of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def small_run_overrides(output_dir: Path, steps: int = 2) -> list[str]:
     """A run of the embedded default shrunk to seconds: 4 prompts x 4 completions per step."""
     return [

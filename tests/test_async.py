@@ -426,16 +426,13 @@ def test_rollout_versions_travel_through_select_and_concat():
 
 
 def test_gpu_check_has_the_k1_row_and_the_speed_script_explains_itself(monkeypatch, capsys):
-    import importlib.util
     import sys
 
-    from helpers import ROOT
+    from helpers import ROOT, load_script
 
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     assert "check async_k1 " in script and "scripts/async_speed.py --gpu" in script
-    spec = importlib.util.spec_from_file_location("async_speed", ROOT / "scripts" / "async_speed.py")
-    speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(speed)  # in this process: the script's --help, without starting one
+    speed = load_script("async_speed")  # in this process: the script's --help, without starting one
     monkeypatch.setattr(sys, "argv", ["async_speed.py", "--help"])
     with pytest.raises(SystemExit):
         speed.main()

@@ -4,7 +4,6 @@ shape, each launch's training overrides through `validate`; the rest are parsed 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import subprocess
@@ -12,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_cli
+from helpers import ROOT, load_script, run_cli
 
 pytestmark = pytest.mark.slow  # a shell script and a training run in fresh processes
 
@@ -33,10 +32,7 @@ def commands(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def gpu_check_parser():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_parser()
+    return load_script("gpu_check").build_parser()
 
 
 def test_every_python_check_parses_and_the_hf_one_runs_on_cpu_in_its_small_shape(commands, tmp_path, tiny_model_path):

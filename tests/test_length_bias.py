@@ -6,26 +6,17 @@ step 100 the full run's gap is ~8 tokens under grpo and ~0 under dr_grpo.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "length_bias.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("length_bias", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     json_path = tmp_path_factory.mktemp("length_bias") / "length_bias.json"
-    results = _load_script().main(["--steps", "100", "--seeds", "2", "--plot", "", "--json", str(json_path)])
+    results = load_script("length_bias").main(["--steps", "100", "--seeds", "2", "--plot", "", "--json", str(json_path)])
     return results, json.loads(json_path.read_text())
 
 
@@ -67,14 +58,14 @@ def test_dr_grpo_keeps_both_lengths_near_where_they_started(short_run):
 
 
 def test_first_checkpoints_and_final_step_when_steps_is_not_a_checkpoint():
-    module = _load_script()
+    module = load_script("length_bias")
     curves = {"grpo": {s: {"accuracy": s / 70} for s in range(1, 71)}}
     assert list(module.checkpoint_table(curves, 70)["grpo"]) == ["1", "50", "70"]
 
 
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")  # optional extra `plot`
-    module = _load_script()
+    module = load_script("length_bias")
     curves = module.run(steps=3, seeds=1)
     module.plot(curves, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -29,7 +29,7 @@ from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_caus
                                  make_packed_batch, make_sequence_batch, pack_rows)
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.update import EntropyTerm, add_logprobs, micro_batch_loss
-from helpers import run_ranks
+from helpers import load_script, run_ranks
 
 PAD = 0
 G = 4
@@ -378,20 +378,10 @@ def test_lora_matches_the_padded_layout(tiny_model_path, loss_type):
 # ----------------------------------------------------------------------------- the measuring script
 
 
-def load_update_bench():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("update_bench", Path(__file__).resolve().parent.parent / "scripts" / "update_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path):
     """scripts/update_bench.py --count-only (the token table of docs/performance.md): the same seeded spread every
     run, the packed layout computes no padding and fewer tokens, a budget bounds every layout's passes."""
-    bench = load_update_bench()
+    bench = load_script("update_bench")
     assert bench.completion_lengths("longtail", 32) == bench.completion_lengths("longtail", 32)
     out = tmp_path / "counts.json"
     assert bench.main(["--model", "builtin:tiny", "--count-only", "--budget", "600", "--json", str(out)]) == 0
@@ -405,7 +395,7 @@ def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path
 def test_update_bench_measures_each_layouts_peak_in_a_process_of_its_own(tmp_path, tiny_model_path):
     """--peaks: one process per layout, so each peak is its own; a shared process's later layouts read ~0 (its
     high-water mark, optimizer state included, is the first layout's), a fresh process's first update never does."""
-    bench = load_update_bench()
+    bench = load_script("update_bench")
     out = tmp_path / "peaks.json"
     assert bench.main(["--model", "builtin:tiny", "--peaks", "--budget", "600", "--threads", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["layouts"]

@@ -3,15 +3,11 @@ the script that measures the warm start (scripts/tiny_tools_warm_start.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from grpo_trainer.builtin import tiny_tools
 from grpo_trainer.builtin.tiny_tools import CHAT_TEMPLATE, PYTHON_TOOL, multiplication_records
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tiny_tools_warm_start.py"
+from helpers import load_script
 
 PROMPT = "<|im_start|>system\ntools: python<|im_end|>\n<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"
 CALL = '<tool_call>{"name":"python","arguments":{"code":"print(12*34)"}}</tool_call>'
@@ -34,10 +30,7 @@ def warm_start():
 
 @pytest.fixture(scope="module")
 def measure():
-    spec = importlib.util.spec_from_file_location("tiny_tools_warm_start", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tiny_tools_warm_start")
 
 
 def test_records_are_products_of_two_digit_numbers_in_a_fixed_split():
