@@ -16,6 +16,7 @@ import pytest
 from grpo_trainer.builtin import build, tiny, tiny_tools
 from grpo_trainer.builtin.build import build_canonically, read_manifest, sha256_of, shipped_weights
 from grpo_trainer.builtin.charlm import build_tokenizer, char_llama_config
+from helpers import load_script
 
 
 def weights_hash(folder) -> str:
@@ -31,31 +32,29 @@ def assert_same_folder_but_the_weights(assembled, built) -> None:
     assert not mismatch and not errors, (mismatch, errors)
 
 
-@pytest.mark.slow  # two model builds in child processes
-def test_the_canonical_build_does_not_depend_on_the_cpus_instructions_or_threads(tmp_path, monkeypatch):
-    """A short warm start built twice: as builds run (one thread, MKL free to use the best instructions it
-    finds: AVX-512 here), and on two threads with MKL held to AVX2. Built plainly, ATen's AVX-512 and AVX2
-    kernels gave different weights here. Both equal the short build recorded beside the shipped weights, so
-    the recipe is still the one that produced them."""
-    entry = read_manifest()[tiny.FOLDER]
-    builder = "grpo_trainer.builtin.tiny:build_model"
-    build_canonically(builder, tmp_path / "as_built", sft_steps=entry["check_steps"])
-    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    build_canonically(builder, tmp_path / "avx2_two_threads", threads=2, sft_steps=entry["check_steps"])
-    assert weights_hash(tmp_path / "as_built") == weights_hash(tmp_path / "avx2_two_threads") == entry["check_sha256"]
-    tiny.build_model(tmp_path / "assembled", weights=shipped_weights(tiny.FOLDER))
+@pytest.mark.slow  # a model build in a child process
+@pytest.mark.parametrize("module", [tiny, tiny_tools], ids=["tiny", "tiny-tools"])
+def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
+    """The recipe's first steps, built canonically, give the hash recorded beside its shipped weights, and the
+    folder assembled from those weights is the recipe's own folder but for the weights."""
+    entry = read_manifest()[module.FOLDER]
+    build_canonically(f"{module.__name__}:build_model", tmp_path / "built", sft_steps=entry["check_steps"])
+    assert weights_hash(tmp_path / "built") == entry["check_sha256"]
+    module.build_model(tmp_path / "assembled", weights=shipped_weights(module.FOLDER))
     assert weights_hash(tmp_path / "assembled") == entry["sha256"]
-    assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "as_built")
+    assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "built")
 
 
 @pytest.mark.slow  # a model build in a child process
-def test_the_tool_models_recipe_is_the_one_its_shipped_weights_came_from(tmp_path):
-    entry = read_manifest()[tiny_tools.FOLDER]
-    build_canonically("grpo_trainer.builtin.tiny_tools:build_model", tmp_path / "built", sft_steps=entry["check_steps"])
-    assert weights_hash(tmp_path / "built") == entry["check_sha256"]
-    tiny_tools.build_model(tmp_path / "assembled", weights=shipped_weights(tiny_tools.FOLDER))
-    assert weights_hash(tmp_path / "assembled") == entry["sha256"]
-    assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "built")
+def test_the_canonical_build_does_not_depend_on_the_cpus_instructions_or_threads(tmp_path, monkeypatch):
+    """The short warm start built on two threads with MKL held to AVX2 equals the one recorded in the manifest,
+    which builds run on one thread with MKL free to use the best instructions it finds (AVX-512 here, checked
+    above). Built plainly, ATen's AVX-512 and AVX2 kernels gave different weights here."""
+    entry = read_manifest()[tiny.FOLDER]
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    build_canonically("grpo_trainer.builtin.tiny:build_model", tmp_path / "avx2_two_threads", threads=2,
+                      sft_steps=entry["check_steps"])
+    assert weights_hash(tmp_path / "avx2_two_threads") == entry["check_sha256"]
 
 
 def test_every_shipped_file_is_in_the_manifest_and_matches_its_recipe():
@@ -98,13 +97,10 @@ def test_the_parameter_count_in_the_docstring_is_the_models(module, count):
 def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_weights(tmp_path, monkeypatch, capsys):
     """scripts/build_builtins.py's comparison and --write, with the canonical build replaced by assembling the
     shipped weights (a full build takes minutes): the full builds match, the short ones cannot."""
-    import importlib.util
     import json
     import sys
 
-    spec = importlib.util.spec_from_file_location("build_builtins", build.WEIGHTS_DIR.parents[2] / "scripts" / "build_builtins.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("build_builtins")
 
     shipped = {module: shipped_weights(module.FOLDER) for module in (tiny, tiny_tools)}
 

@@ -10,7 +10,7 @@ Why the tiny models' weights are shipped (weights/, 2.1 MB): their recipes (tiny
 them in the canonical float settings below, which make every machine get the same weights but run on one
 core at SSE2 speed: ~6 and ~7 minutes of one core on a 2-core Xeon, on every fresh machine, before a demo or a test
 could start. The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;
-a fresh machine assembles the folder from them in a second (the same code, the warm start replaced by
+a fresh machine assembles the folder from them in a second (`assembled_from_shipped_weights`: the same code, the warm start replaced by
 loading the weights). `scripts/build_builtins.py` runs the recipes and checks (or, with --write, records)
 that they give exactly the shipped bytes; tests/test_tiny.py checks each recipe's first steps against the
 manifest, so a changed recipe cannot go unnoticed beside stale weights.
@@ -114,6 +114,12 @@ def shipped_weights(folder_name: str) -> Path:
         raise ValueError(f"{path}: not the weights {MANIFEST.name} records for {folder_name!r} (sha256 differs); "
                          f"restore it from the repository, or {rebuild}")
     return path
+
+
+def assembled_from_shipped_weights(folder_name: str, build_model: Callable[..., None]) -> Path:
+    """The cache folder of a shipped model (`tiny-v5`), assembled first where this machine has none:
+    `build_model(folder, weights=...)`, its recipe's builder given the shipped weights instead of training."""
+    return cached_build(folder_name, lambda folder: build_model(folder, weights=shipped_weights(folder_name)))
 
 
 def load_weights(path: Path) -> Callable[[Any], None]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from .build import cached_build, load_weights, shipped_weights
+from .build import assembled_from_shipped_weights, load_weights
 from .charlm import build_char_model, build_tokenizer
 
 NAME = "tiny"
@@ -73,7 +73,7 @@ def worked_completion(prompt: str, answer: str) -> str:
 
 def ensure_model() -> Path:
     """The tiny model's folder, assembled from the shipped weights first if this machine has none (build.py)."""
-    return cached_build(FOLDER, lambda folder: build_model(folder, weights=shipped_weights(FOLDER)))
+    return assembled_from_shipped_weights(FOLDER, build_model)
 
 
 def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights: Path | None = None) -> None:
