@@ -122,6 +122,25 @@ def _child(target, args: tuple, env: dict, stdout_path: str, stderr_path: str) -
     os._exit(code)
 
 
+def worst_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over the tensors named in `b`, each relative to its scale max(1, max|b|)."""
+    return max(float((a[n].double() - b[n].double()).abs().max()) / max(1.0, float(b[n].abs().max())) for n in b)
+
+
+def assert_as_exact_as(got: dict, baseline: dict, exact: dict, what: str, factor: float = 2.0) -> None:
+    """`got` (gradients of a rewritten computation, float32) is as close to `exact` (the same gradients from the
+    float64 model) as `baseline` (the plain float32 computation) is, within `factor`.
+
+    Why not `got` against `baseline` directly: two float32 computations that batch the same rows in different
+    shapes round differently, by as much as each is off from the exact result, and how much that is depends
+    on the CPU's BLAS kernels (MKL takes other paths on AMD than on Intel: a fixed tolerance that held on one
+    failed on the other). A bug (a row seeing another's tokens, a wrong position) is off by orders of magnitude
+    more than rounding, on every CPU.
+    """
+    ours, theirs = worst_difference(got, exact), worst_difference(baseline, exact)
+    assert ours <= factor * theirs, f"{what}: {ours:.3g} from the float64 gradients, the float32 baseline {theirs:.3g}"
+
+
 def assert_same_update(base: dict, a: dict, b: dict, rel: float = 3e-3) -> None:
     """Two runs from the same weights `base` took the same optimizer steps: per tensor, the difference of
     their final weights is within `rel` of the size of the update itself.

@@ -29,7 +29,7 @@ from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_caus
                                  make_packed_batch, make_sequence_batch, pack_rows)
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.update import EntropyTerm, add_logprobs, micro_batch_loss
-from helpers import load_script, run_ranks
+from helpers import assert_as_exact_as, load_script, run_ranks
 
 PAD = 0
 G = 4
@@ -181,43 +181,40 @@ def test_only_full_attention_through_a_mask_taking_path_can_pack(tiny_model_path
         check_packing_support(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1))
 
 
-def worst_difference(a: dict, b: dict) -> float:
-    """The largest |a - b| over tensors, each relative to its scale max(1, max|b|)."""
-    return max(float((a[n] - b[n]).abs().max()) / max(1.0, float(b[n].abs().max())) for n in b)
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
 def test_smollm2_packed_equals_padded(tiny_model_path):
     """The real model (30 layers, 9 query heads on 3 key/value heads, 49k vocabulary) on real text. Log-probs and
-    entropies to 1e-5. Through 30 float32 layers the padded shared-prompt path's gradients already differ from
-    every row run in full by ~3.6e-5 of their scale (measured here); the packed path must be at least as close to
-    the full computation as that (it measured 1.0e-5)."""
+    entropies to 1e-5 of the padded shared-prompt path's. Gradients: as close to the float64 model's as every row
+    run in full in float32 is, within 3x. Measured on an AMD EPYC (AVX-512): packed 2.6e-4 of the scale, full
+    1.5e-4; padded and full differed by only 1.3e-5 there (the same shapes round alike), so the packed path's
+    own rounding (other shapes) cannot be held to that."""
     from grpo_trainer.config import load_config as load
 
     cfg = load("configs/smollm2_cpu.yaml")
     tokenizer = load_tokenizer(cfg.model)
-    lm = load_causal_lm(cfg.model).train()
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             for q in ("What is 12+7?", "Name a colour.")]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chat]
     texts = ["12 + 7 = 19.<|im_end|>", "It is 19", "Blue, the colour of the sky.<|im_end|>"]
     completions = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     rows = [prompts[0], prompts[0], prompts[1]]
+    kept = ("layers.0.", "layers.15.", "layers.29.", "embed_tokens")
     out = {}
-    for name, make, share in (("full", make_sequence_batch, False), ("padded", make_sequence_batch, True),
-                              ("packed", make_packed_batch, True)):
-        lm.zero_grad(set_to_none=True)
-        batch = make(rows, completions, tokenizer.pad_token_id)
-        logp, entropy = TokenLogprobs(lm, chunk_size=5, share_prompt=share)(**batch.tensors(), with_entropy=True)
-        (logp * batch.completion_mask).sum().backward()
-        kept = ("layers.0.", "layers.15.", "layers.29.", "embed_tokens")
-        out[name] = (logp.detach() * batch.completion_mask, entropy * batch.completion_mask,
-                     {n: p.grad.clone() for n, p in lm.named_parameters() if any(k in n for k in kept)})
+    for dtype, paths in ((torch.float64, ("exact",)), (torch.float32, ("full", "padded", "packed"))):
+        lm = load_causal_lm(cfg.model).to(dtype).train()
+        for name in paths:
+            make, share = (make_packed_batch, True) if name == "packed" else (make_sequence_batch, name == "padded")
+            lm.zero_grad(set_to_none=True)
+            batch = make(rows, completions, tokenizer.pad_token_id)
+            logp, entropy = TokenLogprobs(lm, chunk_size=5, share_prompt=share)(**batch.tensors(), with_entropy=True)
+            (logp * batch.completion_mask).sum().backward()
+            out[name] = (logp.detach() * batch.completion_mask, entropy * batch.completion_mask,
+                         {n: p.grad.clone() for n, p in lm.named_parameters() if any(k in n for k in kept)})
+        del lm
     assert_same(out["packed"][0], out["padded"][0], "log-probs")
     assert_same(out["packed"][1], out["padded"][1], "entropies")
-    today = worst_difference(out["padded"][2], out["full"][2])
-    assert worst_difference(out["packed"][2], out["full"][2]) <= 2 * today
+    assert_as_exact_as(out["packed"][2], out["full"][2], out["exact"][2], "packed gradients", factor=3.0)
 
 
 # ----------------------------------------------------------------------------- the loss, over ranks and layouts
