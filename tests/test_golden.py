@@ -6,7 +6,8 @@ by the same commit's loop (6ba7fd5, before that session's changes) once the tiny
 same on every machine (build.CANONICAL_ENV; the first file held the weights of one machine's CPU); rewritten
 again by the same loop once that build was made vendor-independent (tiny v4: MKL's COMPATIBLE branch, since
 the AVX2 branch is Intel-only and an AMD machine had built other weights), so that a refactor is checked
-against numbers it did not produce. Floats are compared to 1e-6 relative (the golden file went through JSON;
+against numbers it did not produce. The demo loads the shipped weights (build.py), so these numbers held on an
+AMD EPYC too (2026-12-02), where the recipe's own short builds give other bytes than on the Xeon. Floats are compared to 1e-6 relative (the golden file went through JSON;
 everything else is exact).
 
 Regenerate only when a change is *meant* to alter the numbers, and say why in the commit:
@@ -38,7 +39,8 @@ STEPS = 5
 
 def run_demo_steps(output_dir: Path) -> list[dict]:
     # A fresh interpreter with the tiny model's canonical float settings (build.CANONICAL_ENV), read when torch
-    # starts: the numbers are then those of any x86 machine with AVX2, not only of the one that wrote them.
+    # starts: the numbers are then those of x86 machines with AVX2 (checked on an Intel Xeon and an AMD EPYC), not
+    # only of the one that wrote them.
     result = run_cli(["train", "configs/demo_cpu.yaml", f"output_dir={output_dir}", f"train.max_steps={STEPS}",
                       "logging.progress_bar=false", "checkpoint.save_final_model=false"],
                      env=CANONICAL_ENV, launcher=[sys.executable, "-m"])

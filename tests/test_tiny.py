@@ -1,5 +1,7 @@
-"""The tiny models' recipes give the same weights on every machine (build.build_canonically), and the package
-ships what they give (build.shipped_weights): the golden metrics and the README's demo numbers depend on them.
+"""The tiny models' recipes give the same weights on every CPU of a kind (build.build_canonically), and the
+package ships what they gave on one (build.shipped_weights): the golden metrics and the README's demo numbers
+depend on them. Where a kind of CPU computes the canonical arithmetic differently (an AMD EPYC did), the
+manifest records the short build's hash there too (build.check_hashes).
 
 The full builds take ~6-7 minutes of one core each, so `make test` checks each recipe's first steps against
 the hash recorded with the shipped weights (weights/manifest.json), and the folder assembled from those
@@ -14,7 +16,7 @@ import shutil
 import pytest
 
 from grpo_trainer.builtin import build, tiny, tiny_tools
-from grpo_trainer.builtin.build import build_canonically, read_manifest, sha256_of, shipped_weights
+from grpo_trainer.builtin.build import build_canonically, check_hashes, read_manifest, sha256_of, shipped_weights
 from grpo_trainer.builtin.charlm import build_tokenizer, char_llama_config
 from helpers import load_script
 
@@ -32,6 +34,14 @@ def assert_same_folder_but_the_weights(assembled, built) -> None:
     assert not mismatch and not errors, (mismatch, errors)
 
 
+def assert_a_recorded_check_hash(built: str, entry: dict) -> None:
+    recorded = check_hashes(entry)
+    assert built in recorded.values(), (
+        f"the short build gave sha256 {built}, recorded are {recorded}: the recipe changed (bump its VERSION and "
+        "run scripts/build_builtins.py --write), or this CPU computes the canonical arithmetic unlike all of those "
+        "(scripts/build_builtins.py says which; --record-check records it)")
+
+
 @pytest.mark.slow  # a model build in a child process
 @pytest.mark.parametrize("module", [tiny, tiny_tools], ids=["tiny", "tiny-tools"])
 def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
@@ -39,7 +49,7 @@ def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
     folder assembled from those weights is the recipe's own folder but for the weights."""
     entry = read_manifest()[module.FOLDER]
     build_canonically(f"{module.__name__}:build_model", tmp_path / "built", sft_steps=entry["check_steps"])
-    assert weights_hash(tmp_path / "built") == entry["check_sha256"]
+    assert_a_recorded_check_hash(weights_hash(tmp_path / "built"), entry)
     module.build_model(tmp_path / "assembled", weights=shipped_weights(module.FOLDER))
     assert weights_hash(tmp_path / "assembled") == entry["sha256"]
     assert_same_folder_but_the_weights(tmp_path / "assembled", tmp_path / "built")
@@ -48,13 +58,14 @@ def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
 @pytest.mark.slow  # a model build in a child process
 def test_the_canonical_build_does_not_depend_on_the_cpus_instructions_or_threads(tmp_path, monkeypatch):
     """The short warm start built on two threads with MKL held to AVX2 equals the one recorded in the manifest,
-    which builds run on one thread with MKL free to use the best instructions it finds (AVX-512 here, checked
-    above). Built plainly, ATen's AVX-512 and AVX2 kernels gave different weights here."""
+    which builds run on one thread with MKL free to use the best instructions it finds (AVX-512 on the Xeon and
+    the EPYC that recorded theirs, checked above). Built plainly, ATen's AVX-512 and AVX2 kernels gave
+    different weights on the Xeon."""
     entry = read_manifest()[tiny.FOLDER]
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     build_canonically("grpo_trainer.builtin.tiny:build_model", tmp_path / "avx2_two_threads", threads=2,
                       sft_steps=entry["check_steps"])
-    assert weights_hash(tmp_path / "avx2_two_threads") == entry["check_sha256"]
+    assert_a_recorded_check_hash(weights_hash(tmp_path / "avx2_two_threads"), entry)
 
 
 def test_every_shipped_file_is_in_the_manifest_and_matches_its_recipe():
@@ -95,8 +106,9 @@ def test_the_parameter_count_in_the_docstring_is_the_models(module, count):
 
 
 def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_weights(tmp_path, monkeypatch, capsys):
-    """scripts/build_builtins.py's comparison and --write, with the canonical build replaced by assembling the
-    shipped weights (a full build takes minutes): the full builds match, the short ones cannot."""
+    """scripts/build_builtins.py's comparison, --record-check and --write, with the canonical build replaced by
+    assembling the shipped weights (a full build takes minutes): the full builds match, the short ones cannot,
+    until --record-check records theirs as this CPU's kind."""
     import json
     import sys
 
@@ -112,7 +124,7 @@ def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_we
     monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER])
     assert script.main() == 1
     out = capsys.readouterr()
-    assert f"{tiny.FOLDER}: built in" in out.out and "DIFFERENT from the shipped weights" in out.out
+    assert f"{tiny.FOLDER}: built in" in out.out and "DIFFERENT from every hash recorded" in out.out
     assert "bump the recipe's VERSION and run this with --write" in out.err
 
     shipped_manifest = read_manifest()
@@ -121,9 +133,19 @@ def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_we
     for module in (build, script):
         monkeypatch.setattr(module, "MANIFEST", manifest)
         monkeypatch.setattr(module, "WEIGHTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER, "--record-check"])
+    assert script.main() == 0
+    recorded = json.loads(manifest.read_text())[tiny.FOLDER]
+    assert recorded["check_sha256_other_cpus"][script.this_cpu()] == sha256_of(shipped[tiny])
+    assert recorded["check_sha256"] == shipped_manifest[tiny.FOLDER]["check_sha256"]  # the building CPU's, kept
+    monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER])
+    assert script.main() == 0
+    assert "cannot be compared with them here" in capsys.readouterr().out
+
     monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER, "--write"])
     assert script.main() == 0
     written = json.loads(manifest.read_text())
     assert written[tiny.FOLDER]["sha256"] == written[tiny.FOLDER]["check_sha256"] == sha256_of(shipped[tiny])
+    assert written[tiny.FOLDER]["built_on"] == script.this_cpu() and "check_sha256_other_cpus" not in written[tiny.FOLDER]
     assert written[tiny_tools.FOLDER] == shipped_manifest[tiny_tools.FOLDER]  # not rebuilt, kept
     assert (tmp_path / f"{tiny.FOLDER}.safetensors").read_bytes() == shipped[tiny].read_bytes()

@@ -7,8 +7,8 @@ stale one. `cached_build` is the one way such a folder comes to exist: built in 
 and renamed into place, by one process per machine while the others (ranks, parallel tests) wait on a lock.
 
 Why the tiny models' weights are shipped (weights/, 2.1 MB): their recipes (tiny.py, tiny_tools.py) train
-them in the canonical float settings below, which make every machine get the same weights but run on one
-core at SSE2 speed: ~6 and ~7 minutes of one core on a 2-core Xeon, on every fresh machine, before a demo or a test
+them in the canonical float settings below, which make every machine of a kind (Intel, AMD: see below) get
+the same weights but run on one core at SSE2 speed: ~6 and ~7 minutes of one core on a 2-core Xeon, on every fresh machine, before a demo or a test
 could start. The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;
 a fresh machine assembles the folder from them in a second (`assembled_from_shipped_weights`: the same code, the warm start replaced by
 loading the weights). `scripts/build_builtins.py` runs the recipes and checks (or, with --write, records)
@@ -68,7 +68,12 @@ def cached_build(folder_name: str, build: Callable[[Path], None]) -> Path:
 # others (AVX2, AVX512, ...) are "available only for Intel processors", and elsewhere MKL silently takes its
 # AUTO branch. Version 3 used MKL_CBWR=AVX2: built on an AMD EPYC and on an Intel Xeon, its weights differed
 # (the Xeon's warm start scored mean@4 0.06 on the held-out sums, the EPYC's 0.25), and so did every golden
-# number. A child process, since these settings are read when torch starts.
+# number. COMPATIBLE is not enough either: on an AMD EPYC with AVX-512 (2026-12-02) the short builds of both
+# recipes gave other bytes than on the Xeon that built the shipped weights, the same on 1 and 2 threads and
+# with MKL held to AVX2, so the difference is the CPU's, not the settings' (where exactly is not isolated:
+# ATen's elementwise kernels gave the same bytes under every capability there; MKL's sgemm is the suspect).
+# Hence the weights are shipped, and the manifest records the short build's hash per kind of CPU
+# (`check_hashes`). A child process, since these settings are read when torch starts.
 CANONICAL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -93,8 +98,18 @@ def sha256_of(path: Path) -> str:
 
 def read_manifest() -> dict[str, dict]:
     """weights/manifest.json: for each shipped model folder name (`tiny-v5`), the sha256 of its weights, how
-    they were built, and the hash a short build of its recipe (`check_steps` steps) gives."""
+    and where they were built, and the hashes a short build of its recipe (`check_steps` steps) gives
+    (`check_hashes`)."""
     return json.loads(MANIFEST.read_text())
+
+
+def check_hashes(entry: dict) -> dict[str, str]:
+    """The hashes a short build of a recipe gives, by the CPU they were recorded on: first the one the shipped
+    weights were built on, then others whose canonical arithmetic differs (`scripts/build_builtins.py
+    --record-check` adds this machine's). A short build that gives none of them is a changed recipe, or a CPU
+    computing differently from all those recorded."""
+    return {entry.get("built_on", "the machine that built the shipped weights"): entry["check_sha256"],
+            **entry.get("check_sha256_other_cpus", {})}
 
 
 def shipped_weights(folder_name: str) -> Path:

@@ -3,8 +3,9 @@
 `builtin:tiny` resolves to a folder in the real Hugging Face format (config.json,
 model.safetensors, tokenizer.json, a chat template), so `AutoModelForCausalLM`,
 `AutoTokenizer` and vLLM load it like any hub model. Its recipe is below; it is
-trained in build.py's canonical float settings, so every machine gets the same
-weights, and the package ships those (build.py says why) so that a fresh
+trained in build.py's canonical float settings (the same weights on every CPU
+of a kind), and the package ships those (build.py says why) so that every
+machine gets the Xeon-built weights and a fresh
 machine assembles the folder into the cache (`$GRPO_TRAINER_CACHE`, default
 `~/.cache/grpo_trainer`) in a second instead of training for minutes.
 
