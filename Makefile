@@ -48,10 +48,8 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	@touch $@
 
-# GRPO_TRAINER_PREBUILD_DEEPSPEED_OPS: DeepSpeed's CPU ops are compiled in the background at the lowest priority
-# while the suite runs, instead of by the first launch that needs them (tests/conftest.py says why).
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
-	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) GRPO_TRAINER_PREBUILD_DEEPSPEED_OPS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
+	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
 
 # The tests that run in this process (no CLI runs, launches, sandboxes, vLLM): the developer's loop, under 3 minutes.
 # `make test` runs them too, with the ones marked slow (tests/conftest.py says what is marked and why).

@@ -42,37 +42,6 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(int(threads))
 
 
-# DeepSpeed compiles its CPU ops (C++, `-O3 -march=native`) the first time a run needs them, into
-# TORCH_EXTENSIONS_DIR: the shared-memory collectives for any multi-rank DeepSpeed launch, the CPU Adam for the
-# zero3_offload launch file. On a fresh 2-core machine that is ~3.5 minutes of CPU, taken from the tests that
-# need the ops, at full priority. Built here instead, by a process at the lowest priority started with the
-# session, it runs in the cores' idle moments (a test waiting on a server, a launch waiting on its ranks); a
-# test that needs an op before it is ready waits on torch's build lock and then loads the same build (the same
-# compiler command, so nothing is built twice). The process is in a session of its own: an interrupted test
-# run does not kill it mid-build (torch would then wait forever on the lock it left behind).
-DEEPSPEED_OPS_PREBUILD = """
-import os
-os.nice(19)
-from deepspeed.accelerator import get_accelerator
-from deepspeed.ops.op_builder import CPUAdamBuilder  # what deepspeed.ops.adam.DeepSpeedCPUAdam builds
-get_accelerator().create_op_builder("ShareMemCommBuilder").load()  # what deepspeed.comm builds
-CPUAdamBuilder().load()
-"""
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """`make test` (GRPO_TRAINER_PREBUILD_DEEPSPEED_OPS=1) starts DeepSpeed's CPU op builds in the background."""
-    if os.environ.get("GRPO_TRAINER_PREBUILD_DEEPSPEED_OPS") != "1" or "PYTEST_XDIST_WORKER" in os.environ:
-        return
-    import importlib.util
-    import subprocess
-
-    if importlib.util.find_spec("deepspeed") is None:
-        return
-    subprocess.Popen([sys.executable, "-c", DEEPSPEED_OPS_PREBUILD], stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """The embedded tiny model, built once per machine (cached)."""

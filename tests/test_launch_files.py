@@ -90,25 +90,6 @@ def test_deepspeed_precision_lives_in_the_json_only(name):
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
 
 
-def test_the_background_build_builds_the_ops_the_launches_load():
-    """conftest.py's DEEPSPEED_OPS_PREBUILD (run by `make test`) must build what DeepSpeed loads, through the same
-    builders (so the same compiler command and folder), or it only adds work: DeepSpeedCPUAdam's builder class and
-    deepspeed.comm's shared-memory one."""
-    pytest.importorskip("deepspeed")
-    import importlib
-    import inspect
-
-    import deepspeed.ops.adam.cpu_adam
-    from conftest import DEEPSPEED_OPS_PREBUILD
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-
-    assert deepspeed.ops.adam.cpu_adam.CPUAdamBuilder is CPUAdamBuilder
-    assert "from deepspeed.ops.op_builder import CPUAdamBuilder" in DEEPSPEED_OPS_PREBUILD
-    shm = 'get_accelerator().create_op_builder("ShareMemCommBuilder")'
-    comm_backend = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch
-    assert shm in inspect.getsource(comm_backend.build_shm_op) and shm in DEEPSPEED_OPS_PREBUILD
-
-
 def test_the_cpu_ddp_file_is_the_shipped_ddp_file_on_cpu(tmp_path):
     """configs/accelerate/cpu_ddp.yaml (the README's CPU command) may not drift from ddp.yaml."""
     derived = yaml.safe_load(cpu_launch_file("ddp", tmp_path).read_text())
