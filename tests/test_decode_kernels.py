@@ -92,6 +92,10 @@ def test_a_choice_is_measured_once_per_machine_and_shape_then_read_from_the_cach
     assert len(calls) == 1
     fresh.choose("linear", (8, 4, 8), ["a", "b"], measure, worth_measuring=True)
     assert len(calls) == 2 and len(json.loads(path.read_text())["choices"]) == 2
+    # An alternative added since (a new kernel, a newer torch offering one) is measured, not passed over.
+    fake["c"] = 0.5
+    assert kernels.KernelTable(path).choose("linear", (8, 4, 16), ["a", "b", "c"], measure, worth_measuring=True) == "c"
+    assert len(calls) == 3
 
 
 def test_the_incumbent_stays_unless_measurement_matters_and_the_gain_is_clear(tmp_path, monkeypatch):
@@ -149,6 +153,29 @@ def test_every_linear_form_computes_nn_linear(form):
         out = LINEAR[form](layer, x)
         torch.testing.assert_close(out, layer(x), atol=1e-6, rtol=1e-6)
         assert out.is_contiguous()  # a transposed output sent the next attention down SDPA's slow path
+
+
+@pytest.mark.skipif("onednn_packed" not in LINEAR, reason="this torch has no oneDNN")
+def test_the_packed_form_follows_the_weights_and_is_dropped_when_the_loop_ends(tiny_model_path, monkeypatch):
+    """The reordered weights are reused while the weights are unchanged, made again after an in-place update
+    (an optimizer step between two rollouts), and gone from every module when the decode loop ends."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+    from grpo_trainer.rollout.decode import PACKED
+
+    monkeypatch.setenv(kernels.FORCE_ENV, "linear=onednn_packed")
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    layer = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
+    x = torch.randn(4, 1, layer.in_features)
+    with torch.no_grad(), DecodeKernels(lm, kernels.KernelTable(None)):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+        packed = vars(layer)[PACKED]
+        layer(x)
+        assert vars(layer)[PACKED] is packed
+        layer.weight.mul_(-2.0)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+        assert vars(layer)[PACKED] is not packed
+    assert not any(PACKED in vars(m) for m in lm.modules())
 
 
 @pytest.mark.parametrize("path", sorted(ATTENTION))

@@ -17,7 +17,8 @@ on the machine (issue 26). `DecodeKernels` picks one of each per shape by measur
 (kernels.py, cached per machine):
 
 * linear form: `weight_stationary`, (W @ x^T)^T, which on one AVX-512 CPU read the weights twice as fast
-  as `nn.Linear`'s x @ W^T for a few rows; or `linear`, `nn.Linear`'s own. The output is made contiguous:
+  as `nn.Linear`'s x @ W^T for a few rows; `linear`, `nn.Linear`'s own; or `onednn_packed`, oneDNN on weights
+  reordered once per decode loop (float32 only), 2.5-3x either on an AMD EPYC. The output is made contiguous:
   a transposed one sent the attention after it down SDPA's slow "math" path (the flash kernel wants a unit
   stride on the head dimension), which cost a sixth of the step before this was measured.
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
@@ -173,7 +174,36 @@ def plain_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+PACKED = "_decode_packed_weight"  # where onednn_packed_linear keeps a module's reordered weights while they live
+
+
+def onednn_packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward` through oneDNN, the weights reordered once into its blocked layout (as inductor's
+    freezing does for CPU linears): the same products summed in another order (outputs within ~1e-6 of their
+    size of `nn.Linear`'s). On a 2-core AMD EPYC it read SmolLM2's weights at 22-26 GB/s with 16 rows, where
+    MKL's `nn.Linear` and the weight-stationary form read 7-10 GB/s (docs/performance.md).
+
+    The reordered copy is kept on the module while its weights are unchanged (same storage and version), and
+    dropped when the decode loop ends (DecodeKernels.__exit__): it doubles the linears' memory while it lives,
+    and the weights change at every optimizer step anyway."""
+    weight = self.weight
+    stamp = (weight.data_ptr(), weight._version)
+    packed = self.__dict__.get(PACKED)
+    if packed is None or packed[0] != stamp:
+        rows = max(1, x.numel() // x.shape[-1])
+        packed = self.__dict__[PACKED] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
+
+
+def drop_packed_weights(modules) -> None:
+    for module in modules:
+        module.__dict__.pop(PACKED, None)
+
+
 LINEAR = {"weight_stationary": weight_stationary_linear, "linear": plain_linear}
+if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    LINEAR["onednn_packed"] = onednn_packed_linear
+FLOAT32_ONLY = {"onednn_packed"}  # oneDNN's bfloat16/float16 linears depend on the CPU's instructions: not offered
 
 
 class DecodeKernels:
@@ -215,13 +245,18 @@ class DecodeKernels:
         out_features, in_features, bucket = key
         same_shape = self.by_shape.get((out_features, in_features), [])
         weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
+        dtype = same_shape[0].weight.dtype if same_shape else torch.float32
+        forms = [name for name in LINEAR if dtype == torch.float32 or name not in FLOAT32_ONLY]
 
         def measure():
             # Every weight of this shape once, as a decode step reads them: streamed, not hot in a cache.
-            x = torch.randn(bucket, in_features, dtype=same_shape[0].weight.dtype)
-            return {name: (lambda form=form: [form(m, x) for m in same_shape]) for name, form in LINEAR.items()}
+            x = torch.randn(bucket, in_features, dtype=dtype)
+            return {name: (lambda form=LINEAR[name]: [form(m, x) for m in same_shape]) for name in forms}
 
-        return self.table.choose("linear", key, list(LINEAR), measure, worth_measuring=weight_bytes >= MIN_WORK_BYTES)
+        choice = self.table.choose("linear", key, forms, measure, worth_measuring=weight_bytes >= MIN_WORK_BYTES)
+        if choice != "onednn_packed":
+            drop_packed_weights(same_shape)  # reordered while being timed; not kept for a form that lost
+        return choice
 
     # -- attention
 
@@ -285,6 +320,7 @@ class DecodeKernels:
             self.model.set_attn_implementation("sdpa")
         for module in self.linears:
             del module.forward
+        drop_packed_weights(self.linears)
 
 
 def _chosen_linear(kernels: DecodeKernels, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -142,7 +142,9 @@ class KernelTable:
             return alternatives[0]
         key = f"{machine_key(device_type)}/{decision}/{'x'.join(map(str, shape))}"
         entry = self._load().get(key)
-        if entry is not None and entry.get("choice") in alternatives and not _measured_busy_now_quiet(entry):
+        # A choice made before an alternative was added (or without one that is gone) is measured again.
+        if (entry is not None and set(entry.get("ms", ())) == set(alternatives)
+                and not _measured_busy_now_quiet(entry)):
             return entry["choice"]
         ms = time_alternatives(measure(), device_type=device_type)
         incumbent = alternatives[0]
