@@ -69,10 +69,13 @@ class ModelConfig(_Section):
         "carries its own copy of the prompt (and the hf engine uses `model.generate`). Gradient checkpointing turns "
         "it off for the training passes.",
     )
-    logprob_chunk_size: int = Field(
-        1024,
+    logprob_chunk_size: int | None = Field(
+        None,
         gt=0,
-        description="Completion tokens per chunk when computing log-probs, so full-vocabulary fp32 logits are never held at once.",
+        description="Completion positions (of every row of the micro-batch) scored per chunk when computing log-probs, "
+        "so that full-vocabulary fp32 logits are never held for the whole batch; a training pass over more than one chunk "
+        "computes each chunk's logits again in its backward instead of keeping them. Unset: as many as keep a chunk's "
+        "logits within 256 MiB.",
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import in_memory
 from .config import ModelConfig
@@ -121,13 +122,15 @@ def context_length(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits scored at a time when `model.logprob_chunk_size` is not set
+
+
 class TokenLogprobs(nn.Module):
     """A causal LM whose forward gives per-token log-probs of the completion tokens.
 
     forward(**SequenceBatch.tensors()) or forward(**PackedBatch.tensors())
         -> logprobs [B, C] (fp32), entropy [B, C] or None; 0 where completion b has no token t.
-    The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term):
-    its graph holds another [B, C, V] tensor per chunk until the backward pass.
+    The entropy is a statistic (no gradient) unless `entropy_grad` asks for it (the loss's entropy term).
     Tokens are scored at `temperature`, the sampling temperature, so that
     pi_theta here is the distribution the completions were drawn from.
 
@@ -142,7 +145,7 @@ class TokenLogprobs(nn.Module):
       but the slack at the end of a row; works under gradient checkpointing too (no cache).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, share_prompt: bool = True):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int | None = None, share_prompt: bool = True):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
@@ -223,17 +226,47 @@ class TokenLogprobs(nn.Module):
         return next(decoder.parameters()).dtype
 
     def _score(self, head, hidden, targets, with_entropy, entropy_grad=False):
-        """log p(target) (and entropy) from hidden states, `chunk_size` positions of full-vocabulary logits at a time."""
+        """log p(target) (and entropy) from hidden states [B, C, H], a chunk of positions at a time.
+
+        Each chunk's full-vocabulary logits exist only while that chunk is scored. In a pass that records
+        gradients and needs more than one chunk, each chunk runs under activation checkpointing: autograd keeps
+        its hidden states, and the backward pass computes its logits again (one more output-head matmul),
+        instead of keeping every chunk's [B, c, V] log-softmax until the backward. Recomputed, the same numbers
+        (the same operations on the same inputs), so the gradients are unchanged. Measured on SmolLM2 (machine
+        D of docs/performance.md, `scripts/update_bench.py --peaks --spread longtail`): the padded update's peak
+        12.9 -> 10.9 GB. A single chunk is never recomputed: with 64 MiB chunks the short default update, then
+        recomputed, took 13.5 s padded / 6.5 s packed against 11.3 / 5.8 s without (one noisy run each); with
+        256 MiB chunks it is one chunk and took the time it took before (12.1 / 6.2 s against 13.0 / 6.2 s).
+        """
+        positions = self._positions_per_chunk(hidden.shape[0])
+        recompute = torch.is_grad_enabled() and hidden.requires_grad and targets.shape[1] > positions
         logps, entropies = [], []
-        for start in range(0, targets.shape[1], self.chunk_size):
-            stop = start + self.chunk_size
-            logits = head(hidden[:, start:stop]).float() / self.temperature  # [B, c, V]
-            logp_all = logits.log_softmax(-1)
-            logps.append(logp_all.gather(-1, targets[:, start:stop, None]).squeeze(-1))
-            if with_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    entropies.append(-(logp_all.exp() * logp_all).sum(-1))
+        for start in range(0, targets.shape[1], positions):
+            chunk = (head, hidden[:, start : start + positions], targets[:, start : start + positions], with_entropy, entropy_grad)
+            if recompute:
+                logp, entropy = checkpoint(self._score_chunk, *chunk, use_reentrant=False)
+            else:
+                logp, entropy = self._score_chunk(*chunk)
+            logps.append(logp)
+            entropies.append(entropy)
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
+
+    def _score_chunk(self, head, hidden, targets, with_entropy, entropy_grad):
+        logits = head(hidden).float() / self.temperature  # [B, c, V]
+        logp_all = logits.log_softmax(-1)
+        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+    def _positions_per_chunk(self, rows: int) -> int:
+        """`chunk_size` if given (`model.logprob_chunk_size`), else as many positions as keep a chunk's float32
+        logits within LOGITS_CHUNK_BYTES (the tiny model's never split: 128 tokens of vocabulary)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        vocab = getattr(getattr(self.lm, "config", None), "vocab_size", None) or 2**17
+        return max(1, LOGITS_CHUNK_BYTES // (4 * vocab * max(1, rows)))
 
 
 def _unflatten(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

@@ -242,3 +242,45 @@ def test_hf_engine_ends_completions_on_stop_strings(tiny_model_path, share_promp
                for c, t in zip(rollout.completion_ids, rollout.truncated)]
     ends = {decode(c)[-3:] for c, s in zip(rollout.completion_ids, stopped) if s}
     assert any(e.endswith("=") for e in ends) and "xed" in ends  # both stop strings fired
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["entropy-statistic", "entropy-in-the-loss"])
+def test_a_training_pass_keeps_no_vocabulary_sized_tensor_and_its_gradients_are_unchanged(tiny_model_path, entropy_grad,
+                                                                                          monkeypatch):
+    """Scoring under activation checkpointing (models.TokenLogprobs._score): autograd saves no [B, c, V] tensor
+    for the backward pass (the chunk's logits are computed again there), and log-probs, entropies and every
+    gradient are bit for bit those of keeping the logits. Three chunks of positions here (chunk_size 3)."""
+    from grpo_trainer import models
+
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
+    completions = [[5, 9, 11, 3, 7, 8, 21], [4, 4, 30], [12, 13, 14, 15, 16, 17, 18, 19]]
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], completions, tokenizer.pad_token_id)
+
+    def scored(lm):
+        lm.zero_grad(set_to_none=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            logp, entropy = TokenLogprobs(lm, chunk_size=3)(**batch.tensors(), with_entropy=True, entropy_grad=entropy_grad)
+        loss = (logp * batch.completion_mask).sum() + (entropy * batch.completion_mask).sum() * entropy_grad
+        loss.backward()
+        return saved, (logp.detach(), entropy.detach(), {n: p.grad for n, p in lm.named_parameters()})
+
+    lm = load_causal_lm(ModelConfig()).train()
+    vocab = lm.config.vocab_size
+    saved, got = scored(lm)
+    assert not [shape for shape in saved if shape[-1] == vocab and len(shape) == 3]
+    monkeypatch.setattr(models, "checkpoint", lambda fn, *args, **kwargs: fn(*args))  # keep the logits instead
+    kept, want = scored(lm)
+    assert [shape for shape in kept if shape[-1] == vocab and len(shape) == 3]  # what the checkpointing avoids
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+
+
+def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
+    lm = torch.nn.Module()
+    lm.config = type("Config", (), {"vocab_size": 49152})()
+    scorer = TokenLogprobs(lm)
+    assert scorer._positions_per_chunk(16) == 256 * 2**20 // (4 * 49152 * 16) == 85
+    assert scorer._positions_per_chunk(100_000) == 1
+    assert TokenLogprobs(lm, chunk_size=5)._positions_per_chunk(16) == 5
