@@ -284,3 +284,27 @@ def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
     assert scorer._positions_per_chunk(16) == 256 * 2**20 // (4 * 49152 * 16) == 85
     assert scorer._positions_per_chunk(100_000) == 1
     assert TokenLogprobs(lm, chunk_size=5)._positions_per_chunk(16) == 5
+
+
+def test_where_module_calls_are_collective_the_log_probs_are_scored_in_one_chunk():
+    """Under ZeRO-3 and multi-process FSDP each output-head call gathers its weights across ranks, and a rank's
+    chunk count follows its own completion lengths: one chunk there (else the ranks hang), an explicit size
+    refused naming the key; DDP and one process keep the configured chunking."""
+    from types import SimpleNamespace
+
+    from grpo_trainer.config import load_config
+    from grpo_trainer.errors import ConfigError
+    from grpo_trainer.state import ONE_CHUNK, logprob_chunk_size
+
+    def accelerator(processes, kind, zero=None):
+        plugin = None if zero is None else SimpleNamespace(zero_stage=zero)
+        return SimpleNamespace(num_processes=processes, distributed_type=SimpleNamespace(value=kind),
+                               state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    unset, set_to_8 = load_config("configs/demo_cpu.yaml"), load_config("configs/demo_cpu.yaml", ["model.logprob_chunk_size=8"])
+    for sharded in (accelerator(2, "DEEPSPEED", zero=3), accelerator(2, "FSDP")):
+        assert logprob_chunk_size(unset, sharded) == ONE_CHUNK
+        with pytest.raises(ConfigError, match="model.logprob_chunk_size: not supported under ZeRO-3 or FSDP"):
+            logprob_chunk_size(set_to_8, sharded)
+    for plain in (accelerator(2, "DEEPSPEED", zero=2), accelerator(2, "MULTI_CPU"), accelerator(1, "FSDP")):
+        assert logprob_chunk_size(unset, plain) is None and logprob_chunk_size(set_to_8, plain) == 8
