@@ -232,11 +232,8 @@ class TokenLogprobs(nn.Module):
         gradients and needs more than one chunk, each chunk runs under activation checkpointing: autograd keeps
         its hidden states, and the backward pass computes its logits again (one more output-head matmul),
         instead of keeping every chunk's [B, c, V] log-softmax until the backward. Recomputed, the same numbers
-        (the same operations on the same inputs), so the gradients are unchanged. Measured on SmolLM2 (machine
-        D of docs/performance.md, `scripts/update_bench.py --peaks --spread longtail`): the padded update's peak
-        12.9 -> 10.9 GB. A single chunk is never recomputed: with 64 MiB chunks the short default update, then
-        recomputed, took 13.5 s padded / 6.5 s packed against 11.3 / 5.8 s without (one noisy run each); with
-        256 MiB chunks it is one chunk and took the time it took before (12.1 / 6.2 s against 13.0 / 6.2 s).
+        (the same operations on the same inputs), so the gradients are unchanged. A single chunk is never
+        recomputed: that would cost a head matmul and save nothing (measurements: docs/performance.md).
         """
         positions = self._positions_per_chunk(hidden.shape[0])
         recompute = torch.is_grad_enabled() and hidden.requires_grad and targets.shape[1] > positions

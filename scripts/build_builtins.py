@@ -72,13 +72,15 @@ def verdict(shipped: dict, built: dict) -> tuple[bool, str]:
     """Whether `built` agrees with the manifest entry `shipped`, and the line that says how."""
     if not shipped:
         return True, "no weights shipped yet, so none to compare with"
+    recorded = check_hashes(shipped)
+    building_cpu = next(iter(recorded))  # the one the shipped weights were built on
     same_recipe = shipped.get("check_steps") == built["check_steps"]
-    kind = next((cpu for cpu, sha in check_hashes(shipped).items() if same_recipe and sha == built["check_sha256"]), None)
-    if "sha256" in built and built["sha256"] == shipped["sha256"] and kind == next(iter(check_hashes(shipped))):
+    kind = next((cpu for cpu, sha in recorded.items() if same_recipe and sha == built["check_sha256"]), None)
+    if kind == building_cpu and built.get("sha256") == shipped["sha256"]:
         return True, "equal to the shipped weights"
     if kind is None:
         return False, "DIFFERENT from every hash recorded for the recipe: the recipe changed, or this CPU is a new kind"
-    if kind == next(iter(check_hashes(shipped))):
+    if kind == building_cpu:
         return False, f"short build as recorded, full build DIFFERENT from the shipped weights ({kind})"
     return True, (f"short build as recorded for {kind!r}: this kind of CPU computes the canonical arithmetic unlike "
                   "the one that built the shipped weights, so the full build cannot be compared with them here")

@@ -40,23 +40,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def decode_step(model, rows: int, context: int, in_place: bool, steady: bool = True):
+def decode_step(model, rows: int, context: int, kernels=None, steady: bool = True):
     """(step, context): `step()` runs one decode step of `rows` rows after a `context`-token cache (built once
-    here), to be timed inside `context`. `in_place`: the engine's step (reserved KV room, its measured kernel
-    choices, put in place by the context once, as the engine does per batch), else transformers' own.
-    `steady`: the context also runs one untimed step, so what is timed is a step in the middle of a batch's
-    loop; without it, the batch's first step (oneDNN's weight reordering, when that form was chosen, is in it)."""
+    here), to be timed inside `context`. With `kernels` (a DecodeKernels): the engine's step (reserved KV room,
+    its measured kernel choices, put in place by the context once, as the engine does per batch), else
+    transformers' own. `steady`: the context also runs one untimed step, so what is timed is a step in the
+    middle of a batch's loop; without it, the batch's first step (oneDNN's weight reordering, when that form was chosen, is in it)."""
     import contextlib
 
     import torch
 
-    from grpo_trainer.rollout.decode import DecodeKernels, reserve_room
+    from grpo_trainer.rollout.decode import reserve_room
 
     ids = torch.randint(0, model.config.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(rows, context + 1, dtype=torch.long)
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
-    if in_place:
+    if kernels is not None:
         reserve_room(cache, 1)
     length = cache.get_seq_length()
     nxt, position = ids[:, -1:], torch.full((rows, 1), context)
@@ -66,29 +66,22 @@ def decode_step(model, rows: int, context: int, in_place: bool, steady: bool = T
             model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
         rewind(cache, length)  # back to `context` tokens for the next rep
 
-    if not in_place:
+    if kernels is None:
         return step, contextlib.nullcontext
-    kernels = DecodeKernels(model)
-
-    @contextlib.contextmanager
-    def loop():
-        with kernels:
-            if steady:
-                step()
-            yield kernels
-
-    loop.chosen = kernels.chosen  # what the report lists
-    return step, loop
+    return step, lambda: warmed(step if steady else None, kernels)
 
 
-def warmed(function):
-    """A context that runs `function` once on entry (untimed), so that what is timed inside is a later call."""
+def warmed(function, inside=None):
+    """A context (inside `inside`, when given) that runs `function` once on entry, untimed, so that what is timed
+    in it is a later call; `function` None: nothing."""
     import contextlib
 
     @contextlib.contextmanager
     def run_once_first():
-        function()
-        yield
+        with inside or contextlib.nullcontext():
+            if function is not None:
+                function()
+            yield
 
     return run_once_first()
 
@@ -191,13 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     floor = max(weight_bytes / bandwidth, step_flops / peak)
     logits = torch.randn(args.rows, cfg.vocab_size) * 4
     hidden = torch.randn(args.rows, 1, cfg.hidden_size)
-    kernels = DecodeKernels(model)
+    kernels, engine_kernels = DecodeKernels(model), DecodeKernels(model)
     plain = contextlib.nullcontext
-    engine_step = decode_step(model, args.rows, args.context, in_place=True)
     calls = {
-        "engine_step_s": engine_step,
-        "engine_first_step_s": decode_step(model, args.rows, args.context, in_place=True, steady=False),
-        "transformers_step_s": decode_step(model, args.rows, args.context, in_place=False),
+        "engine_step_s": decode_step(model, args.rows, args.context, engine_kernels),
+        "engine_first_step_s": decode_step(model, args.rows, args.context, engine_kernels, steady=False),
+        "transformers_step_s": decode_step(model, args.rows, args.context),
         # Each form run once untimed first: the oneDNN form's reordered weights are dropped whenever the engine's
         # loop above ends, as they are after every batch in the engine; a batch's first step (above) pays it.
         **{f"lm_head_{form}_s": (lambda form=form: LINEAR[form](model.lm_head, hidden),
@@ -221,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
         "compile_s": compile_s,
-        "kernel_choices": {**engine_step[1].chosen, **kernels.chosen},
+        "kernel_choices": {**engine_kernels.chosen, **kernels.chosen},
         "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     print(f"{args.model}: {report['weight_mib']:.0f} MiB float32 weights, {args.rows} rows, context {args.context}")

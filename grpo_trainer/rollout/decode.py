@@ -18,7 +18,7 @@ on the machine (issue 26). `DecodeKernels` picks one of each per shape by measur
 
 * linear form: `weight_stationary`, (W @ x^T)^T, which on one AVX-512 CPU read the weights twice as fast
   as `nn.Linear`'s x @ W^T for a few rows; `linear`, `nn.Linear`'s own; or `onednn_packed`, oneDNN on weights
-  reordered once per decode loop (float32 only), 2.5-3x either on an AMD EPYC. The output is made contiguous:
+  reordered once per decode loop (float32 only), 2.4-3.3x either on a 2-core AMD EPYC (AVX-512). The output is made contiguous:
   a transposed one sent the attention after it down SDPA's slow "math" path (the flash kernel wants a unit
   stride on the head dimension), which cost a sixth of the step before this was measured.
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
