@@ -233,6 +233,26 @@ def cpu_launch_file(name: str, folder: Path, **changes) -> Path:
     return path
 
 
+def launch_failure(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """What a failed multi-rank launch said, for an assertion message: its exit status, every rank's `error:` line
+    and the end of every traceback (the ranks' stderr is interleaved, so the tail alone shows only the rank that
+    failed last, usually one that lost its peer), then the last `tail` characters."""
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    tracebacks, current = [], None
+    for line in lines:
+        if line.startswith("Traceback"):
+            current = [line]
+            tracebacks.append(current)
+        elif current is not None:
+            current.append(line)
+            if line and not line[0].isspace():  # the exception line ends the block
+                current = None
+    parts = [f"exit status {result.returncode}", *errors, *("\n".join(block[-12:]) for block in tracebacks),
+             "--- end of stderr ---", result.stderr[-tail:]]
+    return "\n".join(parts)
+
+
 def accelerate_launch(config_file: Path, *flags: str) -> list[str]:
     """`accelerate launch --config_file FILE FLAGS... -m` (run_cli appends `grpo_trainer ARGS`)."""
     return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file), *flags, "-m"]

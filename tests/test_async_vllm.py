@@ -180,7 +180,7 @@ def test_two_zero3_ranks_sample_their_halves_in_the_background_push_piecewise_an
     thread samples its half of every batch; the two halves scored at each step are that step's prompts; every rank
     takes part in each push's layer-by-layer gathers and the main process sends them (gloo). After the run the
     server samples exactly what the saved final model scores: the piecewise gathered pushes delivered whole weights."""
-    from helpers import accelerate_launch, run_cli
+    from helpers import accelerate_launch, launch_failure, run_cli
     from test_sharding import float32_launch_file
 
     pytest.importorskip("deepspeed")
@@ -189,7 +189,7 @@ def test_two_zero3_ranks_sample_their_halves_in_the_background_push_piecewise_an
             "checkpoint.save_every=0", "train.micro_batch_size=8"]
     result = run_cli(args, launcher=accelerate_launch(float32_launch_file("zero3", tmp_path), "--main_process_port",
                                                       str(free_port())))
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, launch_failure(result)
     assert "world_size=2 distributed_type=DEEPSPEED" in result.stderr
     halves = scored(log)
     assert len(halves) == 6 and all(len(half) == PROMPTS // 2 for half in halves)

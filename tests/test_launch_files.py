@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from grpo_trainer.metrics import read_metrics
-from helpers import ROOT, accelerate_launch, cpu_launch_file, free_port, run_cli, small_run_overrides
+from helpers import ROOT, accelerate_launch, cpu_launch_file, free_port, launch_failure, run_cli, small_run_overrides
 
 pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
 
@@ -60,7 +60,7 @@ def test_each_shipped_launch_file_trains_two_steps(name, tmp_path, tiny_model_pa
         log = train_two_steps_on_two_nodes(cpu_launch_file(name, tmp_path), out, env or {}, extra=extra)
     else:
         result = train_two_steps(cpu_launch_file(name, tmp_path), out, env=env, extra=extra)
-        assert result.returncode == 0, result.stderr[-4000:]
+        assert result.returncode == 0, launch_failure(result)
         log = result.stderr
     # bf16 for DeepSpeed comes from the JSON, where DeepSpeed reads it; DDP runs in the model's dtype.
     kind, precision = ("DEEPSPEED", "bf16") if deepspeed else ("MULTI_CPU", "no")

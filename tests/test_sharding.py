@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from grpo_trainer.metrics import read_metrics
-from helpers import ROOT, accelerate_launch, assert_same_update, cpu_launch_file, free_port, run_cli, small_run_overrides
+from helpers import ROOT, accelerate_launch, assert_same_update, cpu_launch_file, free_port, launch_failure, run_cli, small_run_overrides
 
 pytestmark = pytest.mark.slow  # accelerate launch, 2 ranks
 
@@ -46,7 +46,7 @@ RUN = ["rollout.seed_per_prompt=true", "train.num_iterations=2"]
 def train(out, launcher=None, env=None, extra=()):
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), *RUN, *extra], launcher=launcher,
                      env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, launch_failure(result)
     return result
 
 
@@ -136,7 +136,7 @@ def test_loss_does_not_depend_on_micro_batches_or_ranks(loss_type, tmp_path, tin
     launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port", str(free_port()))
     ddp = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *common, "train.micro_batch_size=8"],
                   launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.returncode == 0, launch_failure(ddp)
     assert "grad_accum=4" in single.stderr and "world_size=2" in ddp.stderr and "grad_accum=1" in ddp.stderr
     a, b = read_metrics(one)[0], read_metrics(two)[0]
     assert a["reward"] == b["reward"]

@@ -18,7 +18,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import entropy_threshold, importance_weight, token_loss
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.update import add_logprobs, select_high_entropy_tokens, update
-from helpers import accelerate_launch, cpu_launch_file, free_port, run_cli, run_ranks, small_run_overrides
+from helpers import accelerate_launch, cpu_launch_file, free_port, launch_failure, run_cli, run_ranks, small_run_overrides
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
 NAN = float("nan")
@@ -243,7 +243,7 @@ def test_mini_batches_and_entropy_selection_match_across_ranks(tmp_path, tiny_mo
     launcher = accelerate_launch(cpu_launch_file("ddp", tmp_path), "--main_process_port", str(free_port()))
     ddp = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *common],
                   launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.returncode == 0, launch_failure(ddp)
     assert "grad_accum=2" in single.stderr and "world_size=2" in ddp.stderr and "grad_accum=1" in ddp.stderr
     a, b = read_metrics(one)[0], read_metrics(two)[0]
     assert a["reward"] == b["reward"] and 0 < a["entropy/masked_fraction"] < 1
