@@ -249,13 +249,11 @@ class TokenLogprobs(nn.Module):
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
 
     def _score_chunk(self, head, hidden, targets, with_entropy, entropy_grad):
-        logits = head(hidden).float() / self.temperature  # [B, c, V]
-        logp_all = logits.log_softmax(-1)
-        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-        if not with_entropy:
-            return logp, None
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return logp, -(logp_all.exp() * logp_all).sum(-1)
+        logits = head(hidden).float()  # [B, c, V]
+        if with_entropy and entropy_grad and torch.is_grad_enabled():  # the entropy term: autograd through both
+            logp_all = (logits / self.temperature).log_softmax(-1)
+            return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+        return _TargetLogprobs.apply(logits, targets, self.temperature, with_entropy)
 
     def _positions_per_chunk(self, rows: int) -> int:
         """`chunk_size` if given (`model.logprob_chunk_size`), else as many positions as keep a chunk's float32
@@ -264,6 +262,65 @@ class TokenLogprobs(nn.Module):
             return self.chunk_size
         vocab = getattr(getattr(self.lm, "config", None), "vocab_size", None) or 2**17
         return max(1, LOGITS_CHUNK_BYTES // (4 * vocab * max(1, rows)))
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[target] for [B, c, V] logits (and, without a gradient, the entropy), with a backward
+    that needs no vocabulary-sized memory beyond what the forward saved.
+
+    Left to autograd, the backward of `(logits / T).log_softmax(-1).gather(-1, targets)` holds the saved log-softmax
+    and allocates a one-hot gradient and the log-softmax's gradient beside it, each [B, c, V] float32: for SmolLM2's
+    49152-token vocabulary and a 16 x 64 micro-batch, 3 x 192 MiB at the start of every backward pass, which set the
+    trainer's peak memory there (docs/performance.md). Here the gradient is written over the saved log-softmax, a
+    block of rows at a time, by the same ATen kernel autograd calls (`_log_softmax_backward_data`), then divided by
+    T in place: bit for bit the gradients autograd computes (tests/test_rollout.py), with one [B, c, V]
+    tensor instead of three. The saved tensor is consumed, so the backward can run once (no `retain_graph`).
+    The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so it too
+    allocates the log-softmax only (the expression allocated four [B, c, V] tensors with the entropy).
+    """
+
+    BLOCK_BYTES = 16 * 2**20  # one-hot rows built at a time in the backward
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        logp_all = (logits if temperature == 1 else logits / temperature).log_softmax(-1)  # x / 1 == x
+        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        entropy = _TargetLogprobs._entropy(logp_all) if with_entropy else None
+        ctx.save_for_backward(logp_all, targets)
+        ctx.temperature, ctx.consumed = temperature, False
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        if ctx.consumed:
+            raise RuntimeError("TokenLogprobs: a second backward through the same log-probs (retain_graph) is not "
+                               "supported: the first one computed its gradient in the saved log-softmax's memory")
+        ctx.consumed = True
+        logp_all, targets = ctx.saved_tensors
+        vocab = logp_all.shape[-1]
+        rows = logp_all.view(-1, vocab)
+        index, grad = targets.reshape(-1, 1), grad_logp.reshape(-1, 1).to(logp_all.dtype)
+        step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
+        for start in range(0, rows.shape[0], step):
+            block = rows[start : start + step]
+            one_hot = torch.zeros_like(block).scatter_(-1, index[start : start + step], grad[start : start + step])
+            block.copy_(torch._log_softmax_backward_data(one_hot, block, -1, block.dtype))
+        return (logp_all if ctx.temperature == 1 else logp_all.div_(ctx.temperature)), None, None, None
+
+    @staticmethod
+    def _entropy(logp_all: torch.Tensor) -> torch.Tensor:
+        """-sum p log p per position, a block of rows at a time: the same numbers as the whole-tensor expression
+        (each row is reduced alone), without its two [B, c, V] temporaries."""
+        vocab = logp_all.shape[-1]
+        rows = logp_all.view(-1, vocab)
+        entropy = torch.empty(rows.shape[0], dtype=logp_all.dtype, device=logp_all.device)
+        step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
+        for start in range(0, rows.shape[0], step):
+            block = rows[start : start + step]
+            entropy[start : start + step] = -(block.exp() * block).sum(-1)
+        return entropy.view(logp_all.shape[:-1])
 
 
 def _unflatten(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

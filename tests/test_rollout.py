@@ -277,6 +277,69 @@ def test_a_training_pass_keeps_no_vocabulary_sized_tensor_and_its_gradients_are_
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_vocabulary_sized_allocations(
+        dtype, temperature, monkeypatch):
+    """models._TargetLogprobs against the plain autograd expression it replaces: the same log-probs and entropies,
+    and bit for bit the same gradients for the hidden states and the output head, with the backward's one-hot rows
+    built a few at a time (3 blocks here); the plain expression allocates [B, c, V] tensors in the forward (the
+    division, the log-softmax, the entropy's two) and in the backward (one-hot, log-softmax gradient, the
+    division's), this one the log-softmax only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_trainer import models
+
+    class VocabularySizedAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.vocabulary_sized = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_of(args):
+                    self.vocabulary_sized += t.numel() == rows * positions * vocab and t.dtype == torch.float32
+            return out
+
+    def inputs_of(args):
+        return {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+
+    rows, positions, vocab, width = 3, 7, 50, 16
+    monkeypatch.setattr(models._TargetLogprobs, "BLOCK_BYTES", 8 * vocab * 4)  # 8 of the 21 positions per block
+    torch.manual_seed(0)
+    head = torch.nn.Linear(width, vocab, bias=False).to(dtype)
+    hidden = torch.randn(rows, positions, width, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows, positions))
+    upstream = torch.randn(rows, positions)
+
+    def run(score):
+        head.zero_grad(set_to_none=True)
+        hidden.grad = None
+        logits = head(hidden).float()
+        forward = VocabularySizedAllocations()
+        with forward:
+            logp, entropy = score(logits)
+        del logits
+        backward = VocabularySizedAllocations()
+        with backward:
+            logp.backward(upstream)
+        return logp.detach(), entropy, hidden.grad, head.weight.grad, (forward.vocabulary_sized, backward.vocabulary_sized)
+
+    def plain(logits):
+        logp_all = (logits / temperature).log_softmax(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+        return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
+
+    *got, got_allocated = run(lambda logits: models._TargetLogprobs.apply(logits, targets, temperature, True))
+    *want, want_allocated = run(plain)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # float32 [B, c, V] tensors allocated (a bfloat16 head's gradient is a bfloat16 copy in both): the forward's
+    # log-softmax (and the logits / T where T != 1), nothing in the backward
+    assert got_allocated == (1 + (temperature != 1), 0)
+    assert want_allocated[0] == 4 and want_allocated[1] >= 3
+
+
 def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
     lm = torch.nn.Module()
     lm.config = type("Config", (), {"vocab_size": 49152})()
