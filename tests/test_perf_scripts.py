@@ -35,3 +35,22 @@ def test_bf16_cpu_compares_both_dtypes(tiny_model_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torch.float32: forward + backward" in proc.stdout and "torch.bfloat16: forward + backward" in proc.stdout
     assert "bfloat16 / float32:" in proc.stdout
+
+
+def test_memory_timeline_marks_every_phase_backward_and_optimizer_step(tmp_path, tiny_model_path):
+    """scripts/memory_timeline.py on the tiny model, 2 steps: each step's phases, its backward passes and optimizer
+    step are marked, the samples are real (RSS at least what the allocator holds in use), and an override applies."""
+    out = tmp_path / "timeline.json"
+    proc = run_script("scripts/memory_timeline.py", "--model", "tiny", "--steps", "2", "--interval-ms", "1",
+                      "--json", str(out), "train.skip_zero_advantage=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    marks = [name for _, name in report["marks"]]
+    for name in ("rollout start", "update start", "update end", "backward start", "optimizer step start",
+                 "optimizer step end"):
+        assert marks.count(name) >= 2, (name, marks)  # both steps
+    assert marks.count("backward start") == marks.count("backward end")
+    fields = report["fields"]
+    assert all(s[fields.index("rss")] >= s[fields.index("in_use")] > 0 for s in report["samples"])
+    assert "overrides=['train.skip_zero_advantage=false']" in proc.stdout and "| update start |" in proc.stdout
+    assert "freed but kept in the heap" in proc.stdout
