@@ -75,8 +75,8 @@ class ModelConfig(_Section):
         description="Completion positions (of every row of the micro-batch) scored per chunk when computing log-probs, "
         "so that full-vocabulary fp32 logits are never held for the whole batch; a training pass over more than one chunk "
         "computes each chunk's logits again in its backward instead of keeping them. Unset: as many as keep a chunk's "
-        "logits within 256 MiB (one chunk under ZeRO-3 and multi-process FSDP, where a set value is refused: ranks "
-        "must call the output head equally often).",
+        "logits within 256 MiB. Under ZeRO-3 and multi-process FSDP every rank makes as many chunks as the rank that "
+        "needs the most (each head call gathers weights across ranks).",
     )
 
 

@@ -20,6 +20,7 @@ eager) and full attention in every layer (`check_packing_support`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,12 +146,16 @@ class TokenLogprobs(nn.Module):
       but the slack at the end of a row; works under gradient checkpointing too (no cache).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int | None = None, share_prompt: bool = True):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int | None = None, share_prompt: bool = True,
+                 agree_chunks: Callable[[int], int] | None = None):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.share_prompt = share_prompt
+        # Where every module call gathers sharded weights across ranks (ZeRO-3, FSDP): the largest chunk count of
+        # any rank (state.chunk_agreement), so that every rank calls the output head equally often.
+        self.agree_chunks = agree_chunks
         # FSDP's auto-wrap looks for the transformer block classes on the module it is given.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
@@ -234,11 +239,18 @@ class TokenLogprobs(nn.Module):
         instead of keeping every chunk's [B, c, V] log-softmax until the backward. Recomputed, the same numbers
         (the same operations on the same inputs), so the gradients are unchanged. A single chunk is never
         recomputed: that would cost a head matmul and save nothing (measurements: docs/performance.md).
+        Where the ranks must call every module equally often (`agree_chunks`: ZeRO-3, FSDP), every rank makes
+        as many chunks as the rank that needs the most, the ones past its own positions empty.
         """
         positions = self._positions_per_chunk(hidden.shape[0])
-        recompute = torch.is_grad_enabled() and hidden.requires_grad and targets.shape[1] > positions
+        chunks = max(1, -(-targets.shape[1] // positions))
+        calls = chunks if self.agree_chunks is None else self.agree_chunks(chunks)
+        recompute = torch.is_grad_enabled() and hidden.requires_grad and calls > 1  # the same choice on every rank
         logps, entropies = [], []
-        for start in range(0, targets.shape[1], positions):
+        for k in range(calls):
+            # Past this rank's own chunks (calls agreed across ranks), an empty chunk: the head is still called,
+            # forward and backward, so its weight gathers pair up with the other ranks'.
+            start = min(k * positions, targets.shape[1])
             chunk = (head, hidden[:, start : start + positions], targets[:, start : start + positions], with_entropy, entropy_grad)
             if recompute:
                 logp, entropy = checkpoint(self._score_chunk, *chunk, use_reentrant=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
-from .errors import ConfigError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
 from .losses import EntropyControl
@@ -147,21 +147,15 @@ def build_run(cfg: Config) -> Run:
     return run
 
 
-ONE_CHUNK = 2**62  # positions: every log-prob pass scores in a single chunk
-
-
-def logprob_chunk_size(cfg: Config, accelerator) -> int | None:
-    """`model.logprob_chunk_size` (None: chunks of models.LOGITS_CHUNK_BYTES), or one chunk where every module
-    call is a collective (ZeRO-3, multi-process FSDP): a rank's chunk count follows its own completion lengths,
-    so ranks would call the output head unequally often and wait forever in its parameter gather. An explicit
-    size there is refused for the same reason."""
+def chunk_agreement(accelerator) -> Callable[[int], int] | None:
+    """What TokenLogprobs gets as `agree_chunks`: where every module call is a collective (ZeRO-3, multi-process
+    FSDP), the largest of the ranks' chunk counts, since each rank's count follows its own completion lengths and
+    a rank that called the output head less often would leave the others waiting in its weight gather; None
+    elsewhere (each rank scores its own chunks)."""
     if not distributed.module_calls_are_collective(accelerator):
-        return cfg.model.logprob_chunk_size
-    if cfg.model.logprob_chunk_size is not None:
-        raise ConfigError("model.logprob_chunk_size: not supported under ZeRO-3 or FSDP with several processes (each "
-                          "rank would call the output head once per chunk of its own lengths, and the ranks' "
-                          "parameter gathers would wait on each other forever); leave it unset")
-    return ONE_CHUNK
+        return None
+    comm = distributed.Collectives(accelerator)
+    return lambda chunks: int(comm.max(torch.tensor([chunks]))[0])
 
 
 def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
@@ -169,7 +163,8 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
 
     if cfg.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = TokenLogprobs(lm, cfg.rollout.temperature, logprob_chunk_size(cfg, accelerator), cfg.model.share_prompt)
+    policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt,
+                           chunk_agreement(accelerator))
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.train.learning_rate,
@@ -192,8 +187,8 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     """A frozen copy for the KL term; none with beta = 0, and none for LoRA (the adapter-disabled policy is it)."""
     if cfg.loss.beta == 0 or is_lora(lm):
         return None
-    reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, logprob_chunk_size(cfg, accelerator),
-                              cfg.model.share_prompt)
+    reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                              cfg.model.share_prompt, chunk_agreement(accelerator))
     return reference.to(accelerator.device).eval().requires_grad_(False)
 
 

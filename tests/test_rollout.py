@@ -349,25 +349,55 @@ def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
     assert TokenLogprobs(lm, chunk_size=5)._positions_per_chunk(16) == 5
 
 
-def test_where_module_calls_are_collective_the_log_probs_are_scored_in_one_chunk():
+def test_where_module_calls_are_collective_the_ranks_agree_on_their_chunk_count():
     """Under ZeRO-3 and multi-process FSDP each output-head call gathers its weights across ranks, and a rank's
-    chunk count follows its own completion lengths: one chunk there (else the ranks hang), an explicit size
-    refused naming the key; DDP and one process keep the configured chunking."""
+    chunk count follows its own completion lengths: the ranks agree on the largest (state.chunk_agreement: an
+    all-reduce max there, nothing under DDP or one process)."""
     from types import SimpleNamespace
 
-    from grpo_trainer.config import load_config
-    from grpo_trainer.errors import ConfigError
-    from grpo_trainer.state import ONE_CHUNK, logprob_chunk_size
+    from grpo_trainer.state import chunk_agreement
 
     def accelerator(processes, kind, zero=None):
         plugin = None if zero is None else SimpleNamespace(zero_stage=zero)
-        return SimpleNamespace(num_processes=processes, distributed_type=SimpleNamespace(value=kind),
-                               state=SimpleNamespace(deepspeed_plugin=plugin))
+        return SimpleNamespace(num_processes=processes, process_index=0, distributed_type=SimpleNamespace(value=kind),
+                               state=SimpleNamespace(deepspeed_plugin=plugin), device="cpu",
+                               reduce=lambda t, op: t * 3 if op == "max" else None)  # another rank needs 3x as many
 
-    unset, set_to_8 = load_config("configs/demo_cpu.yaml"), load_config("configs/demo_cpu.yaml", ["model.logprob_chunk_size=8"])
     for sharded in (accelerator(2, "DEEPSPEED", zero=3), accelerator(2, "FSDP")):
-        assert logprob_chunk_size(unset, sharded) == ONE_CHUNK
-        with pytest.raises(ConfigError, match="model.logprob_chunk_size: not supported under ZeRO-3 or FSDP"):
-            logprob_chunk_size(set_to_8, sharded)
+        assert chunk_agreement(sharded)(2) == 6
     for plain in (accelerator(2, "DEEPSPEED", zero=2), accelerator(2, "MULTI_CPU"), accelerator(1, "FSDP")):
-        assert logprob_chunk_size(unset, plain) is None and logprob_chunk_size(set_to_8, plain) == 8
+        assert chunk_agreement(plain) is None
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["log-prob-pass", "training-pass"])
+def test_a_rank_with_fewer_chunks_calls_the_head_as_often_as_agreed_and_scores_the_same(tiny_model_path, grad):
+    """With `agree_chunks` asking for more chunks than this rank's completions need, the output head is called
+    that often in the forward (and, recomputed, in the backward), the extra calls on empty chunks; log-probs,
+    entropies and gradients are those of the rank's own chunking."""
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
+    completions = [[5, 9, 11, 3, 7], [4, 4, 30], [12, 13, 14, 15]]
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], completions, tokenizer.pad_token_id)
+    lm = load_causal_lm(ModelConfig()).train()
+    head = lm.get_output_embeddings()
+
+    def scored(agree):
+        lm.zero_grad(set_to_none=True)
+        calls = []
+        hook = head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+        try:
+            with torch.set_grad_enabled(grad):
+                logp, entropy = TokenLogprobs(lm, chunk_size=2, agree_chunks=agree)(**batch.tensors(), with_entropy=True)
+            if grad:
+                (logp * batch.completion_mask).sum().backward()
+        finally:
+            hook.remove()
+        return calls, (logp.detach(), entropy, {n: p.grad for n, p in lm.named_parameters()})
+
+    own_calls, own = scored(None)
+    agreed_calls, agreed = scored(lambda chunks: chunks + 2)  # another rank has two chunks more
+    # 5 positions in chunks of 2; a training pass computes them again in its backward, last chunk first
+    assert own_calls == [2, 2, 1] + [1, 2, 2] * grad
+    assert agreed_calls == [2, 2, 1, 0, 0] + [0, 0, 1, 2, 2] * grad
+    assert torch.equal(own[0], agreed[0]) and torch.equal(own[1], agreed[1])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(own[2].values(), agreed[2].values()))

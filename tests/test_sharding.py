@@ -28,6 +28,9 @@ SETUPS = {
     "zero2": ({}, "DEEPSPEED"),
     "zero3": ({}, "DEEPSPEED"),
 }
+# ZeRO-3 with log-probs scored 3 positions at a time: the ranks' completions differ in length, so their own chunk
+# counts differ and are agreed (each head call gathers its weights across ranks; unagreed, the ranks hung).
+VARIANTS = {"zero3-chunked": ("zero3", ["model.logprob_chunk_size=3"])}
 
 
 def float32_launch_file(name: str, folder):
@@ -61,13 +64,14 @@ def single(tmp_path_factory, tiny_model_path):
 
 
 @pytest.mark.xdist_group("sharding")  # one worker: the one-process baseline (a module fixture) runs once
-@pytest.mark.parametrize("setup", list(SETUPS))
-def test_sharded_run_matches_one_process(setup, single, tmp_path, tiny_model_path):
+@pytest.mark.parametrize("variant", [*SETUPS, *VARIANTS])
+def test_sharded_run_matches_one_process(variant, single, tmp_path, tiny_model_path):
+    setup, extra = VARIANTS.get(variant, (variant, []))
     pytest.importorskip("deepspeed") if setup.startswith("zero") else None
     env, expected_type = SETUPS[setup]
     out = tmp_path / "run"
     launcher = accelerate_launch(float32_launch_file(setup, tmp_path), "--main_process_port", str(free_port()))
-    log = train(out, launcher=launcher, env=env).stderr
+    log = train(out, launcher=launcher, env=env, extra=extra).stderr
     assert f"world_size=2 distributed_type={expected_type}" in log and "mixed_precision=no" in log
     assert "grad_accum=1" in log  # each rank's 8 completions in one micro-batch, against 4 in one process
 
