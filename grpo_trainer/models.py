@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from . import in_memory
@@ -172,12 +173,11 @@ class TokenLogprobs(nn.Module):
         if "input_ids" in layout:  # PackedBatch
             return self._packed(decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, **layout)
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
+        args = (decoder, layout["prompt_ids"], layout["prompt_mask"], layout["prompt_index"], completion_ids, completion_mask)
         if self.share_prompt and not checkpointing:
-            hidden_states = self._hidden_shared_prompt
+            hidden = self._hidden_shared_prompt(*args, always_two_passes=self.agree_chunks is not None)
         else:
-            hidden_states = self._hidden_full
-        hidden = hidden_states(decoder, layout["prompt_ids"], layout["prompt_mask"], layout["prompt_index"],
-                               completion_ids, completion_mask)
+            hidden = self._hidden_full(*args)
         return self._score(head, hidden, completion_ids, with_entropy, entropy_grad)
 
     @staticmethod
@@ -193,27 +193,32 @@ class TokenLogprobs(nn.Module):
 
     @staticmethod
     def _hidden_shared_prompt(
-        decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask
+        decoder, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, always_two_passes: bool = False
     ) -> torch.Tensor:
-        """Prompts [U, P] once, their cache gathered to the B rows, then completions [B, C - 1] on top of it."""
+        """Prompts [U, P] once, their cache gathered to the B rows, then completions [B, C - 1] on top of it.
+
+        With one completion position (C = 1) the second pass has nothing to score and is skipped, unless
+        `always_two_passes` (ranks that must call every module equally often, ZeRO-3 and FSDP, whose C differ):
+        then it runs on that one token and its states are dropped (their gradient is zero)."""
         out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask), use_cache=True)
         first = out.last_hidden_state[prompt_index, -1:]  # [B, 1, H]: predicts completion token 0
         c = completion_ids.shape[1]
-        if c == 1:
+        if c == 1 and not always_two_passes:
             return first
+        second = max(c - 1, 1)  # the last token predicts nothing we score
         cache = out.past_key_values
         cache.reorder_cache(prompt_index)  # an index_select per layer: differentiable, so gradients flow back
         mask = prompt_mask[prompt_index]
-        attention_mask = torch.cat([mask, completion_mask[:, :-1].to(mask.dtype)], 1)
-        position_ids = mask.sum(-1, keepdim=True) + torch.arange(c - 1, device=mask.device)
+        attention_mask = torch.cat([mask, completion_mask[:, :second].to(mask.dtype)], 1)
+        position_ids = mask.sum(-1, keepdim=True) + torch.arange(second, device=mask.device)
         rest = decoder(
-            input_ids=completion_ids[:, :-1],  # the last token predicts nothing we score
+            input_ids=completion_ids[:, :second],
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state
-        return torch.cat([first, rest], 1)  # [B, C, H]
+        return torch.cat([first, rest if c > 1 else rest[:, :0]], 1)  # [B, C, H]
 
     def _packed(self, decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, input_ids, position_ids,
                 piece_ids, member_ids, score_index):
@@ -237,10 +242,12 @@ class TokenLogprobs(nn.Module):
         gradients and needs more than one chunk, each chunk runs under activation checkpointing: autograd keeps
         its hidden states, and the backward pass computes its logits again (one more output-head matmul),
         instead of keeping every chunk's [B, c, V] log-softmax until the backward. Recomputed, the same numbers
-        (the same operations on the same inputs), so the gradients are unchanged. A single chunk is never
+        (the same operations on the same inputs), so the gradients are unchanged. A single chunk is not
         recomputed: that would cost a head matmul and save nothing (measurements: docs/performance.md).
         Where the ranks must call every module equally often (`agree_chunks`: ZeRO-3, FSDP), every rank makes
-        as many chunks as the rank that needs the most, the ones past its own positions empty.
+        as many chunks as the rank that needs the most, the ones past its own positions empty, and recomputes
+        when that count is above one (the same choice on every rank, so the head's calls pair up in the backward
+        too).
         """
         positions = self._positions_per_chunk(hidden.shape[0])
         chunks = max(1, -(-targets.shape[1] // positions))
@@ -287,8 +294,10 @@ class _TargetLogprobs(torch.autograd.Function):
     block of rows at a time, by the same ATen kernel autograd calls (`_log_softmax_backward_data`), then divided by
     T in place: bit for bit the gradients autograd computes (tests/test_rollout.py), with one [B, c, V]
     tensor instead of three. The saved tensor is consumed, so the backward can run once (no `retain_graph`).
-    The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so it too
-    allocates the log-softmax only (the expression allocated four [B, c, V] tensors with the entropy).
+    The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so beside the
+    logits it allocates the log-softmax (and logits / T where T != 1, freed at once) where the expression
+    allocated four [B, c, V] tensors with the entropy. The entropy term of the loss (an entropy with a gradient)
+    keeps autograd's path (TokenLogprobs._score_chunk).
     """
 
     BLOCK_BYTES = 16 * 2**20  # one-hot rows built at a time in the backward
@@ -305,6 +314,7 @@ class _TargetLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @once_differentiable  # a gradient of this gradient raises instead of silently having none
     def backward(ctx, grad_logp, _grad_entropy):
         if ctx.consumed:
             raise RuntimeError("TokenLogprobs: a second backward through the same log-probs (retain_graph) is not "
@@ -317,14 +327,17 @@ class _TargetLogprobs(torch.autograd.Function):
         step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
         for start in range(0, rows.shape[0], step):
             block = rows[start : start + step]
-            one_hot = torch.zeros_like(block).scatter_(-1, index[start : start + step], grad[start : start + step])
+            # scatter_add_ into zeros, as autograd's gather backward does: 0 + (-0.0) is +0.0, so even the sign of a
+            # zero gradient (masked positions give -0.0) comes out as autograd's
+            one_hot = torch.zeros_like(block).scatter_add_(-1, index[start : start + step], grad[start : start + step])
             block.copy_(torch._log_softmax_backward_data(one_hot, block, -1, block.dtype))
         return (logp_all if ctx.temperature == 1 else logp_all.div_(ctx.temperature)), None, None, None
 
     @staticmethod
     def _entropy(logp_all: torch.Tensor) -> torch.Tensor:
-        """-sum p log p per position, a block of rows at a time: the same numbers as the whole-tensor expression
-        (each row is reduced alone), without its two [B, c, V] temporaries."""
+        """-sum p log p per position, a block of rows at a time, without the whole-tensor expression's two [B, c, V]
+        temporaries: on CPU the same numbers (each row is reduced alone; tested). A GPU's reduction may split a row
+        by how many rows it is given, so there the last bits can differ from the whole-tensor expression's."""
         vocab = logp_all.shape[-1]
         rows = logp_all.view(-1, vocab)
         entropy = torch.empty(rows.shape[0], dtype=logp_all.dtype, device=logp_all.device)

@@ -185,8 +185,10 @@ def test_two_zero3_ranks_sample_their_halves_in_the_background_push_piecewise_an
 
     pytest.importorskip("deepspeed")
     out, log = tmp_path / "run", tmp_path / "scored.jsonl"
+    # A request may wait 300 s, not 120: in the full suite on 2 cores a rank's request twice timed out at 120 s
+    # ("did not answer POST /v1/completions within 120s"; seconds when the test runs alone or beside CPU hogs).
     args = ["train", "configs/demo_cpu.yaml", *overrides(tmp_path, model_dir, server.url, out, 3, log),
-            "checkpoint.save_every=0", "train.micro_batch_size=8"]
+            "checkpoint.save_every=0", "train.micro_batch_size=8", "rollout.vllm_server.timeout=300"]
     result = run_cli(args, launcher=accelerate_launch(float32_launch_file("zero3", tmp_path), "--main_process_port",
                                                       str(free_port())))
     assert result.returncode == 0, launch_failure(result)

@@ -277,12 +277,19 @@ def test_a_training_pass_keeps_no_vocabulary_sized_tensor_and_its_gradients_are_
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: torch.equal holds -0.0 and +0.0 equal, these do not."""
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int[a.dtype]), b.view(as_int[b.dtype]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_vocabulary_sized_allocations(
         dtype, temperature, monkeypatch):
     """models._TargetLogprobs against the plain autograd expression it replaces: the same log-probs and entropies,
-    and bit for bit the same gradients for the hidden states and the output head, with the backward's one-hot rows
+    and bit for bit the same gradients (signs of zero included) for the logits, the hidden states and the output
+    head, with the backward's one-hot rows
     built a few at a time (3 blocks here); the plain expression allocates [B, c, V] tensors in the forward (the
     division, the log-softmax, the entropy's two) and in the backward (one-hot, log-softmax gradient, the
     division's), this one the log-softmax only."""
@@ -312,32 +319,64 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
     hidden = torch.randn(rows, positions, width, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, vocab, (rows, positions))
     upstream = torch.randn(rows, positions)
+    upstream[0, :3] = -0.0  # masked positions of a negative advantage: autograd's gradient there is +0.0
 
-    def run(score):
+    def run(score, keep_logits_grad=False):  # keeping the logits' gradient costs a [B, c, V] copy of its own
         head.zero_grad(set_to_none=True)
         hidden.grad = None
         logits = head(hidden).float()
+        if keep_logits_grad:
+            logits.retain_grad()
         forward = VocabularySizedAllocations()
         with forward:
             logp, entropy = score(logits)
-        del logits
         backward = VocabularySizedAllocations()
         with backward:
             logp.backward(upstream)
-        return logp.detach(), entropy, hidden.grad, head.weight.grad, (forward.vocabulary_sized, backward.vocabulary_sized)
+        return (logp.detach(), entropy, logits.grad if keep_logits_grad else None, hidden.grad, head.weight.grad,
+                (forward.vocabulary_sized, backward.vocabulary_sized))
 
     def plain(logits):
         logp_all = (logits / temperature).log_softmax(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
         return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
 
-    *got, got_allocated = run(lambda logits: models._TargetLogprobs.apply(logits, targets, temperature, True))
+    ours = lambda logits: models._TargetLogprobs.apply(logits, targets, temperature, True)  # noqa: E731
+    *got, got_allocated = run(ours)
     *want, want_allocated = run(plain)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(same_bits(a, b) for a, b in zip(got, want) if a is not None)
+    assert same_bits(run(ours, keep_logits_grad=True)[2], run(plain, keep_logits_grad=True)[2])
     # float32 [B, c, V] tensors allocated (a bfloat16 head's gradient is a bfloat16 copy in both): the forward's
     # log-softmax (and the logits / T where T != 1), nothing in the backward
     assert got_allocated == (1 + (temperature != 1), 0)
     assert want_allocated[0] == 4 and want_allocated[1] >= 3
+
+
+def test_ranks_in_lockstep_run_the_completion_pass_even_for_one_position(tiny_model_path):
+    """The shared-prompt layout skips its second decoder pass when the completions are one token wide, but not
+    where ranks must call every module equally often (`agree_chunks` set: ZeRO-3, FSDP), since another rank's
+    completions may be longer: there it runs on that token and changes nothing, log-probs and gradients bit for bit."""
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], [[5], [4], [12]], tokenizer.pad_token_id)
+    lm = load_causal_lm(ModelConfig()).train()
+    decoder = lm.get_decoder()
+
+    def scored(agree):
+        lm.zero_grad(set_to_none=True)
+        passes = []
+        hook = decoder.register_forward_hook(lambda module, args, kwargs, out: passes.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+        try:
+            logp, _ = TokenLogprobs(lm, agree_chunks=agree)(**batch.tensors())
+            (logp * batch.completion_mask).sum().backward()
+        finally:
+            hook.remove()
+        return passes, logp.detach(), [p.grad for p in lm.parameters()]
+
+    alone, lockstep = scored(None), scored(lambda chunks: chunks)
+    assert len(alone[0]) == 1 and len(lockstep[0]) == 2 and lockstep[0][1] == 1  # prompts; then the one token
+    assert same_bits(alone[1], lockstep[1]) and all(same_bits(a, b) for a, b in zip(alone[2], lockstep[2]))
 
 
 def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
