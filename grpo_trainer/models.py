@@ -288,12 +288,14 @@ class _TargetLogprobs(torch.autograd.Function):
     that needs no vocabulary-sized memory beyond what the forward saved.
 
     Left to autograd, the backward of `(logits / T).log_softmax(-1).gather(-1, targets)` holds the saved log-softmax
-    and allocates a one-hot gradient and the log-softmax's gradient beside it, each [B, c, V] float32: for SmolLM2's
-    49152-token vocabulary and a 16 x 64 micro-batch, 3 x 192 MiB at the start of every backward pass, which set the
-    trainer's peak memory there (docs/performance.md). Here the gradient is written over the saved log-softmax, a
-    block of rows at a time, by the same ATen kernel autograd calls (`_log_softmax_backward_data`), then divided by
-    T in place: bit for bit the gradients autograd computes (tests/test_rollout.py), with one [B, c, V]
-    tensor instead of three. The saved tensor is consumed, so the backward can run once (no `retain_graph`).
+    and allocates a one-hot gradient (made by a scatter into zeros), the log-softmax's gradient and the division's
+    beside it, each [B, c, V] float32: for SmolLM2's 49152-token vocabulary and a 16 x 64 micro-batch, 192 MiB
+    each at the start of every backward pass, which sets a pass's peak where the logits are large (long
+    completions, large vocabularies; not the SmolLM2 bench's, docs/performance.md). Here the gradient is written
+    over the saved log-softmax, a block of rows at a time, by the same ATen kernel autograd calls
+    (`_log_softmax_backward_data`), then divided by T in place: bit for bit the gradients autograd computes
+    (tests/test_rollout.py), with no [B, c, V] tensor beyond the saved one. The saved tensor is consumed, so the
+    backward can run once (no `retain_graph`).
     The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so beside the
     logits it allocates the log-softmax (and logits / T where T != 1, freed at once) where the expression
     allocated four [B, c, V] tensors with the entropy. The entropy term of the loss (an entropy with a gradient)

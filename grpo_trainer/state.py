@@ -16,9 +16,9 @@ the engine exists does each rank switch to its own random stream for sampling.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
