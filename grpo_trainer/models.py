@@ -323,15 +323,11 @@ class _TargetLogprobs(torch.autograd.Function):
                                "supported: the first one computed its gradient in the saved log-softmax's memory")
         ctx.consumed = True
         logp_all, targets = ctx.saved_tensors
-        vocab = logp_all.shape[-1]
-        rows = logp_all.view(-1, vocab)
         index, grad = targets.reshape(-1, 1), grad_logp.reshape(-1, 1).to(logp_all.dtype)
-        step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
-        for start in range(0, rows.shape[0], step):
-            block = rows[start : start + step]
+        for rows, block in _TargetLogprobs._row_blocks(logp_all):
             # scatter_add_ into zeros, as autograd's gather backward does: 0 + (-0.0) is +0.0, so even the sign of a
             # zero gradient (masked positions give -0.0) comes out as autograd's
-            one_hot = torch.zeros_like(block).scatter_add_(-1, index[start : start + step], grad[start : start + step])
+            one_hot = torch.zeros_like(block).scatter_add_(-1, index[rows], grad[rows])
             block.copy_(torch._log_softmax_backward_data(one_hot, block, -1, block.dtype))
         return (logp_all if ctx.temperature == 1 else logp_all.div_(ctx.temperature)), None, None, None
 
@@ -340,14 +336,21 @@ class _TargetLogprobs(torch.autograd.Function):
         """-sum p log p per position, a block of rows at a time, without the whole-tensor expression's two [B, c, V]
         temporaries: on CPU the same numbers (each row is reduced alone; tested). A GPU's reduction may split a row
         by how many rows it is given, so there the last bits can differ from the whole-tensor expression's."""
+        entropy = logp_all.new_empty(logp_all.shape[:-1])
+        flat = entropy.view(-1)
+        for rows, block in _TargetLogprobs._row_blocks(logp_all):
+            flat[rows] = -(block.exp() * block).sum(-1)
+        return entropy
+
+    @staticmethod
+    def _row_blocks(logp_all: torch.Tensor):
+        """(slice of rows, those rows of `logp_all` as a [rows, V] view), BLOCK_BYTES of them at a time."""
         vocab = logp_all.shape[-1]
-        rows = logp_all.view(-1, vocab)
-        entropy = torch.empty(rows.shape[0], dtype=logp_all.dtype, device=logp_all.device)
+        flat = logp_all.view(-1, vocab)
         step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
-        for start in range(0, rows.shape[0], step):
-            block = rows[start : start + step]
-            entropy[start : start + step] = -(block.exp() * block).sum(-1)
-        return entropy.view(logp_all.shape[:-1])
+        for start in range(0, flat.shape[0], step):
+            rows = slice(start, start + step)
+            yield rows, flat[rows]
 
 
 def _unflatten(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,16 @@ def prompt_tokens(path: str, task: str) -> float:
 # ----------------------------------------------------------------------------- one run of each trainer
 
 
+def spec_of(preset: dict, model_path: str, **changes) -> dict:
+    """A run's spec (what `ours_config` and `run_trl` read) from a PRESETS entry, possibly edited, with `changes`
+    on top; also used by scripts/profile_step.py and scripts/memory_timeline.py, so they run the bench's config."""
+    return {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
+                                      "micro_batch_size", "steps", "learning_rate")},
+            "seed": 0, "model_path": model_path,
+            "skip_zero_advantage": preset.get("skip_zero_advantage", True), "loss_type": preset.get("loss_type", "grpo"),
+            "task": preset.get("task", "arithmetic"), "packing": preset.get("packing", False), **changes}
+
+
 def ours_config(spec: dict, output_dir: Path) -> dict:
     """This trainer's config for a bench spec (also used by scripts/profile_step.py and scripts/scaling.py)."""
     return {
@@ -441,12 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         path = model_path(args.model, workdir)
-        spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
-                                          "micro_batch_size", "steps", "learning_rate")},
-                "seed": args.seed, "model_path": path, "engine": args.engine,
-                "skip_zero_advantage": preset.get("skip_zero_advantage", True),
-                "loss_type": preset.get("loss_type", "grpo"), "task": preset.get("task", "arithmetic"),
-                "packing": preset.get("packing", False) if args.packing is None else args.packing == "true"}
+        spec = spec_of(preset, path, seed=args.seed, engine=args.engine,
+                       **({} if args.packing is None else {"packing": args.packing == "true"}))
         plen = prompt_tokens(path, spec["task"])
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
         import machine

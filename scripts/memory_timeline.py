@@ -138,21 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(stray)} (config overrides are KEY=VALUE)")
 
     from grpo_trainer import train
-    from grpo_trainer.config import config_from_dict, load_config
+    from grpo_trainer.config import apply_override, config_from_dict
 
-    preset = bench.PRESETS[args.model]
     with tempfile.TemporaryDirectory(prefix="grpo-memory-") as tmp:
         root = Path(tmp)
-        spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
-                                          "micro_batch_size", "learning_rate")},
-                "steps": args.steps, "seed": 0, "model_path": bench.model_path(args.model, root),
-                "loss_type": preset.get("loss_type", "grpo"), "task": preset.get("task", "arithmetic"),
-                "skip_zero_advantage": preset.get("skip_zero_advantage", True)}
-        cfg = config_from_dict(bench.ours_config(spec, root / "run"))
-        if overrides:
-            config_file = root / "config.yaml"
-            config_file.write_text(cfg.to_yaml())
-            cfg = load_config(config_file, overrides)
+        spec = bench.spec_of(bench.PRESETS[args.model], bench.model_path(args.model, root), steps=args.steps)
+        data = bench.ours_config(spec, root / "run")
+        for override in overrides:
+            apply_override(data, override)
+        cfg = config_from_dict(data, source=f"the {args.model} bench config")
         with Sampler(args.interval_ms / 1e3) as sampler, marked_training(sampler):
             sampler.mark("start")
             train(cfg)

@@ -55,10 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     preset["micro_batch_size"] = min(preset["micro_batch_size"], preset["prompts_per_step"] * preset["num_generations"])
     with tempfile.TemporaryDirectory(prefix="grpo-profile-") as tmp:
         root = Path(tmp)
-        spec = {**{k: preset[k] for k in ("prompts_per_step", "num_generations", "max_completion_length",
-                                          "micro_batch_size", "learning_rate")},
-                "steps": args.steps, "seed": 0, "model_path": bench.model_path(args.model, root),
-                "share_prompt": args.share_prompt == "true", "skip_zero_advantage": args.skip_zero_advantage == "true"}
+        spec = bench.spec_of(preset, bench.model_path(args.model, root), steps=args.steps,
+                             share_prompt=args.share_prompt == "true", skip_zero_advantage=args.skip_zero_advantage == "true")
         cfg = config_from_dict(bench.ours_config(spec, root / "run"))
         schedule = torch.profiler.schedule(wait=0, warmup=2, active=args.steps - 2, repeat=1)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:

@@ -289,10 +289,9 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
         dtype, temperature, monkeypatch):
     """models._TargetLogprobs against the plain autograd expression it replaces: the same log-probs and entropies,
     and bit for bit the same gradients (signs of zero included) for the logits, the hidden states and the output
-    head, with the backward's one-hot rows
-    built a few at a time (3 blocks here); the plain expression allocates [B, c, V] tensors in the forward (the
-    division, the log-softmax, the entropy's two) and in the backward (one-hot, log-softmax gradient, the
-    division's), this one the log-softmax only."""
+    head, with the backward's one-hot rows built a few at a time (3 blocks here); the plain expression allocates
+    [B, c, V] tensors in the forward (the division, the log-softmax, the entropy's two) and in the backward
+    (one-hot, log-softmax gradient, the division's), this one the log-softmax only (and the division at T != 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from grpo_trainer import models
