@@ -268,11 +268,20 @@ class TokenLogprobs(nn.Module):
         return torch.cat(logps, 1), (torch.cat(entropies, 1) if with_entropy else None)
 
     def _score_chunk(self, head, hidden, targets, with_entropy, entropy_grad):
-        logits = head(hidden).float()  # [B, c, V]
+        logits = self._logits(head, hidden).float()  # [B, c, V]
         if with_entropy and entropy_grad and torch.is_grad_enabled():  # the entropy term: autograd through both
             logp_all = (logits / self.temperature).log_softmax(-1)
             return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
         return _TargetLogprobs.apply(logits, targets, self.temperature, with_entropy)
+
+    def _logits(self, head, hidden):
+        """`head(hidden)`; for a head tied to the input embeddings, through `_TiedHead` (same numbers, the weight's
+        gradient summed in place) where nothing else wraps the head's calls (no hooks, no sharded weights)."""
+        if (type(head) is nn.Linear and head.bias is None and self.agree_chunks is None and torch.is_grad_enabled()
+                and head.weight.requires_grad and not (head._forward_hooks or head._forward_pre_hooks)
+                and head.weight is base_model(self.lm).get_input_embeddings().weight):
+            return _TiedHead.apply(hidden, head.weight)
+        return head(hidden)
 
     def _positions_per_chunk(self, rows: int) -> int:
         """`chunk_size` if given (`model.logprob_chunk_size`), else as many positions as keep a chunk's float32
@@ -281,6 +290,34 @@ class TokenLogprobs(nn.Module):
             return self.chunk_size
         vocab = getattr(getattr(self.lm, "config", None), "vocab_size", None) or 2**17
         return max(1, LOGITS_CHUNK_BYTES // (4 * vocab * max(1, rows)))
+
+
+class _TiedHead(torch.autograd.Function):
+    """`F.linear(hidden, weight)` for an output head whose weight is also the input embeddings (tied), with the
+    gradients autograd computes, bit for bit, but the weight's as a tensor of its own.
+
+    The tied weight gets one gradient from the head and one from each embedding lookup (two in the shared-prompt
+    layout: prompts, then completions), and autograd sums them before accumulating. Left to autograd, the
+    head's contribution is a transposed view of its matmul's result (mm's backward for `W.t()`, then `t()`), which
+    the engine will not add into in place: the first sum is a third vocabulary-sized tensor beside the two it
+    adds (108 MiB each for SmolLM2, at the end of every backward, the peak of a training step there:
+    docs/performance.md). Here the weight's gradient is the same product, `grad^T @ hidden` by the same kernel,
+    returned as a plain contiguous tensor, so the lookups' gradients are added into it in place, in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return nn.functional.linear(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        # As autograd's mm backward computes them for `hidden.reshape(-1, H) @ weight.t()`.
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_hidden = rows.mm(weight).view(hidden.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = rows.t().mm(hidden.reshape(-1, hidden.shape[-1])) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight
 
 
 class _TargetLogprobs(torch.autograd.Function):

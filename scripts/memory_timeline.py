@@ -43,7 +43,7 @@ class _MallInfo2(ctypes.Structure):
 class Sampler:
     """RSS and allocator state every `interval` seconds on a daemon thread, plus named marks, all in MiB."""
 
-    FIELDS = ("t", "rss", "in_use", "free_in_heap", "mmapped", "heap")
+    FIELDS = ("t", "rss", "file_backed", "in_use", "free_in_heap", "mmapped", "heap")
 
     def __init__(self, interval: float):
         self.interval = interval
@@ -57,10 +57,10 @@ class Sampler:
 
     def sample(self) -> tuple:
         with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * self._page
+            _, resident, shared, *_ = (int(n) * self._page for n in f.read().split())
         info = self._libc.mallinfo2()
-        return (time.perf_counter(), rss / MIB, (info.uordblks + info.hblkhd) / MIB, info.fordblks / MIB,
-                info.hblkhd / MIB, info.arena / MIB)
+        return (time.perf_counter(), resident / MIB, shared / MIB, (info.uordblks + info.hblkhd) / MIB,
+                info.fordblks / MIB, info.hblkhd / MIB, info.arena / MIB)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine.one_line(machine.describe(measure=False))}")
     print(f"model={args.model} steps={args.steps} overrides={overrides or 'none'}; MiB; each row: the highest RSS "
           "from its mark to the next, and the allocator then")
-    print("| from | at (s) | RSS | in use | free in heap | mmapped | heap |\n|---|---|---|---|---|---|---|")
+    print("| from | at (s) | RSS | file-backed | in use | free in heap | mmapped | heap |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         bold = "**" if r is peak else ""
-        print(f"| {r['from']} | {r['at_s']} | {bold}{r['rss']}{bold} | {r['in_use']} | {r['free_in_heap']} | "
-              f"{r['mmapped']} | {r['heap']} |")
+        print(f"| {r['from']} | {r['at_s']} | {bold}{r['rss']}{bold} | {r['file_backed']} | {r['in_use']} | "
+              f"{r['free_in_heap']} | {r['mmapped']} | {r['heap']} |")
     rest = peak["rss"] - peak["in_use"] - peak["free_in_heap"]
     print(f"peak {peak['rss']} MiB ({peak['from']}, {peak['at_s']} s): {peak['in_use']} in use, {peak['free_in_heap']} "
           f"freed but kept in the heap, {rest} neither (libraries, Python's arenas, file-mapped weights)")

@@ -351,6 +351,47 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
     assert want_allocated[0] == 4 and want_allocated[1] >= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny_model_path, dtype, share_prompt,
+                                                                            monkeypatch):
+    """models._TiedHead (the tiny model ties its head to the input embeddings): log-probs and every gradient bit for
+    bit what the head module called through autograd gives, and the tied weight's gradient is the very tensor the
+    head's backward made, the embedding lookups' gradients added into it in place (autograd's own head gradient
+    is a view it adds out of place: a third vocabulary-sized tensor at the end of SmolLM2's backward)."""
+    from grpo_trainer import models
+
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], [[5, 7, 9], [4], [12, 3]], tokenizer.pad_token_id)
+    lm = load_causal_lm(ModelConfig()).to(dtype).train()
+    weight = lm.get_input_embeddings().weight
+    assert lm.get_output_embeddings().weight is weight
+    made = []  # where the head's backward put the weight's gradient (the address only: a reference would block
+    backward = models._TiedHead.backward  # autograd's in-place add, which needs the last one)
+
+    def recorded(ctx, grad):
+        grads = backward(ctx, grad)
+        made.append(grads[1].data_ptr())
+        return grads
+
+    monkeypatch.setattr(models._TiedHead, "backward", staticmethod(recorded))
+
+    def scored(tied: bool):
+        lm.zero_grad(set_to_none=True)
+        scorer = TokenLogprobs(lm, share_prompt=share_prompt)
+        if not tied:
+            scorer._logits = lambda head, hidden: head(hidden)
+        logp, _ = scorer(**batch.tensors())
+        (logp * batch.completion_mask).sum().backward()
+        return logp.detach(), [p.grad for p in lm.parameters()]
+
+    (got, got_grads), (want, want_grads) = scored(tied=True), scored(tied=False)
+    assert len(made) == 1  # the tied path ran once, the plain one not at all
+    assert same_bits(got, want) and all(same_bits(a, b) for a, b in zip(got_grads, want_grads))
+    assert got_grads[0] is not None and got_grads[0].data_ptr() == made[0]
+
+
 def test_ranks_in_lockstep_run_the_completion_pass_even_for_one_position(tiny_model_path):
     """The shared-prompt layout skips its second decoder pass when the completions are one token wide, but not
     where ranks must call every module equally often (`agree_chunks` set: ZeRO-3, FSDP), since another rank's
