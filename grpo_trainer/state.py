@@ -34,6 +34,7 @@ from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
+from .optim import BlockwiseAdamW
 from .models import TokenLogprobs, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
@@ -165,7 +166,9 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt,
                            chunk_agreement(accelerator))
-    optimizer = torch.optim.AdamW(
+    # On CPU, torch's AdamW step bit for bit without its parameter-sized temporaries (optim.py); elsewhere torch's.
+    adamw = BlockwiseAdamW if accelerator.device.type == "cpu" else torch.optim.AdamW
+    optimizer = adamw(
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.train.learning_rate,
         betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),

@@ -1,0 +1,79 @@
+"""AdamW whose step on CPU makes no parameter-sized temporaries: torch's numbers, bit for bit.
+
+torch's AdamW on CPU (the single-tensor implementation, its CPU default) computes each parameter's update
+denominator as `(exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two temporaries the size of the
+parameter. For a tied 49152 x 576 embedding that is 216 MiB of fresh memory at every optimizer step, on top of
+the weights, gradients and both moments, and it set one of the two plateaus of SmolLM2's peak resident memory
+(docs/performance.md, "Where the peak is"). `BlockwiseAdamW.step` computes the same expressions a block of
+elements at a time (views: every operation is elementwise, so each element sees the same arithmetic), and the
+in-place parts (weight decay, both moments) on whole tensors as torch does. tests/test_optim.py holds it to
+`torch.optim.AdamW` bit for bit over several steps, so a torch upgrade that changes the formula fails there.
+
+It covers what the trainer asks of AdamW on CPU (the trainer picks torch's class on other devices, whose
+default there is the foreach implementation): real CPU parameters, float hyperparameters, none of the amsgrad,
+maximize, capturable, differentiable, foreach or fused options; anything else is refused when it is made, and a
+parameter found elsewhere than the CPU when it steps. The state is torch's (`_init_group` makes it), so
+checkpoints load in either class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockwiseAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW`, with a CPU step whose temporaries are BLOCK_ELEMENTS elements, not a parameter's."""
+
+    BLOCK_ELEMENTS = 2**20  # a multiple of every vector width, so blocks start where the kernels' lanes do
+
+    OPTIONS_NOT_COVERED = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            options = [option for option in self.OPTIONS_NOT_COVERED if group.get(option)]
+            if options or any(isinstance(group[key], torch.Tensor) for key in ("lr", "eps", "weight_decay")) or any(
+                    isinstance(beta, torch.Tensor) for beta in group["betas"]):
+                raise ValueError(f"BlockwiseAdamW reproduces torch's plain single-tensor AdamW step only; "
+                                 f"got {', '.join(options) or 'a tensor hyperparameter'}: use torch.optim.AdamW")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+                if param.device.type != "cpu" or torch.is_complex(param):
+                    raise ValueError(f"BlockwiseAdamW steps real CPU parameters only; got a {param.dtype} parameter "
+                                     f"on {param.device}: use torch.optim.AdamW there")
+                self._update(param, grad, exp_avg, exp_avg_sq, step, group)
+        return loss
+
+    def _update(self, param, grad, exp_avg, exp_avg_sq, step_t, group) -> None:
+        """torch.optim.adam._single_tensor_adam for one parameter (decoupled weight decay), with the denominator
+        and the parameter update made BLOCK_ELEMENTS at a time."""
+        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step_t += 1
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = step_t.item()
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        for param_block, avg_block, sq_block in self._blocks(param, exp_avg, exp_avg_sq):
+            denom = (sq_block.sqrt() / bias_correction2_sqrt).add_(eps)
+            param_block.addcdiv_(avg_block, denom, value=-step_size)
+
+    def _blocks(self, *tensors: torch.Tensor):
+        """The same BLOCK_ELEMENTS-element slice of each (flat views); all of each if one is not contiguous."""
+        if not all(t.is_contiguous() for t in tensors):
+            yield tensors
+            return
+        flats = [t.view(-1) for t in tensors]
+        for start in range(0, flats[0].numel(), self.BLOCK_ELEMENTS):
+            yield tuple(flat[start : start + self.BLOCK_ELEMENTS] for flat in flats)
