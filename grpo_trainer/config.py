@@ -549,6 +549,11 @@ class TrainConfig(_Section):
     max_consecutive_nonfinite: int = Field(
         3, ge=0, description="Optimizer steps with a NaN/inf loss or gradient are skipped; stop after this many in a row."
     )
+    trim_host_memory: bool | None = Field(
+        None, description="Hand the C heap's free pages back to the system at the points where a step's phases peak "
+        "(glibc's malloc_trim; grpo_trainer/host_memory.py): a lower resident peak for a few percent of step time on "
+        "the CPU (docs/performance.md). None: on where the policy trains on the CPU; no effect on GPU memory.",
+    )
 
 
 class EvalConfig(_Section):

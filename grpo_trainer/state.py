@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,15 @@ from .config import Config
 from .data import PromptSampler
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
+from .host_memory import HeapTrimmer
 from .losses import EntropyControl
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
 from .optim import BlockwiseAdamW
-from .models import TokenLogprobs, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm, load_tokenizer
+from .models import (TokenLogprobs, base_model, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm,
+                     load_tokenizer)
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
@@ -69,6 +71,8 @@ class Run:
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
     rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
+    # called where a phase's peak begins (host_memory.py)
+    trim_heap: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
 
     @property
     def output_dir(self) -> Path:
@@ -145,7 +149,19 @@ def build_run(cfg: Config) -> Run:
         entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
     run.rollouts = RolloutQueue(run)
+    run.trim_heap = _heap_trimmer(cfg, accelerator, lm)
     return run
+
+
+def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
+    """`train.trim_host_memory` (None: where the policy trains on the CPU), watching the backward of `lm`'s input
+    embeddings and decoder layers (the classes transformers keeps whole when sharding: `_no_split_modules`)."""
+    enabled = cfg.train.trim_host_memory
+    trimmer = HeapTrimmer(accelerator.device.type == "cpu" if enabled is None else enabled)
+    base = base_model(lm)
+    block_classes = set(getattr(base, "_no_split_modules", None) or [])
+    trimmer.watch_backward(base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes])
+    return trimmer
 
 
 def chunk_agreement(accelerator) -> Callable[[int], int] | None:

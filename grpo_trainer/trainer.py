@@ -101,6 +101,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 def train_step(run: Run, step: int) -> dict:
     """One GRPO step, phase by phase (see the module docstring); returns its metrics record."""
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
+    run.trim_heap()  # what the last step freed, before the rollout's KV cache and reordered weights
     scored = collect(run, step, timer)
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
@@ -126,6 +127,8 @@ def train_step(run: Run, step: int) -> dict:
     eval_metrics = periodic_eval(run, step, timer)
     record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm),
                          {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()})
+    if run.trim_heap.active:
+        record["timing/heap_trim"] = run.trim_heap.take_seconds()
     record["step_time"] = time.perf_counter() - started
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
     if checkpoint_due(cfg, step):

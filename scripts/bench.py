@@ -151,8 +151,11 @@ def spec_of(preset: dict, model_path: str, **changes) -> dict:
 
 
 def ours_config(spec: dict, output_dir: Path) -> dict:
-    """This trainer's config for a bench spec (also used by scripts/profile_step.py and scripts/scaling.py)."""
-    return {
+    """This trainer's config for a bench spec (also used by scripts/profile_step.py and scripts/scaling.py), with
+    the spec's `ours_overrides` (KEY=VALUE, `--ours-set`) applied."""
+    from grpo_trainer.config import apply_override
+
+    data = {
         "output_dir": str(output_dir),
         "seed": spec["seed"],
         "model": {"name_or_path": spec["model_path"], "dtype": "float32", "gradient_checkpointing": False,
@@ -171,6 +174,9 @@ def ours_config(spec: dict, output_dir: Path) -> dict:
         "checkpoint": {"save_every": 0, "resume": "never", "save_final_model": False},
         "logging": {"progress_bar": False, "report_to": ["jsonl"]},
     }
+    for override in spec.get("ours_overrides", []):
+        apply_override(data, override)
+    return data
 
 
 def run_ours(spec: dict, out: Path) -> None:
@@ -412,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--packing", choices=["true", "false"], default=None,
                    help="ours: train.packing (default: the --model preset's)")
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for ours (repeatable), e.g. train.trim_host_memory=false")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch/OpenMP threads per run (OMP_NUM_THREADS); default: torch's own (all cores). "
@@ -451,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         path = model_path(args.model, workdir)
-        spec = spec_of(preset, path, seed=args.seed, engine=args.engine,
+        spec = spec_of(preset, path, seed=args.seed, engine=args.engine, ours_overrides=args.ours_set,
                        **({} if args.packing is None else {"packing": args.packing == "true"}))
         plen = prompt_tokens(path, spec["task"])
         log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")

@@ -1,0 +1,86 @@
+"""Giving the heap's free memory back to the system where a CPU training step would otherwise keep it resident.
+
+glibc's malloc keeps freed memory in its heap, resident, for the next allocation; it returns to the system only
+what is freed at the top of the heap (and blocks above 32 MiB, which get their own mappings). A training step on
+the CPU frees a lot in the middle of the heap: the rollout's KV cache and reordered weights, a forward pass's
+activations, the backward's activation gradients. The next phase then allocates elsewhere in the heap, and the
+process's resident memory is, phase after phase, what is in use now plus what any earlier phase left free.
+For SmolLM2-135M that was 0.3-0.45 GiB above what was in use at every plateau of the step (docs/performance.md,
+"Where the peak is").
+
+`HeapTrimmer` calls `malloc_trim(0)`, which hands every whole free page inside the heap back to the system
+(madvise), at the points where a phase's peak begins: before a rollout, before each micro-batch's forward and
+backward, before the optimizer step, and inside the backward (before the input embeddings' gradient, which
+arrives when all the others are held, and every few decoder layers, as activation gradients are freed and
+parameter gradients made). A trimmed page that is used again costs a page fault: measured cost and saving in
+docs/performance.md. Nothing numeric changes: where a tensor lives does not change what is computed in it.
+
+On when the policy trains on the CPU and the C library is glibc (`train.trim_host_memory`, default: so);
+a no-op elsewhere (GPU memory is the caching allocator's business, not malloc's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+class HeapTrimmer:
+    """`trimmer()` hands the heap's free pages back (when enabled and possible); `watch_backward` adds the points
+    inside a model's backward pass."""
+
+    LAYER_STRIDE = 6  # decoder layers between trims in the backward: SmolLM2's 30 layers, 5 trims
+
+    def __init__(self, enabled: bool):
+        self._trim = _malloc_trim() if enabled else None
+        self.calls = 0
+        self._seconds = 0.0  # in malloc_trim since the last take_seconds (not the page faults that follow)
+
+    @property
+    def active(self) -> bool:
+        return self._trim is not None
+
+    def __call__(self) -> None:
+        if self._trim is not None:
+            started = time.perf_counter()
+            self._trim(0)
+            self.calls += 1
+            self._seconds += time.perf_counter() - started
+
+    def take_seconds(self) -> float:
+        """Seconds spent trimming since the last call (the step's `timing/heap_trim`)."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def watch_backward(self, embeddings: nn.Module, layers: list[nn.Module]) -> list:
+        """Trim in the backward when the gradient reaches the input embeddings' output and every LAYER_STRIDE-th
+        decoder layer's output. Tensor hooks on the forward's outputs, registered by forward hooks: they add no
+        node to the autograd graph, so gradients are summed as before. Returns the handles (to remove them)."""
+        if not self.active:
+            return []
+        watched = [embeddings] + layers[self.LAYER_STRIDE - 1 :: self.LAYER_STRIDE]
+        return [module.register_forward_hook(self._hook_output) for module in watched]
+
+    def _hook_output(self, module, args, output) -> None:
+        tensor = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+            tensor.register_hook(self._on_gradient)
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        self()

@@ -1,0 +1,125 @@
+"""grpo_trainer.host_memory.HeapTrimmer: freed heap pages handed back, where the trainer's phases peak, with the
+same numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_trainer import host_memory
+from grpo_trainer.config import ModelConfig
+from grpo_trainer.host_memory import HeapTrimmer
+from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_sequence_batch
+from helpers import run_in_fork, small_run_overrides
+
+glibc = pytest.mark.skipif(host_memory._malloc_trim() is None, reason="needs glibc's malloc_trim")
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@glibc
+def test_a_trim_hands_back_pages_freed_in_the_middle_of_the_heap():
+    """64 KiB blocks (below glibc's mmap threshold: in the heap), each followed by a small one that stays: freed,
+    they stay resident until the trim."""
+    blocks, pins = [], []
+    for _ in range(3200):  # 200 MiB
+        blocks.append(torch.ones(16 * 1024))
+        pins.append(torch.ones(4))
+    before = resident_mib()
+    del blocks
+    after_free = resident_mib()
+    trimmer = HeapTrimmer(enabled=True)
+    trimmer()
+    after_trim = resident_mib()
+    assert before - after_free < 50, (before, after_free)  # glibc kept them
+    assert after_free - after_trim > 150, (after_free, after_trim)
+    assert trimmer.calls == 1 and pins
+
+
+def test_disabled_or_without_glibc_it_does_nothing(monkeypatch):
+    off = HeapTrimmer(enabled=False)
+    off()
+    assert not off.active and off.calls == 0 and off.watch_backward(torch.nn.Embedding(3, 2), []) == []
+    monkeypatch.setattr(host_memory, "_malloc_trim", lambda: None)  # musl, macOS
+    nowhere = HeapTrimmer(enabled=True)
+    nowhere()
+    assert not nowhere.active and nowhere.calls == 0
+
+
+@glibc
+def test_the_backward_trims_at_the_embeddings_and_every_kth_layer_and_gradients_are_unchanged(tiny_model_path,
+                                                                                               monkeypatch):
+    """Tensor hooks (no new autograd nodes): the gradients bit for bit as without them; one trim per watched
+    module and decoder pass in the backward (the shared-prompt layout makes two passes), none in a no-grad pass."""
+    monkeypatch.setattr(HeapTrimmer, "LAYER_STRIDE", 1)
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in ("What is 1+2?", "What is 13+40?")]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], [[5, 7, 9], [4], [12, 3]], tokenizer.pad_token_id)
+    lm = load_causal_lm(ModelConfig()).train()
+    layers = list(lm.get_decoder().layers)
+
+    def gradients():
+        lm.zero_grad(set_to_none=True)
+        logp, _ = TokenLogprobs(lm)(**batch.tensors())
+        (logp * batch.completion_mask).sum().backward()
+        return [p.grad.clone() for p in lm.parameters()]
+
+    plain = gradients()
+    trimmer = HeapTrimmer(enabled=True)
+    handles = trimmer.watch_backward(lm.get_input_embeddings(), layers)
+    try:
+        with torch.no_grad():
+            TokenLogprobs(lm)(**batch.tensors())
+        assert trimmer.calls == 0
+        watched = gradients()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert trimmer.calls == 2 * (1 + len(layers))
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+
+
+def count_trims(out: str, result_file: str, overrides: list[str]) -> None:
+    """In a forked child: a short run, counting the trims (and whether any was a real malloc_trim)."""
+    import grpo_trainer
+
+    counted = {"calls": 0, "active": False}
+    real_call = HeapTrimmer.__call__
+
+    def call(self):
+        counted["calls"] += 1
+        counted["active"] = counted["active"] or self.active
+        real_call(self)
+
+    HeapTrimmer.__call__ = call
+    HeapTrimmer.LAYER_STRIDE = 10**6  # in the backward: the input embeddings only
+    result = grpo_trainer.train(None, [f"output_dir={out}", *overrides])
+    Path(result_file).write_text(json.dumps({**counted, "steps": result.steps_done, "loss": result.last_metrics["loss"],
+                                             "logged": "timing/heap_trim" in result.last_metrics}))
+
+
+@glibc
+def test_the_trainer_trims_at_its_phases_on_the_cpu_and_not_when_told(tmp_path):
+    """Per step: before the rollout, before each micro-batch's forward and backward, before the optimizer step,
+    and in each backward where the gradient reaches the input embeddings (two decoder passes); with
+    `train.trim_host_memory=false` the calls do nothing and nothing is watched. The loss is the same either way."""
+    results = {}
+    for setting in ("null", "false"):
+        overrides = [*small_run_overrides(tmp_path, steps=2)[1:], "train.skip_zero_advantage=false",
+                     f"train.trim_host_memory={setting}"]
+        out = run_in_fork(count_trims, (str(tmp_path / setting), str(tmp_path / f"{setting}.json"), overrides))
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[setting] = json.loads((tmp_path / f"{setting}.json").read_text())
+    on, off = results["null"], results["false"]
+    # 2 steps x (rollout + 2 micro-batches x (forward + backward + 2 embedding passes) + optimizer step)
+    assert on["active"] and on["calls"] == 2 * (1 + 2 * 4 + 1) and on["steps"] == 2 and on["logged"]
+    assert not off["active"] and off["calls"] == 2 * (1 + 2 * 2 + 1) and off["loss"] == on["loss"] and not off["logged"]
