@@ -110,10 +110,12 @@ def setup(model: str, spread: str, lr: float = 1e-5):
 def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budget: int | None):
     """What update.py reads of a `state.Run`, for one layout."""
     from grpo_trainer.geometry import geometry_of
+    from grpo_trainer.host_memory import HeapTrimmer
 
     layout = cfg.model_copy(update={"train": cfg.train.model_copy(update={"packing": packing, "micro_batch_tokens": budget})})
     return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), accelerator=accelerator, policy=policy,
                            optimizer=optimizer, scheduler=scheduler, nonfinite_in_a_row=0, reference=None,
+                           trim_heap=HeapTrimmer(enabled=False),  # the layouts' own peaks, as measured before it
                            comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t))
 
 

@@ -14,6 +14,7 @@ from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.geometry import batch_geometry
+from grpo_trainer.host_memory import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
 from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
@@ -92,7 +93,7 @@ def toy_run(accelerator_factory, overrides=()):
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     return SimpleNamespace(cfg=cfg, geometry=geometry, accelerator=accelerator, policy=policy, optimizer=optimizer,
-                           scheduler=scheduler, nonfinite_in_a_row=0)
+                           scheduler=scheduler, nonfinite_in_a_row=0, trim_heap=HeapTrimmer(enabled=False))
 
 
 def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_factory):
