@@ -276,9 +276,11 @@ class TokenLogprobs(nn.Module):
 
     def _logits(self, head, hidden):
         """`head(hidden)`; for a head tied to the input embeddings, through `_TiedHead` (same numbers, the weight's
-        gradient summed in place) where nothing else wraps the head's calls (no hooks, no sharded weights)."""
+        gradient summed in place) where nothing else wraps the head's calls (no hooks, no sharded weights) and
+        no autocast casts its operands (autograd's path then holds the casts' gradients as well)."""
         if (type(head) is nn.Linear and head.bias is None and self.agree_chunks is None and torch.is_grad_enabled()
                 and head.weight.requires_grad and not (head._forward_hooks or head._forward_pre_hooks)
+                and not torch.is_autocast_enabled(hidden.device.type)
                 and head.weight is base_model(self.lm).get_input_embeddings().weight):
             return _TiedHead.apply(hidden, head.weight)
         return head(hidden)

@@ -390,6 +390,10 @@ def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny
     assert len(made) == 1  # the tied path ran once, the plain one not at all
     assert same_bits(got, want) and all(same_bits(a, b) for a, b in zip(got_grads, want_grads))
     assert got_grads[0] is not None and got_grads[0].data_ptr() == made[0]
+    if dtype == torch.float32:  # under autocast (mixed precision) the head is called as it is: casts and all
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_logp, autocast_grads = scored(tied=True)
+        assert len(made) == 1 and autocast_logp.dtype == torch.float32 and autocast_grads[0].dtype == torch.float32
 
 
 def test_ranks_in_lockstep_run_the_completion_pass_even_for_one_position(tiny_model_path):
