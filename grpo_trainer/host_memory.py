@@ -1,7 +1,8 @@
 """Giving the heap's free memory back to the system where a CPU training step would otherwise keep it resident.
 
 glibc's malloc keeps freed memory in its heap, resident, for the next allocation; it returns to the system only
-what is freed at the top of the heap (and blocks above 32 MiB, which get their own mappings). A training step on
+what is freed at the top of the heap, and blocks above its mmap threshold (128 KiB at first, rising towards
+32 MiB as such blocks are freed), which get mappings of their own. A training step on
 the CPU frees a lot in the middle of the heap: the rollout's KV cache and reordered weights, a forward pass's
 activations, the backward's activation gradients. The next phase then allocates elsewhere in the heap, and the
 process's resident memory is, phase after phase, what is in use now plus what any earlier phase left free.
@@ -16,13 +17,14 @@ parameter gradients made). A trimmed page that is used again costs a page fault:
 docs/performance.md. Nothing numeric changes: where a tensor lives does not change what is computed in it.
 
 On when the policy trains on the CPU and the C library is glibc (`train.trim_host_memory`, default: so);
-a no-op elsewhere (GPU memory is the caching allocator's business, not malloc's).
+a no-op elsewhere (GPU memory is the caching allocator's business, not malloc's). With another malloc preloaded
+(jemalloc, tcmalloc) the call finds glibc's heap nearly empty and does nothing useful.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import time
 from collections.abc import Callable
 
@@ -30,11 +32,13 @@ import torch
 from torch import nn
 
 
+@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    """glibc's malloc_trim from the C library this process already uses, or None where it has none (musl, macOS).
+    Looked up here, not held by the trimmer: a ctypes function cannot be copied, and the trimmer's hooks go
+    wherever the model is deep-copied."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -43,39 +47,40 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 class HeapTrimmer:
     """`trimmer()` hands the heap's free pages back (when enabled and possible); `watch_backward` adds the points
-    inside a model's backward pass."""
+    inside a model's backward pass, `unwatch` takes them away again (the model may be the caller's own)."""
 
     LAYER_STRIDE = 6  # decoder layers between trims in the backward: SmolLM2's 30 layers, 5 trims
 
     def __init__(self, enabled: bool):
-        self._trim = _malloc_trim() if enabled else None
+        self.active = enabled and _malloc_trim() is not None
         self.calls = 0
         self._seconds = 0.0  # in malloc_trim since the last take_seconds (not the page faults that follow)
-
-    @property
-    def active(self) -> bool:
-        return self._trim is not None
+        self._handles: list = []
 
     def __call__(self) -> None:
-        if self._trim is not None:
+        if self.active:
             started = time.perf_counter()
-            self._trim(0)
+            _malloc_trim()(0)
             self.calls += 1
             self._seconds += time.perf_counter() - started
 
     def take_seconds(self) -> float:
-        """Seconds spent trimming since the last call (the step's `timing/heap_trim`)."""
+        """Seconds spent trimming since the last call (the step's `host_memory/trim_seconds`)."""
         seconds, self._seconds = self._seconds, 0.0
         return seconds
 
-    def watch_backward(self, embeddings: nn.Module, layers: list[nn.Module]) -> list:
+    def watch_backward(self, embeddings: nn.Module, layers: list[nn.Module]) -> None:
         """Trim in the backward when the gradient reaches the input embeddings' output and every LAYER_STRIDE-th
         decoder layer's output. Tensor hooks on the forward's outputs, registered by forward hooks: they add no
-        node to the autograd graph, so gradients are summed as before. Returns the handles (to remove them)."""
-        if not self.active:
-            return []
-        watched = [embeddings] + layers[self.LAYER_STRIDE - 1 :: self.LAYER_STRIDE]
-        return [module.register_forward_hook(self._hook_output) for module in watched]
+        node to the autograd graph, so gradients are summed as before."""
+        if self.active:
+            watched = [embeddings] + layers[self.LAYER_STRIDE - 1 :: self.LAYER_STRIDE]
+            self._handles += [module.register_forward_hook(self._hook_output) for module in watched]
+
+    def unwatch(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook_output(self, module, args, output) -> None:
         tensor = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)

@@ -278,8 +278,8 @@ class TokenLogprobs(nn.Module):
         """`head(hidden)`; for a head tied to the input embeddings, through `_TiedHead` (same numbers, the weight's
         gradient summed in place) where nothing else wraps the head's calls (no hooks, no sharded weights) and
         no autocast casts its operands (autograd's path then holds the casts' gradients as well)."""
-        if (type(head) is nn.Linear and head.bias is None and self.agree_chunks is None and torch.is_grad_enabled()
-                and head.weight.requires_grad and not (head._forward_hooks or head._forward_pre_hooks)
+        if (self.agree_chunks is None and torch.is_grad_enabled() and _called_as_it_is(head)
+                and head.bias is None and head.weight.requires_grad and head.weight.device == hidden.device
                 and not torch.is_autocast_enabled(hidden.device.type)
                 and head.weight is base_model(self.lm).get_input_embeddings().weight):
             return _TiedHead.apply(hidden, head.weight)
@@ -292,6 +292,17 @@ class TokenLogprobs(nn.Module):
             return self.chunk_size
         vocab = getattr(getattr(self.lm, "config", None), "vocab_size", None) or 2**17
         return max(1, LOGITS_CHUNK_BYTES // (4 * vocab * max(1, rows)))
+
+
+def _called_as_it_is(module: nn.Module) -> bool:
+    """A plain `nn.Linear` that nothing wraps: no hooks of its own or global ones (ZeRO-3's weight gathers, full
+    backward hooks, ...), no `forward` replaced on the instance (accelerate's offloading hooks)."""
+    from torch.nn.modules import module as module_globals
+
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+             module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+             module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)
+    return type(module) is nn.Linear and "forward" not in vars(module) and not any(hooks)
 
 
 class _TiedHead(torch.autograd.Function):

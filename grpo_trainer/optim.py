@@ -9,11 +9,11 @@ elements at a time (views: every operation is elementwise, so each element sees 
 in-place parts (weight decay, both moments) on whole tensors as torch does. tests/test_optim.py holds it to
 `torch.optim.AdamW` bit for bit over several steps, so a torch upgrade that changes the formula fails there.
 
-It covers what the trainer asks of AdamW on CPU (the trainer picks torch's class on other devices, whose
-default there is the foreach implementation): real CPU parameters, float hyperparameters, none of the amsgrad,
-maximize, capturable, differentiable, foreach or fused options; anything else is refused when it is made, and a
-parameter found elsewhere than the CPU when it steps. The state is torch's (`_init_group` makes it), so
-checkpoints load in either class.
+It covers what the trainer asks of AdamW on CPU (`adamw_for` picks torch's class on other devices, whose
+default there is the foreach implementation, and under DeepSpeed, which steps its own flat partitions): real
+CPU parameters, float hyperparameters, none of the amsgrad, maximize, capturable, differentiable, foreach or
+fused options; anything else is refused when it is made and when it steps (a loaded state dict brings its own
+options). The state is torch's (`_init_group` makes it), so checkpoints load in either class.
 """
 
 from __future__ import annotations
@@ -21,15 +21,27 @@ from __future__ import annotations
 import torch
 
 
+def adamw_for(accelerator) -> type[torch.optim.AdamW]:
+    """The AdamW class the trainer builds: BlockwiseAdamW where the policy trains on the CPU without DeepSpeed,
+    torch's own elsewhere."""
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+    return BlockwiseAdamW if accelerator.device.type == "cpu" and not deepspeed else torch.optim.AdamW
+
+
 class BlockwiseAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW`, with a CPU step whose temporaries are BLOCK_ELEMENTS elements, not a parameter's."""
 
-    BLOCK_ELEMENTS = 2**20  # a multiple of every vector width, so blocks start where the kernels' lanes do
+    # Elementwise operations give each element the same bits however a tensor is split (torch's own threads split
+    # it anywhere); the block only bounds the temporaries: 4 MiB of float32.
+    BLOCK_ELEMENTS = 2**20
 
     OPTIONS_NOT_COVERED = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
+        self._refuse_what_it_does_not_reproduce()
+
+    def _refuse_what_it_does_not_reproduce(self) -> None:
         for group in self.param_groups:
             options = [option for option in self.OPTIONS_NOT_COVERED if group.get(option)]
             if options or any(isinstance(group[key], torch.Tensor) for key in ("lr", "eps", "weight_decay")) or any(
@@ -39,6 +51,7 @@ class BlockwiseAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._refuse_what_it_does_not_reproduce()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -35,7 +35,7 @@ from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
-from .optim import BlockwiseAdamW
+from .optim import adamw_for
 from .models import (TokenLogprobs, base_model, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm,
                      load_tokenizer)
 from .report import ProgressBar, flat_hparams
@@ -72,7 +72,7 @@ class Run:
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
     rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
     # called where a phase's peak begins (host_memory.py)
-    trim_heap: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
+    heap_trimmer: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
 
     @property
     def output_dir(self) -> Path:
@@ -149,7 +149,7 @@ def build_run(cfg: Config) -> Run:
         entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
     run.rollouts = RolloutQueue(run)
-    run.trim_heap = _heap_trimmer(cfg, accelerator, lm)
+    run.heap_trimmer = _heap_trimmer(cfg, accelerator, lm)
     return run
 
 
@@ -158,6 +158,8 @@ def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
     embeddings and decoder layers (the classes transformers keeps whole when sharding: `_no_split_modules`)."""
     enabled = cfg.train.trim_host_memory
     trimmer = HeapTrimmer(accelerator.device.type == "cpu" if enabled is None else enabled)
+    if enabled and not trimmer.active:
+        logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
     base = base_model(lm)
     block_classes = set(getattr(base, "_no_split_modules", None) or [])
     trimmer.watch_backward(base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes])
@@ -182,9 +184,7 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt,
                            chunk_agreement(accelerator))
-    # On CPU, torch's AdamW step bit for bit without its parameter-sized temporaries (optim.py); elsewhere torch's.
-    adamw = BlockwiseAdamW if accelerator.device.type == "cpu" else torch.optim.AdamW
-    optimizer = adamw(
+    optimizer = adamw_for(accelerator)(  # on CPU, torch's AdamW step without its parameter-sized temporaries
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.train.learning_rate,
         betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),

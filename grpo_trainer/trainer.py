@@ -70,16 +70,19 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
     """Train as `cfg` says. `on_step_end(step)` is called after every step (a profiler's step(), a test's probe)."""
     with StopRequests(cfg.checkpoint.save_on_signals) as stop:
         run = build_run(cfg)
-        resume(run)
-        run.rollouts.start(run.start_step)
-        last: dict = {}
-        for step in range(run.start_step + 1, cfg.train.max_steps + 1):
-            last = train_step(run, step)
-            if on_step_end is not None:
-                on_step_end(step)
-            if step < cfg.train.max_steps and stop.agreed(run.comm):
-                return preempt(run, step, last, stop.received)
-        finish(run)
+        try:
+            resume(run)
+            run.rollouts.start(run.start_step)
+            last: dict = {}
+            for step in range(run.start_step + 1, cfg.train.max_steps + 1):
+                last = train_step(run, step)
+                if on_step_end is not None:
+                    on_step_end(step)
+                if step < cfg.train.max_steps and stop.agreed(run.comm):
+                    return preempt(run, step, last, stop.received)
+            finish(run)
+        finally:
+            run.heap_trimmer.unwatch()  # the model may be the caller's (grpo_trainer.train(model=...)): no hooks left
     return TrainResult(run.output_dir, cfg.train.max_steps - run.start_step, last, run.is_main_process)
 
 
@@ -101,7 +104,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 def train_step(run: Run, step: int) -> dict:
     """One GRPO step, phase by phase (see the module docstring); returns its metrics record."""
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
-    run.trim_heap()  # what the last step freed, before the rollout's KV cache and reordered weights
+    run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
     scored = collect(run, step, timer)
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
@@ -127,8 +130,8 @@ def train_step(run: Run, step: int) -> dict:
     eval_metrics = periodic_eval(run, step, timer)
     record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm),
                          {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()})
-    if run.trim_heap.active:
-        record["timing/heap_trim"] = run.trim_heap.take_seconds()
+    if run.heap_trimmer.active:
+        record["host_memory/trim_seconds"] = run.heap_trimmer.take_seconds()
     record["step_time"] = time.perf_counter() - started
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
     if checkpoint_due(cfg, step):

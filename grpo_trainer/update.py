@@ -173,10 +173,10 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                 wanted = {"with_entropy": iteration == 0}
                 if term is not None:
                     wanted = {"with_entropy": True, "entropy_grad": True}
-                run.trim_heap()
+                run.heap_trimmer()
                 logp, entropy = run.policy(**mb.sequences, **wanted)
                 share, parts = micro_batch_loss(run, batch, mb, logp, entropy, term)
-                run.trim_heap()
+                run.heap_trimmer()
                 # The backend divides by the accumulation steps and the ranks' gradients are averaged: undo
                 # both, so the shares of all micro-batches on all ranks add up to the batch loss.
                 accelerator.backward(share * distributed.backward_divisor(accelerator) * geometry.world)
@@ -317,7 +317,7 @@ def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor)
     grad_norm = distributed.global_grad_norm(run.accelerator, run.policy, run.cfg.train.max_grad_norm)
     stats.grad_norm = grad_norm
     if torch.isfinite(grad_norm):
-        run.trim_heap()
+        run.heap_trimmer()
         run.optimizer.step()
         run.scheduler.step()
         run.nonfinite_in_a_row = 0

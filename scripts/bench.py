@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_of(preset, path, seed=args.seed, engine=args.engine, ours_overrides=args.ours_set,
                        **({} if args.packing is None else {"packing": args.packing == "true"}))
         plen = prompt_tokens(path, spec["task"])
-        log(f"bench: model={args.model} ({path}) trainers={trainers} {preset}")
+        log(f"bench: model={args.model} ({path}) trainers={trainers} {preset} ours-set={args.ours_set}")
         import machine
 
         host = machine.describe()  # before the runs: the machine's roofs, and its load when the bench started
@@ -510,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\nmodel={args.model} completions/step={n} (prompts {spec['prompts_per_step']} x G {spec['num_generations']}) "
           f"max_completion_length={spec['max_completion_length']} steps={spec['steps']} (first {preset['warmup']} dropped) "
-          f"reps={preset['reps']} threads={args.threads or 'default'} {versions}")
+          f"reps={preset['reps']} threads={args.threads or 'default'} {versions}"
+          + (f" ours-set: {' '.join(args.ours_set)}" if args.ours_set else ""))
     print(f"machine: {machine.one_line(host)}; load at the end " + "/".join(f"{x:.1f}" for x in os.getloadavg()))
     print(table(summaries))
     for key, label in (("median_step_time_s", "step time"), ("peak_rss_mib", "peak RSS")):

@@ -79,6 +79,7 @@ def setup(model: str, spread: str, lr: float = 1e-5):
 
     from grpo_trainer.config import load_config
     from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer
+    from grpo_trainer.optim import adamw_for
     from grpo_trainer.rollout import Rollout
     from grpo_trainer.task import load_task
 
@@ -99,7 +100,7 @@ def setup(model: str, spread: str, lr: float = 1e-5):
     advantages[advantages == 0] = 0.1
     accelerator = Accelerator(cpu=True)
     policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    optimizer = adamw_for(accelerator)([p for p in policy.parameters() if p.requires_grad], lr=lr)  # the trainer's
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     step = SimpleNamespace(prompts=prompts, rollout=rollout, advantages=advantages, lengths=lengths,
@@ -115,7 +116,7 @@ def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budge
     layout = cfg.model_copy(update={"train": cfg.train.model_copy(update={"packing": packing, "micro_batch_tokens": budget})})
     return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), accelerator=accelerator, policy=policy,
                            optimizer=optimizer, scheduler=scheduler, nonfinite_in_a_row=0, reference=None,
-                           trim_heap=HeapTrimmer(enabled=False),  # the layouts' own peaks, as measured before it
+                           heap_trimmer=HeapTrimmer(enabled=False),  # the layouts' own peaks, as measured before it
                            comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t))
 
 

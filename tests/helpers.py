@@ -259,8 +259,10 @@ def accelerate_launch(config_file: Path, *flags: str) -> list[str]:
 
 
 def without_timing(record: dict) -> dict:
-    """A metrics record without its wall-clock keys (`timing/*`, `step_time`, each reward's `seconds`)."""
-    return {k: v for k, v in record.items() if not (k.startswith("timing/") or k == "step_time" or k.endswith("/seconds"))}
+    """A metrics record without its wall-clock keys (`timing/*`, `step_time`, each reward's `seconds`,
+    `host_memory/trim_seconds`)."""
+    return {k: v for k, v in record.items()
+            if not (k.startswith("timing/") or k == "step_time" or k.endswith(("/seconds", "_seconds")))}
 
 
 def assert_same_run(a: Path, b: Path) -> None:

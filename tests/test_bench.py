@@ -23,10 +23,10 @@ RESULT_KEYS = {"median_step_time_s", "median_gen_time_s", "rollout_tokens_per_s"
                "mean_completion_length", "peak_rss_mib", "steps_measured", "reps"}
 
 
-def _bench(tmp_path, trainers):
+def _bench(tmp_path, trainers, *extra):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--trainers", trainers, "--json", str(out), *SMALL],
+        [sys.executable, str(BENCH), "--trainers", trainers, "--json", str(out), *SMALL, *extra],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -34,8 +34,9 @@ def _bench(tmp_path, trainers):
 
 
 def test_bench_ours_only(tmp_path):
-    report, stdout = _bench(tmp_path, "ours")
+    report, stdout = _bench(tmp_path, "ours", "--ours-set", "train.trim_host_memory=false")
     assert "| median step time (s) |" in stdout
+    assert report["config"]["ours_overrides"] == ["train.trim_host_memory=false"] and "ours-set: train.trim" in stdout
     assert report["model"] == "tiny"
     assert report["config"]["completions_per_step"] == 8
     assert set(report["results"]) == {"ours"}
@@ -105,3 +106,13 @@ def test_vllm_pair_refuses_the_tiny_model_with_the_reason():
     proc = subprocess.run([sys.executable, str(BENCH), "--engine", "vllm"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "head_dim 24" in proc.stderr and "--model large" in proc.stderr
+
+
+def test_ours_set_overrides_reach_ours_config_only():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+
+    spec = bench.spec_of(bench.PRESETS["tiny"], "MODEL", ours_overrides=["train.trim_host_memory=false", "loss.beta=0.04"])
+    data = bench.ours_config(spec, Path("OUT"))
+    assert data["train"]["trim_host_memory"] is False and data["loss"]["beta"] == 0.04
+    assert "trim_host_memory" not in bench.ours_config(bench.spec_of(bench.PRESETS["tiny"], "MODEL"), Path("OUT"))["train"]

@@ -3,8 +3,10 @@ same numbers."""
 
 from __future__ import annotations
 
+import copy
 import json
-import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,39 +16,52 @@ from grpo_trainer import host_memory
 from grpo_trainer.config import ModelConfig
 from grpo_trainer.host_memory import HeapTrimmer
 from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_sequence_batch
-from helpers import run_in_fork, small_run_overrides
+from helpers import ROOT, run_in_fork, small_run_overrides
+from test_rollout import _chat_prompts
 
 glibc = pytest.mark.skipif(host_memory._malloc_trim() is None, reason="needs glibc's malloc_trim")
 
 
-def resident_mib() -> float:
+FREED_IN_THE_MIDDLE = """
+import json, os
+import torch
+from grpo_trainer.host_memory import HeapTrimmer
+
+def resident_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+blocks, pins = [], []
+for _ in range(3200):  # 200 MiB of 64 KiB blocks (below glibc's first mmap threshold: in the heap)
+    blocks.append(torch.ones(16 * 1024))
+    pins.append(torch.ones(256))  # after each block, staying: the freed blocks cannot merge into the heap's top
+before = resident_mib()
+del blocks
+after_free = resident_mib()
+trimmer = HeapTrimmer(enabled=True)
+trimmer()
+print(json.dumps({"before": before, "after_free": after_free, "after_trim": resident_mib(), "calls": trimmer.calls}))
+"""
 
 
 @glibc
 def test_a_trim_hands_back_pages_freed_in_the_middle_of_the_heap():
-    """64 KiB blocks (below glibc's mmap threshold: in the heap), each followed by a small one that stays: freed,
-    they stay resident until the trim."""
-    blocks, pins = [], []
-    for _ in range(3200):  # 200 MiB
-        blocks.append(torch.ones(16 * 1024))
-        pins.append(torch.ones(4))
-    before = resident_mib()
-    del blocks
-    after_free = resident_mib()
-    trimmer = HeapTrimmer(enabled=True)
-    trimmer()
-    after_trim = resident_mib()
-    assert before - after_free < 50, (before, after_free)  # glibc kept them
-    assert after_free - after_trim > 150, (after_free, after_trim)
-    assert trimmer.calls == 1 and pins
+    """In a fresh process (a heap no earlier test has shaped): blocks freed in the middle of the heap stay
+    resident until the trim."""
+    result = subprocess.run([sys.executable, "-c", FREED_IN_THE_MIDDLE], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rss = json.loads(result.stdout.strip().splitlines()[-1])
+    assert rss["before"] - rss["after_free"] < 50, rss  # glibc kept them
+    assert rss["after_free"] - rss["after_trim"] > 150, rss
+    assert rss["calls"] == 1
 
 
 def test_disabled_or_without_glibc_it_does_nothing(monkeypatch):
     off = HeapTrimmer(enabled=False)
     off()
-    assert not off.active and off.calls == 0 and off.watch_backward(torch.nn.Embedding(3, 2), []) == []
+    off.watch_backward(torch.nn.Embedding(3, 2), [])
+    assert not off.active and off.calls == 0 and not off._handles
     monkeypatch.setattr(host_memory, "_malloc_trim", lambda: None)  # musl, macOS
     nowhere = HeapTrimmer(enabled=True)
     nowhere()
@@ -60,9 +75,7 @@ def test_the_backward_trims_at_the_embeddings_and_every_kth_layer_and_gradients_
     module and decoder pass in the backward (the shared-prompt layout makes two passes), none in a no-grad pass."""
     monkeypatch.setattr(HeapTrimmer, "LAYER_STRIDE", 1)
     tokenizer = load_tokenizer(ModelConfig())
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ("What is 1+2?", "What is 13+40?")]
-    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
     batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], [[5, 7, 9], [4], [12, 3]], tokenizer.pad_token_id)
     lm = load_causal_lm(ModelConfig()).train()
     layers = list(lm.get_decoder().layers)
@@ -75,22 +88,27 @@ def test_the_backward_trims_at_the_embeddings_and_every_kth_layer_and_gradients_
 
     plain = gradients()
     trimmer = HeapTrimmer(enabled=True)
-    handles = trimmer.watch_backward(lm.get_input_embeddings(), layers)
+    trimmer.watch_backward(lm.get_input_embeddings(), layers)
     try:
         with torch.no_grad():
             TokenLogprobs(lm)(**batch.tensors())
         assert trimmer.calls == 0
         watched = gradients()
+        copy.deepcopy(lm)  # the hooks travel with a copy of the model: nothing in them that cannot be copied
     finally:
-        for handle in handles:
-            handle.remove()
+        trimmer.unwatch()
     assert trimmer.calls == 2 * (1 + len(layers))
     assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+    assert not any(module._forward_hooks for module in lm.modules())
 
 
 def count_trims(out: str, result_file: str, overrides: list[str]) -> None:
-    """In a forked child: a short run, counting the trims (and whether any was a real malloc_trim)."""
+    """In a forked child: a short run of a model object (the caller's own, as notebooks pass it), counting the
+    trims (and whether any was a real malloc_trim), and what hooks the model keeps afterwards."""
+    from transformers import AutoModelForCausalLM
+
     import grpo_trainer
+    from grpo_trainer.builtin.tiny import ensure_model
 
     counted = {"calls": 0, "active": False}
     real_call = HeapTrimmer.__call__
@@ -102,9 +120,11 @@ def count_trims(out: str, result_file: str, overrides: list[str]) -> None:
 
     HeapTrimmer.__call__ = call
     HeapTrimmer.LAYER_STRIDE = 10**6  # in the backward: the input embeddings only
-    result = grpo_trainer.train(None, [f"output_dir={out}", *overrides])
+    model = AutoModelForCausalLM.from_pretrained(ensure_model())
+    result = grpo_trainer.train(None, [f"output_dir={out}", *overrides], model=model)
     Path(result_file).write_text(json.dumps({**counted, "steps": result.steps_done, "loss": result.last_metrics["loss"],
-                                             "logged": "timing/heap_trim" in result.last_metrics}))
+                                             "logged": "host_memory/trim_seconds" in result.last_metrics,
+                                             "hooks_left": sum(len(m._forward_hooks) for m in model.modules())}))
 
 
 @glibc
@@ -122,4 +142,5 @@ def test_the_trainer_trims_at_its_phases_on_the_cpu_and_not_when_told(tmp_path):
     on, off = results["null"], results["false"]
     # 2 steps x (rollout + 2 micro-batches x (forward + backward + 2 embedding passes) + optimizer step)
     assert on["active"] and on["calls"] == 2 * (1 + 2 * 4 + 1) and on["steps"] == 2 and on["logged"]
+    assert on["hooks_left"] == off["hooks_left"] == 0
     assert not off["active"] and off["calls"] == 2 * (1 + 2 * 2 + 1) and off["loss"] == on["loss"] and not off["logged"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_trainer.optim import BlockwiseAdamW
+from grpo_trainer.optim import BlockwiseAdamW, adamw_for
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -54,13 +54,25 @@ def test_the_blockwise_step_is_torchs_adamw_bit_for_bit(dtype, weight_decay, blo
         assert torch.equal(mine["step"], torchs["step"]) and mine["step"].dtype == torchs["step"].dtype
 
 
-def test_checkpoints_move_between_torchs_adamw_and_ours():
-    """The state is torch's: a run saved by either continues the same in the other."""
-    _, theirs_optimizer = _run(torch.optim.AdamW, torch.float32, 3, 0.1)
-    state = theirs_optimizer.state_dict()  # loading shares its tensors, which the steps then update: one copy each
+@pytest.mark.parametrize("saved_by", [torch.optim.AdamW, BlockwiseAdamW])
+def test_checkpoints_move_between_torchs_adamw_and_ours(saved_by):
+    """The state is torch's: a run saved by either continues the same in both."""
+    _, saver = _run(saved_by, torch.float32, 3, 0.1)
+    state = saver.state_dict()  # loading shares its tensors, which the steps then update: one copy each
     continued, _ = _run(BlockwiseAdamW, torch.float32, 2, 0.1, state=copy.deepcopy(state))
     reference, _ = _run(torch.optim.AdamW, torch.float32, 2, 0.1, state=copy.deepcopy(state))
     assert all(same_bits(a.detach(), b.detach()) for a, b in zip(continued, reference))
+
+
+def test_the_trainer_uses_it_on_the_cpu_only_and_not_under_deepspeed():
+    from types import SimpleNamespace
+
+    def accelerator(device: str, deepspeed=None):
+        return SimpleNamespace(device=torch.device(device), state=SimpleNamespace(deepspeed_plugin=deepspeed))
+
+    assert adamw_for(accelerator("cpu")) is BlockwiseAdamW
+    assert adamw_for(accelerator("cuda")) is torch.optim.AdamW
+    assert adamw_for(accelerator("cpu", deepspeed=object())) is torch.optim.AdamW  # it steps its flat partitions
 
 
 def test_no_temporary_is_larger_than_a_block(monkeypatch):
@@ -90,9 +102,15 @@ def test_no_temporary_is_larger_than_a_block(monkeypatch):
 
 
 @pytest.mark.parametrize("option", [{"amsgrad": True}, {"foreach": True}, {"maximize": True}, {"lr": torch.tensor(1e-3)}])
-def test_options_it_does_not_reproduce_are_refused_when_it_is_made(option):
+def test_options_it_does_not_reproduce_are_refused_when_it_is_made_and_when_a_state_brings_them(option):
     with pytest.raises(ValueError, match="use torch.optim.AdamW"):
         BlockwiseAdamW([torch.nn.Parameter(torch.randn(3))], **option)
+    param = torch.nn.Parameter(torch.randn(3))
+    optimizer = BlockwiseAdamW([param])
+    optimizer.load_state_dict(torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], **option).state_dict())
+    param.grad = torch.randn(3)
+    with pytest.raises(ValueError, match="use torch.optim.AdamW"):
+        optimizer.step()
 
 
 def test_a_parameter_off_the_cpu_is_refused_when_it_steps():

@@ -93,7 +93,7 @@ def toy_run(accelerator_factory, overrides=()):
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     return SimpleNamespace(cfg=cfg, geometry=geometry, accelerator=accelerator, policy=policy, optimizer=optimizer,
-                           scheduler=scheduler, nonfinite_in_a_row=0, trim_heap=HeapTrimmer(enabled=False))
+                           scheduler=scheduler, nonfinite_in_a_row=0, heap_trimmer=HeapTrimmer(enabled=False))
 
 
 def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_factory):

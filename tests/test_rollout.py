@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_trainer.config import ModelConfig
-from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_sequence_batch
+from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_packed_batch, make_sequence_batch
 from grpo_trainer.rollout import SamplingSettings
 from grpo_trainer.rollout.hf import HFEngine
 from helpers import assert_as_exact_as
@@ -352,18 +352,21 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("share_prompt", [True, False])
-def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny_model_path, dtype, share_prompt,
+@pytest.mark.parametrize("layout", ["shared_prompt", "full", "chunked", "packed"])
+def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny_model_path, dtype, layout,
                                                                             monkeypatch):
     """models._TiedHead (the tiny model ties its head to the input embeddings): log-probs and every gradient bit for
     bit what the head module called through autograd gives, and the tied weight's gradient is the very tensor the
     head's backward made, the embedding lookups' gradients added into it in place (autograd's own head gradient
-    is a view it adds out of place: a third vocabulary-sized tensor at the end of SmolLM2's backward)."""
+    is a view it adds out of place: a third vocabulary-sized tensor at the end of SmolLM2's backward). In every
+    layout: the shared prompt's two decoder passes, full sequences, chunks of 2 positions (each recomputed in the
+    backward: the head's later chunks add into the first's gradient) and packed rows."""
     from grpo_trainer import models
 
     tokenizer = load_tokenizer(ModelConfig())
     prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
-    batch = make_sequence_batch([prompts[0], prompts[0], prompts[1]], [[5, 7, 9], [4], [12, 3]], tokenizer.pad_token_id)
+    rows = [prompts[0], prompts[0], prompts[1]], [[5, 7, 9], [4], [12, 3]]
+    batch = (make_packed_batch if layout == "packed" else make_sequence_batch)(*rows, tokenizer.pad_token_id)
     lm = load_causal_lm(ModelConfig()).to(dtype).train()
     weight = lm.get_input_embeddings().weight
     assert lm.get_output_embeddings().weight is weight
@@ -379,7 +382,7 @@ def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny
 
     def scored(tied: bool):
         lm.zero_grad(set_to_none=True)
-        scorer = TokenLogprobs(lm, share_prompt=share_prompt)
+        scorer = TokenLogprobs(lm, share_prompt=layout != "full", chunk_size=2 if layout == "chunked" else None)
         if not tied:
             scorer._logits = lambda head, hidden: head(hidden)
         logp, _ = scorer(**batch.tensors())
@@ -387,13 +390,14 @@ def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny
         return logp.detach(), [p.grad for p in lm.parameters()]
 
     (got, got_grads), (want, want_grads) = scored(tied=True), scored(tied=False)
-    assert len(made) == 1  # the tied path ran once, the plain one not at all
+    assert len(made) == (2 if layout == "chunked" else 1)  # the tied path ran once a chunk, the plain one not at all
     assert same_bits(got, want) and all(same_bits(a, b) for a, b in zip(got_grads, want_grads))
-    assert got_grads[0] is not None and got_grads[0].data_ptr() == made[0]
+    assert got_grads[0] is not None and got_grads[0].data_ptr() in made
     if dtype == torch.float32:  # under autocast (mixed precision) the head is called as it is: casts and all
+        calls = len(made)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast_logp, autocast_grads = scored(tied=True)
-        assert len(made) == 1 and autocast_logp.dtype == torch.float32 and autocast_grads[0].dtype == torch.float32
+        assert len(made) == calls and autocast_logp.dtype == torch.float32 and autocast_grads[0].dtype == torch.float32
 
 
 def test_ranks_in_lockstep_run_the_completion_pass_even_for_one_position(tiny_model_path):
