@@ -16,7 +16,8 @@ arrives when all the others are held, and every few decoder layers, as activatio
 parameter gradients made). A trimmed page that is used again costs a page fault: measured cost and saving in
 docs/performance.md. Nothing numeric changes: where a tensor lives does not change what is computed in it.
 
-On when the policy trains on the CPU and the C library is glibc (`train.trim_host_memory`, default: so);
+On when the policy trains on the CPU, its weights fill at least MIN_WEIGHT_BYTES and the C library is glibc
+(`train.trim_host_memory`, default: so);
 a no-op elsewhere (GPU memory is the caching allocator's business, not malloc's). With another malloc preloaded
 (jemalloc, tcmalloc) the call finds glibc's heap nearly empty and does nothing useful.
 """
@@ -50,6 +51,9 @@ class HeapTrimmer:
     inside a model's backward pass, `unwatch` takes them away again (the model may be the caller's own)."""
 
     LAYER_STRIDE = 6  # decoder layers between trims in the backward: SmolLM2's 30 layers, 5 trims
+    # Below this much of weights the trimmer is off by default: a tiny model's heap is small, while each trim
+    # walks the whole process's heap (the embedded demo: 12% of its 0.09 s step; SmolLM2, 513 MiB: ~5%).
+    MIN_WEIGHT_BYTES = 64 * 2**20
 
     def __init__(self, enabled: bool):
         self.active = enabled and _malloc_trim() is not None

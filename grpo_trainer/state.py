@@ -154,12 +154,17 @@ def build_run(cfg: Config) -> Run:
 
 
 def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
-    """`train.trim_host_memory` (None: where the policy trains on the CPU), watching the backward of `lm`'s input
-    embeddings and decoder layers (the classes transformers keeps whole when sharding: `_no_split_modules`)."""
-    enabled = cfg.train.trim_host_memory
-    trimmer = HeapTrimmer(accelerator.device.type == "cpu" if enabled is None else enabled)
-    if enabled and not trimmer.active:
-        logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
+    """`train.trim_host_memory` (None: where the policy trains on the CPU and its weights fill at least
+    HeapTrimmer.MIN_WEIGHT_BYTES), watching the backward of `lm`'s input embeddings and decoder layers (the
+    classes transformers keeps whole when sharding: `_no_split_modules`)."""
+    asked = cfg.train.trim_host_memory
+    if asked is None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+        trimmer = HeapTrimmer(accelerator.device.type == "cpu" and weight_bytes >= HeapTrimmer.MIN_WEIGHT_BYTES)
+    else:
+        trimmer = HeapTrimmer(asked)
+        if asked and not trimmer.active:
+            logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
     base = base_model(lm)
     block_classes = set(getattr(base, "_no_split_modules", None) or [])
     trimmer.watch_backward(base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes])
