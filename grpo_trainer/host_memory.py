@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("grpo_trainer")
 
 
 @functools.cache
@@ -61,6 +64,18 @@ class HeapTrimmer:
         self._seconds = 0.0  # in malloc_trim since the last take_seconds (not the page faults that follow)
         self._handles: list = []
 
+    @classmethod
+    def for_model(cls, asked: bool | None, device_type: str, model: nn.Module) -> HeapTrimmer:
+        """`train.trim_host_memory`: as asked, or (None) where `model` trains on the CPU and its weights fill at
+        least MIN_WEIGHT_BYTES."""
+        if asked is None:
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            return cls(device_type == "cpu" and weight_bytes >= cls.MIN_WEIGHT_BYTES)
+        trimmer = cls(asked)
+        if asked and not trimmer.active:
+            logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
+        return trimmer
+
     def __call__(self) -> None:
         if self.active:
             started = time.perf_counter()
@@ -87,7 +102,7 @@ class HeapTrimmer:
         self._handles = []
 
     def _hook_output(self, module, args, output) -> None:
-        tensor = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        tensor = output[0] if isinstance(output, tuple) else output  # decoder layers may return (hidden, ...)
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
             tensor.register_hook(self._on_gradient)
 

@@ -154,17 +154,9 @@ def build_run(cfg: Config) -> Run:
 
 
 def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
-    """`train.trim_host_memory` (None: where the policy trains on the CPU and its weights fill at least
-    HeapTrimmer.MIN_WEIGHT_BYTES), watching the backward of `lm`'s input embeddings and decoder layers (the
+    """`train.trim_host_memory`'s trimmer, watching the backward of `lm`'s input embeddings and decoder layers (the
     classes transformers keeps whole when sharding: `_no_split_modules`)."""
-    asked = cfg.train.trim_host_memory
-    if asked is None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
-        trimmer = HeapTrimmer(accelerator.device.type == "cpu" and weight_bytes >= HeapTrimmer.MIN_WEIGHT_BYTES)
-    else:
-        trimmer = HeapTrimmer(asked)
-        if asked and not trimmer.active:
-            logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
+    trimmer = HeapTrimmer.for_model(cfg.train.trim_host_memory, accelerator.device.type, lm)
     base = base_model(lm)
     block_classes = set(getattr(base, "_no_split_modules", None) or [])
     trimmer.watch_backward(base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes])

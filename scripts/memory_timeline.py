@@ -138,15 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(stray)} (config overrides are KEY=VALUE)")
 
     from grpo_trainer import train
-    from grpo_trainer.config import apply_override, config_from_dict
+    from grpo_trainer.config import config_from_dict
 
     with tempfile.TemporaryDirectory(prefix="grpo-memory-") as tmp:
         root = Path(tmp)
-        spec = bench.spec_of(bench.PRESETS[args.model], bench.model_path(args.model, root), steps=args.steps)
-        data = bench.ours_config(spec, root / "run")
-        for override in overrides:
-            apply_override(data, override)
-        cfg = config_from_dict(data, source=f"the {args.model} bench config")
+        spec = bench.spec_of(bench.PRESETS[args.model], bench.model_path(args.model, root), steps=args.steps,
+                             ours_overrides=overrides)
+        cfg = config_from_dict(bench.ours_config(spec, root / "run"), source=f"the {args.model} bench config")
         with Sampler(args.interval_ms / 1e3) as sampler, marked_training(sampler):
             sampler.mark("start")
             train(cfg)

@@ -69,6 +69,15 @@ def test_disabled_or_without_glibc_it_does_nothing(monkeypatch):
 
 
 @glibc
+def test_by_default_it_trims_for_a_model_of_64_mib_or_more_on_the_cpu():
+    small, large = torch.nn.Linear(4096, 4095, device="meta"), torch.nn.Linear(4096, 4096, bias=False, device="meta")
+    assert HeapTrimmer.for_model(None, "cpu", large).active  # 4096 x 4096 float32: 64 MiB
+    assert not HeapTrimmer.for_model(None, "cpu", small).active
+    assert not HeapTrimmer.for_model(None, "cuda", large).active
+    assert HeapTrimmer.for_model(True, "cuda", small).active and not HeapTrimmer.for_model(False, "cpu", large).active
+
+
+@glibc
 def test_the_backward_trims_at_the_embeddings_and_every_kth_layer_and_gradients_are_unchanged(tiny_model_path,
                                                                                                monkeypatch):
     """Tensor hooks (no new autograd nodes): the gradients bit for bit as without them; one trim per watched
