@@ -1,4 +1,4 @@
-"""Command line: `python -m grpo_trainer {train,validate,eval} CONFIG [key.sub=value ...]`, `plot OUTPUT_DIR`,
+"""Command line: `python -m grpo_trainer {train,validate,eval,kernels} CONFIG [key.sub=value ...]`, `plot OUTPUT_DIR`,
 `export CHECKPOINT OUT`, `serve CONFIG [...] [-- VLLM_ARGS]` (a vLLM server for rollout.engine=vllm_server).
 
 Works the same under `accelerate launch -m grpo_trainer ...`. Exit status: 0 done; 2 a problem the
@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="default: the URL's host if it is loopback, else 0.0.0.0")
     p.add_argument("--tensor-parallel-size", type=int, help="default: rollout.vllm.tensor_parallel_size")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p = sub.add_parser("kernels", help="this machine's decode-kernel choices for a config (hf engine, CPU): cached, "
+                                       "measured where missing, or all timed again with --remeasure")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides")
+    p.add_argument("--remeasure", action="store_true",
+                   help="time every choice again (new runs on this machine may then sample differently)")
     p = sub.add_parser("plot", help="write PNG plots of a run's metrics to OUTPUT_DIR/plots")
     p.add_argument("output_dir", help="the run's output_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="folder for the PNGs (default: OUTPUT_DIR/plots)")
@@ -65,6 +71,26 @@ def next_commands(output_dir) -> str:
         lines.append(f"  {python} -m grpo_trainer eval {output_dir / 'config.yaml'} --checkpoint {model}"
                      "        # held-out mean@k and pass@k")
     return "\n".join(lines)
+
+
+def report_kernels(cfg, remeasure: bool) -> int:
+    """Print the plan a run of `cfg` would sample with here; with `remeasure`, what timing again changed."""
+    from .rollout.kernels import default_table
+    from .state import measure_decode_kernels
+
+    before, after = measure_decode_kernels(cfg, remeasure)
+    if not after:
+        print("nothing to choose: only the hf engine's own decode loop (model.share_prompt) has alternative kernels")
+        return 0
+    for key, choice in sorted(after.items()):
+        print(f"{key:40s} {choice}" + (f"   (was {before[key]})" if before[key] != choice else ""))
+    print(f"cache: {default_table().path}")
+    if remeasure:
+        changed = sum(before[key] != after[key] for key in after)
+        print(f"{changed} of {len(after)} choices changed" + (
+            ": new runs on this machine sample differently from earlier ones with the same config and seed "
+            "(a resumed run keeps the choices it recorded)" if changed else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(cfg, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
                          vllm_args=vllm_args, dry_run=args.dry_run)
+        if args.command == "kernels":
+            return report_kernels(cfg, args.remeasure)
         if args.command == "eval":
             from .evaluate import evaluate, format_results
 

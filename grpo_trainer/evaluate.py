@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -163,12 +164,15 @@ def evaluate_model(
     progress: bool = True,
     full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
     lockstep=None,
+    kernel_plan: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """Evaluate an already-loaded causal LM (plain, unwrapped) on the eval prompts; see the module docstring.
 
     `full_parameters(lm)` is the context in which a sharded model is whole (the trainer passes its ZeRO-3
     gathering, entered by all ranks together); by default there is nothing to gather. `lockstep`: the ranks'
     collectives where every forward is one (FSDP, see HFEngine), so that all ranks make the same forward calls.
+    `kernel_plan`: the decode loop's kernel choices (the training run's; default: planned for this evaluation's
+    shapes before it samples, rollout/kernels.py).
 
     Pass `task=load_eval_task(...)` to reuse the tokenized prompts across periodic evaluations
     (then `num_prompts`, which overrides eval.num_samples, is decided there).
@@ -179,7 +183,8 @@ def evaluate_model(
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
     engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep)
+                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
+                      kernel_plan=kernel_plan)
     engine = with_tools(engine, build_toolbox(cfg.rollout), tokenizer, cfg, sampling)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)

@@ -71,6 +71,9 @@ class Run:
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
     rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
+    # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything and
+    # saved in every checkpoint: with the config and seed they name the run's samples (rollout/kernels.py).
+    decode_kernels: dict[str, str] = field(default_factory=dict)
     # called where a phase's peak begins (host_memory.py)
     heap_trimmer: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
 
@@ -230,17 +233,72 @@ def resume(run: Run) -> None:
             run.entropy_control = EntropyControl(**saved["entropy_control"])
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
         logger.info("resumed from %s at step %d", found, run.start_step)
+        recorded = saved.get("decode_kernels")
     else:
         if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
             logger.warning("starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
                            run.output_dir, cfg.checkpoint.resume)
         run.metrics.restore("")
+        recorded = None
+    run.decode_kernels = settle_decode_kernels(run, recorded)
     if accelerator.is_main_process:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
+        record_decode_kernels(run.output_dir, run.decode_kernels, accelerator.device.type)
         ckpt.remove_incomplete(run.output_dir)
     start_trackers(accelerator, cfg, flat_hparams(cfg))
     run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
+
+
+def decode_reach(cfg: Config, geometry: Geometry, task: Task, eval_task: Task | None) -> tuple[int, int]:
+    """The most rows one decode step of a run holds (prompts per generate call x G, training or periodic eval)
+    and the longest context it reaches (prompt + completion): what the kernel plan must cover."""
+    rows = (cfg.rollout.batch_size or geometry.prompts_per_rank) * geometry.group_size
+    context = max(map(len, task.prompts.token_ids), default=0)
+    if eval_task is not None:
+        from .evaluate import DEFAULT_BATCH_PROMPTS, eval_settings
+
+        rows = max(rows, min(len(eval_task), cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS) * eval_settings(cfg).k)
+        context = max(context, max(map(len, eval_task.prompts.token_ids), default=0))
+    return rows, context + cfg.rollout.max_completion_length
+
+
+def settle_decode_kernels(run: Run, recorded: dict[str, str] | None) -> dict[str, str]:
+    """The run's kernel plan, made before it samples anything: the main process plans (from this machine's cache,
+    measuring what is missing; a resumed run keeps its `recorded` choices) and every rank samples with its plan."""
+    rows, context = decode_reach(run.cfg, run.geometry, run.task, run.eval_task)
+    plan = run.engine.plan_kernels(rows, context, recorded, decide=run.is_main_process)
+    plan = run.comm.gather_objects([plan])[0] if run.geometry.world > 1 else plan  # the main process's, everywhere
+    run.engine.use_kernels(plan)
+    return plan
+
+
+def record_decode_kernels(output_dir: Path, plan: dict[str, str], device_type: str) -> None:
+    """The plan beside config.yaml, with the machine it was made for (what a reader comparing runs needs)."""
+    import json
+
+    from .rollout.kernels import machine_fingerprint
+
+    record = {"machine": machine_fingerprint(device_type), "choices": plan}
+    (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """`python -m grpo_trainer kernels CONFIG`: this machine's kernel plan for what the config reaches (one
+    process), as cached (measured where missing), and with `remeasure` timed again. Returns (before, after)."""
+    from .rollout.decode import plan_decode_kernels
+
+    if cfg.rollout.engine != "hf" or not cfg.model.share_prompt:
+        return {}, {}
+    geometry = batch_geometry(cfg, 1)
+    tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
+    toolbox = build_toolbox(cfg.rollout)
+    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
+                     tools=toolbox and toolbox.schemas)
+    eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
+    rows, context = decode_reach(cfg, geometry, task, eval_task)
+    before = plan_decode_kernels(lm, rows, context)
+    return before, plan_decode_kernels(lm, rows, context, remeasure=True) if remeasure else before
 
 
 def save_checkpoint(run: Run, step: int, history: str) -> None:
@@ -251,6 +309,7 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
         "entropy_control": asdict(run.entropy_control),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
+        "decode_kernels": run.decode_kernels,
     }
     if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
         state["rollout_queue"] = run.rollouts.state_dict()

@@ -175,6 +175,6 @@ def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
         results = evaluate_model(
             run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False,
             full_parameters=lambda _lm: distributed.zero3_sampling_context(run.accelerator, run.policy),
-            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm),
+            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm), kernel_plan=run.decode_kernels,
         )
     return results if run.is_main_process else {}

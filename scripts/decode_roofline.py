@@ -17,7 +17,7 @@ memory traffic: float32 weights / read bandwidth. Both are measured here, not lo
   roofline step      max(weight bytes / bandwidth, step FLOPs / matmul peak)
 
 Then it times the engine's own decode step (reserved KV room, and the kernels the engine chose on this
-machine: rollout/kernels.py, measured on first use and cached) at a context of prompt + half the completion,
+machine: rollout/kernels.py, planned for the rows and context before timing, cached) at a context of prompt + half the completion,
 and its parts: the whole step, the LM head alone in each linear form, the sampler with each exact draw and
 with the engine's choice, and transformers' plain decode step (DynamicCache, repeat_kv, `nn.Linear`) for
 comparison. Every number is the best of `--reps` after warm-up, the alternatives timed in turn (one rep of
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import machine
-    from grpo_trainer.rollout.decode import LINEAR, DecodeKernels
+    from grpo_trainer.rollout.decode import LINEAR, DecodeKernels, plan_decode_kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     floor = max(weight_bytes / bandwidth, step_flops / peak)
     logits = torch.randn(args.rows, cfg.vocab_size) * 4
     hidden = torch.randn(args.rows, 1, cfg.hidden_size)
-    kernels, engine_kernels = DecodeKernels(model), DecodeKernels(model)
+    plan = plan_decode_kernels(model, args.rows, args.context)  # the engine's, from this machine's cache or measured now
+    kernels, engine_kernels = DecodeKernels(model, plan), DecodeKernels(model, plan)
     plain = contextlib.nullcontext
     calls = {
         "engine_step_s": decode_step(model, args.rows, args.context, engine_kernels),

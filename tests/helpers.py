@@ -100,6 +100,37 @@ def _cli_main(args: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 1
 
 
+def cli_with_kernel_timings(args: list[str], timings: dict[str, float], cache_file: str, kill_after_save: int = 0) -> int:
+    """The CLI's main on a machine whose decode-kernel timings are `timings` (alternative -> ms; each alternative
+    still runs once, as a real timing does, so it consumes random numbers) and whose kernel cache is `cache_file`,
+    with every decision worth measuring (even the tiny model's). `kill_after_save`: SIGKILL this process once the
+    checkpoint of that step is published (a kill -9 at a known point)."""
+    import signal
+
+    from grpo_trainer import checkpoint
+    from grpo_trainer.rollout import kernels
+
+    def fake_timing(candidates, **_):
+        for run in candidates.values():
+            run()
+        return {name: timings.get(name, 1.0) for name in candidates}
+
+    kernels.MIN_WORK_BYTES = kernels.MIN_DRAW_ELEMENTS = 0
+    kernels.time_alternatives = fake_timing
+    table = kernels.KernelTable(Path(cache_file))
+    kernels.default_table = lambda: table
+    if kill_after_save:
+        save = checkpoint.save_checkpoint
+
+        def save_then_die(accelerator, output_dir, step, *rest, **kw):
+            save(accelerator, output_dir, step, *rest, **kw)
+            if step == kill_after_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint.save_checkpoint = save_then_die
+    return _cli_main(args)
+
+
 def _child(target, args: tuple, env: dict, stdout_path: str, stderr_path: str) -> None:
     """In the forked process: `target(*args)` from the repo root, its output in the given files."""
     import traceback

@@ -1,5 +1,6 @@
 """The decode loop's measured kernel choices (rollout/kernels.py, decode.py, draw.py): every alternative exact,
-the choice cached per machine and shape, forced choices honoured, and measurement only where it can matter."""
+the choice cached per machine and shape, forced choices honoured, measurement only where it can matter, and
+only while a run is planned: the loop looks its choices up and never times anything."""
 
 from __future__ import annotations
 
@@ -81,20 +82,20 @@ def test_a_choice_is_measured_once_per_machine_and_shape_then_read_from_the_cach
     fake = {"a": 2.0, "b": 1.0}
     monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {k: fake[k] for k in candidates})
     measure, calls = _counting(fake)
-    assert kernels.KernelTable(path).choose("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
+    assert kernels.KernelTable(path).decide("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
     assert len(calls) == 1
     entry = next(iter(json.loads(path.read_text())["choices"].values()))
     assert entry["choice"] == "b" and entry["ms"] == fake and "loadavg" in entry
     assert entry["machine"]["cpu"] == kernels.cpu_info()["model"] and entry["machine"]["torch"] == torch.__version__
     # A new process (a fresh table on the same file) reuses it; another shape is measured on its own.
     fresh = kernels.KernelTable(path)
-    assert fresh.choose("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
+    assert fresh.decide("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
     assert len(calls) == 1
-    fresh.choose("linear", (8, 4, 8), ["a", "b"], measure, worth_measuring=True)
+    fresh.decide("linear", (8, 4, 8), ["a", "b"], measure, worth_measuring=True)
     assert len(calls) == 2 and len(json.loads(path.read_text())["choices"]) == 2
     # An alternative added since (a new kernel, a newer torch offering one) is measured, not passed over.
     fake["c"] = 0.5
-    assert kernels.KernelTable(path).choose("linear", (8, 4, 16), ["a", "b", "c"], measure, worth_measuring=True) == "c"
+    assert kernels.KernelTable(path).decide("linear", (8, 4, 16), ["a", "b", "c"], measure, worth_measuring=True) == "c"
     assert len(calls) == 3
 
 
@@ -104,25 +105,25 @@ def test_the_incumbent_stays_unless_measurement_matters_and_the_gain_is_clear(tm
     table = kernels.KernelTable(None)
     measure, calls = _counting({"old": 0, "new": 0})
     timings.update(old=1.0, new=0.1)
-    assert table.choose("x", (1,), ["old", "new"], measure, worth_measuring=False) == "old"  # too small to matter
+    assert table.decide("x", (1,), ["old", "new"], measure, worth_measuring=False) == "old"  # too small to matter
     assert calls == []
     timings.update(old=1.0, new=0.95)  # 5% is within noise: keep what runs today
-    assert table.choose("x", (2,), ["old", "new"], measure, worth_measuring=True) == "old"
+    assert table.decide("x", (2,), ["old", "new"], measure, worth_measuring=True) == "old"
     timings.update(old=1.0, new=0.8)
-    assert table.choose("x", (3,), ["old", "new"], measure, worth_measuring=True) == "new"
+    assert table.decide("x", (3,), ["old", "new"], measure, worth_measuring=True) == "new"
 
 
 def test_forced_choices_win_and_a_wrong_name_is_an_error_naming_the_choices(monkeypatch):
     table = kernels.KernelTable(None)
     measure, calls = _counting({"a": 1, "b": 1})
     monkeypatch.setenv(kernels.FORCE_ENV, "linear=b, draw=torch")
-    assert table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True) == "b" and calls == []
+    assert table.decide("linear", (1,), ["a", "b"], measure, worth_measuring=True) == "b" and calls == []
     monkeypatch.setenv(kernels.FORCE_ENV, "linear=c")
     with pytest.raises(ValueError, match=r"linear='c' is not available here; choose from \['a', 'b'\]"):
-        table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+        table.decide("linear", (1,), ["a", "b"], measure, worth_measuring=True)
     monkeypatch.setenv(kernels.FORCE_ENV, "linear")
     with pytest.raises(ValueError, match="is not decision=alternative"):
-        table.choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+        table.decide("linear", (1,), ["a", "b"], measure, worth_measuring=True)
 
 
 def test_timing_alternates_and_leaves_the_random_stream_alone():
@@ -167,7 +168,7 @@ def test_the_packed_form_follows_the_weights_and_is_dropped_when_the_loop_ends(t
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
     layer = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
     x = torch.randn(4, 1, layer.in_features)
-    with torch.no_grad(), DecodeKernels(lm, kernels.KernelTable(None)):
+    with torch.no_grad(), DecodeKernels(lm):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
         packed = vars(layer)[PACKED]
         layer(x)
@@ -202,13 +203,13 @@ def test_decode_kernels_put_their_choices_in_place_and_restore_the_model(tiny_mo
 
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
     linears = [m for m in lm.modules() if type(m) is torch.nn.Linear]
-    with DecodeKernels(lm, kernels.KernelTable(None)) as chosen:
+    with DecodeKernels(lm) as chosen:
         assert all("forward" in vars(m) for m in linears) and lm.config._attn_implementation != "sdpa"
         x = torch.randn(4, 1, lm.config.hidden_size)
         torch.testing.assert_close(linears[0](x), torch.nn.functional.linear(x, linears[0].weight), atol=1e-6, rtol=1e-6)
         assert chosen.chosen == {f"linear/{linears[0].weight.shape[0]}x{lm.config.hidden_size}x4": "weight_stationary"}
     assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError), DecodeKernels(lm, kernels.KernelTable(None)):
+    with pytest.raises(RuntimeError), DecodeKernels(lm):
         raise RuntimeError("a failure inside the loop")
     assert not any("forward" in vars(m) for m in linears) and lm.config._attn_implementation == "sdpa"
 
@@ -218,10 +219,13 @@ def test_small_models_keep_todays_kernels_without_measuring(tiny_model_path, mon
     so the demo (and the golden test) runs the same kernels on every machine."""
     from grpo_trainer.config import ModelConfig
     from grpo_trainer.models import load_causal_lm
+    from grpo_trainer.rollout.decode import plan_decode_kernels
 
     monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("measured a tiny kernel"))
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
-    chosen = DecodeKernels(lm, kernels.KernelTable(None))
+    plan = plan_decode_kernels(lm, 128, 60, kernels.KernelTable(None))  # the demo's reach: 16 prompts x 8
+    assert plan and {name for name in plan.values()} <= {"weight_stationary", "grouped", "torch"}
+    chosen = DecodeKernels(lm, plan)
     module = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
     assert chosen.linear_form(module, 128) is LINEAR["weight_stationary"]
     q = torch.randn(128, lm.config.num_attention_heads, 1, 24)
@@ -250,17 +254,33 @@ def test_the_engine_samples_generates_tokens_with_every_draw(tiny_model_path, dr
     assert out[True] == out[False]
 
 
-def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_it_is_quiet(tmp_path, monkeypatch):
+def test_a_cached_choice_is_final_until_remeasured_explicitly(tmp_path, monkeypatch):
+    """Nothing re-times a cached choice behind the user's back (not even one timed on a busy machine, once it is
+    quiet: that would change what later runs sample); `remeasure` (the `kernels --remeasure` command) does."""
     path = tmp_path / "decode_kernels.json"
     monkeypatch.setattr(kernels.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {"a": 2.0, "b": 1.0})
+    timings = {"a": 2.0, "b": 1.0}
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: dict(timings))
     measure, calls = _counting({"a": 0, "b": 0})
     monkeypatch.setattr(kernels.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
-    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
-    assert len(calls) == 1  # still busy: the cached choice stands
+    assert kernels.KernelTable(path).decide("linear", (1,), ["a", "b"], measure, worth_measuring=True) == "b"
     monkeypatch.setattr(kernels.os, "getloadavg", lambda: (0.3, 0.5, 1.0))
-    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
-    assert len(calls) == 2 and next(iter(json.loads(path.read_text())["choices"].values()))["loadavg"] == 0.3
-    kernels.KernelTable(path).choose("linear", (1,), ["a", "b"], measure, worth_measuring=True)
-    assert len(calls) == 2  # measured quietly: kept
+    timings.update(a=1.0, b=2.0)
+    assert kernels.KernelTable(path).decide("linear", (1,), ["a", "b"], measure, worth_measuring=True) == "b"
+    assert len(calls) == 1
+    assert kernels.KernelTable(path).decide("linear", (1,), ["a", "b"], measure, worth_measuring=True, remeasure=True) == "a"
+    assert len(calls) == 2 and next(iter(json.loads(path.read_text())["choices"].values()))["choice"] == "a"
+
+
+def test_measuring_leaves_the_global_random_stream_alone(tmp_path):
+    """measure() itself (which builds the timed inputs) runs with the random state saved and restored: a run that
+    measures must sample what a run on a warm cache samples."""
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+
+    def measure():
+        torch.rand(1000)  # as the old linear measurement drew its input from the global generator
+        return {"a": lambda: torch.rand(3), "b": lambda: torch.rand(3)}
+
+    kernels.KernelTable(None).decide("linear", (1,), ["a", "b"], measure, worth_measuring=True)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -17,6 +17,7 @@ engine: the engines import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -102,6 +103,15 @@ class RolloutEngine(Protocol):
         `gather`: weight_sync.zero3_gather's context (None outside ZeRO-3): the weights are gathered one decoder
         layer at a time, every rank taking part, instead of the trainer gathering the whole model first."""
 
+    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
+                     decide: bool = True) -> dict[str, str]:
+        """Choose, before anything is sampled, the engine's alternative kernels for every shape a run reaches
+        (rollout/kernels.py): at most `max_rows` rows per decode step, `max_context` positions; `recorded` (a
+        resumed run's plan) is kept where it can run. {} for engines with nothing to choose (vLLM's own)."""
+
+    def use_kernels(self, plan: Mapping[str, str]) -> None:
+        """Sample with `plan` (what plan_kernels returned, on this or the main process) from now on."""
+
     def sleep(self) -> None:
         """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""
 
@@ -110,6 +120,17 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release processes and memory; the engine is not used afterwards."""
+
+
+class VendorKernels:
+    """For engines that sample with another library's kernels (vLLM): no alternatives of ours to plan."""
+
+    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
+                     decide: bool = True) -> dict[str, str]:
+        return {}
+
+    def use_kernels(self, plan: Mapping[str, str]) -> None:
+        pass
 
 
 def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings:

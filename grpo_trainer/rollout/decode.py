@@ -33,7 +33,9 @@ are untouched.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -43,9 +45,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .draw import DRAWS, available_draws, draw_torch
-from .kernels import MIN_WORK_BYTES, KernelTable, default_table, length_bucket, row_bucket
+from . import kernels
+from .kernels import KernelTable, length_bucket, row_bucket
 
 DECODE_ATTENTION = "grpo_trainer_decode_sdpa"
+logger = logging.getLogger(__name__)
 
 
 class ReservedLayer(DynamicLayer):
@@ -206,8 +210,13 @@ if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_p
 FLOAT32_ONLY = {"onednn_packed"}  # oneDNN's bfloat16/float16 linears depend on the CPU's instructions: not offered
 
 
+INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch"}
+
+
 class DecodeKernels:
-    """The decode loop's kernels for one model, each choice measured per shape on first use (kernels.py).
+    """The decode loop's kernels for one model, each looked up in a plan made before the run sampled anything
+    (`plan_decode_kernels`; kernels.py says why). A shape the plan lacks runs the incumbent: nothing is timed
+    here, so nothing here can change what a run samples.
 
     As a context manager it puts them in place: every plain `nn.Linear` on CPU (not subclasses: quantized or
     LoRA layers keep their own forward) computes the chosen form for its shape and row count, and the model's
@@ -215,9 +224,9 @@ class DecodeKernels:
     also on error.
     """
 
-    def __init__(self, model: torch.nn.Module, table: KernelTable | None = None):
+    def __init__(self, model: torch.nn.Module, plan: Mapping[str, str] | None = None):
         self.model = model
-        self.table = table or default_table()
+        self.plan = dict(plan or {})
         self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
         self.by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
         for module in self.linears:
@@ -225,40 +234,27 @@ class DecodeKernels:
         self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
         self.attention_paths: dict[tuple[int, ...], Callable] = {}
         self.draws: dict[tuple[int, int], Callable] = {}
-        self.chosen: dict[str, str] = {}  # "decision/shape" -> alternative, as chosen so far (for reports)
+        self.chosen: dict[str, str] = {}  # "decision/shape" -> alternative, as used so far (for reports)
         config = getattr(model, "config", None)
         self.layers = getattr(config, "num_hidden_layers", 1) or 1
         self.switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
 
-    # -- linear form
+    def _lookup(self, decision: str, shape: tuple[int, ...]) -> str:
+        """The plan's choice; where it has none, a forced one (GRPO_TRAINER_DECODE_KERNELS), else the incumbent."""
+        key = plan_key(decision, shape)
+        name = self.plan.get(key) or kernels.forced_choices().get(decision) or INCUMBENT[decision]
+        self.chosen[key] = name
+        return name
+
+    # -- in the loop
 
     def linear_form(self, module: torch.nn.Linear, rows: int) -> Callable:
         out_features, in_features = module.weight.shape
         key = (out_features, in_features, row_bucket(rows))
         form = self.forms.get(key)
         if form is None:
-            name = self.chosen["linear/" + "x".join(map(str, key))] = self._choose_linear(key)
-            form = self.forms[key] = LINEAR[name]
+            form = self.forms[key] = LINEAR[self._lookup("linear", key)]
         return form
-
-    def _choose_linear(self, key: tuple[int, int, int]) -> str:
-        out_features, in_features, bucket = key
-        same_shape = self.by_shape.get((out_features, in_features), [])
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
-        dtype = same_shape[0].weight.dtype if same_shape else torch.float32
-        forms = [name for name in LINEAR if dtype == torch.float32 or name not in FLOAT32_ONLY]
-
-        def measure():
-            # Every weight of this shape once, as a decode step reads them: streamed, not hot in a cache.
-            x = torch.randn(bucket, in_features, dtype=dtype)
-            return {name: (lambda form=LINEAR[name]: [form(m, x) for m in same_shape]) for name in forms}
-
-        choice = self.table.choose("linear", key, forms, measure, worth_measuring=weight_bytes >= MIN_WORK_BYTES)
-        if choice != "onednn_packed":
-            drop_packed_weights(same_shape)  # reordered while being timed; not kept for a form that lost
-        return choice
-
-    # -- attention
 
     def attention_path(self, query: torch.Tensor, key: torch.Tensor, attention_mask) -> Callable:
         if query.device.type != "cpu":
@@ -270,39 +266,78 @@ class DecodeKernels:
         shape = (row_bucket(batch), heads, kv_heads, length_bucket(length), dim)
         path = self.attention_paths.get(shape)
         if path is None:
-            name = self.chosen["attention/" + "x".join(map(str, shape))] = self._choose_attention(shape, query.dtype)
-            path = self.attention_paths[shape] = ATTENTION[name]
+            path = self.attention_paths[shape] = ATTENTION[self._lookup("attention", shape)]
         return path
 
-    def _choose_attention(self, shape: tuple[int, ...], dtype: torch.dtype) -> str:
-        rows, heads, kv_heads, length, dim = shape
-        cache_bytes = 2 * rows * kv_heads * length * dim * torch.finfo(dtype).bits // 8 * self.layers
-
-        def measure():
-            generator = torch.Generator().manual_seed(0)
-            q = torch.randn(rows, heads, 1, dim, generator=generator, dtype=dtype)
-            k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
-            mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
-            mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
-            return {name: (lambda fn=fn: [fn(q, k, v, mask, None) for _ in range(self.layers)]) for name, fn in ATTENTION.items()}
-
-        return self.table.choose("attention", shape, list(ATTENTION), measure, worth_measuring=cache_bytes >= MIN_WORK_BYTES)
-
-    # -- the draw
-
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row of `probs` [B, V], as torch.multinomial(probs, 1) draws it, by the faster exact way here."""
+        """One token per row of `probs` [B, V], as torch.multinomial(probs, 1) draws it, by the planned exact way."""
         rows, vocab = probs.shape
         if probs.device.type != "cpu":
             return draw_torch(probs)
         shape = (row_bucket(rows), vocab)
         draw = self.draws.get(shape)
         if draw is None:
-            name = self.table.choose("draw", shape, available_draws(), lambda: _draw_timings(shape),
-                                     worth_measuring=rows * vocab >= 2**16)
-            self.chosen["draw/" + "x".join(map(str, shape))] = name
-            draw = self.draws[shape] = DRAWS[name]
+            name = self._lookup("draw", shape)
+            draw = self.draws[shape] = DRAWS[name if name in available_draws() else "torch"]
         return draw(probs)
+
+    # -- planning (before the run samples)
+
+    def alternatives(self, decision: str, shape: tuple[int, ...]) -> list[str]:
+        """What can run here for `decision` at `shape`, the incumbent first."""
+        if decision == "linear":
+            same_shape = self.by_shape.get(shape[:2], [])
+            dtype = same_shape[0].weight.dtype if same_shape else torch.float32
+            return [name for name in LINEAR if dtype == torch.float32 or name not in FLOAT32_ONLY]
+        return list(ATTENTION) if decision == "attention" else available_draws()
+
+    def reachable(self, max_rows: int, max_context: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Every (decision, shape) a decode loop of at most `max_rows` rows and `max_context` positions reaches."""
+        config = getattr(self.model, "config", None)
+        max_context = min(max_context, getattr(config, "max_position_embeddings", None) or max_context)
+        rows = [1 << i for i in range(row_bucket(max(1, max_rows)).bit_length())]  # 1, 2, 4, ... the bucket of max
+        lengths = [64 << i for i in range(max(0, length_bucket(max_context).bit_length() - 7) + 1)]  # 64 ... bucket
+        found = [("linear", (out, in_, r)) for (out, in_) in self.by_shape for r in rows]
+        if self.linears and self.switch_attention and config is not None:  # on CPU, where attention is switched
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            if kv_heads != heads:  # no groups to fold: plain SDPA, nothing to choose
+                found += [("attention", (r, heads, kv_heads, n, dim)) for r in rows for n in lengths]
+        vocab = getattr(config, "vocab_size", None)
+        if self.linears and vocab:
+            found += [("draw", (r, vocab)) for r in rows]
+        return found
+
+    def decide(self, decision: str, shape: tuple[int, ...], table: KernelTable, remeasure: bool = False) -> str:
+        """This machine's choice for one decision (forced, cached or measured now: KernelTable.decide)."""
+        alternatives = self.alternatives(decision, shape)
+        if decision == "linear":
+            same_shape = self.by_shape.get(shape[:2], [])
+            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
+            bucket, in_features = shape[2], shape[1]
+            dtype = same_shape[0].weight.dtype if same_shape else torch.float32
+
+            def measure():
+                # Every weight of this shape once, as a decode step reads them: streamed, not hot in a cache.
+                x = torch.randn(bucket, in_features, dtype=dtype, generator=torch.Generator().manual_seed(0))
+                return {name: (lambda form=LINEAR[name]: [form(m, x) for m in same_shape]) for name in alternatives}
+
+            try:
+                return table.decide("linear", shape, alternatives, measure,
+                                    worth_measuring=weight_bytes >= kernels.MIN_WORK_BYTES, remeasure=remeasure)
+            finally:
+                drop_packed_weights(same_shape)  # reordered while being timed; packed again in the loop if chosen
+        if decision == "attention":
+            return table.decide("attention", shape, alternatives, lambda: _attention_timings(shape, self.layers, self.dtype),
+                                worth_measuring=_cache_bytes(shape, self.dtype, self.layers) >= kernels.MIN_WORK_BYTES,
+                                remeasure=remeasure)
+        return table.decide("draw", shape, alternatives, lambda: _draw_timings(shape),
+                            worth_measuring=shape[0] * shape[1] >= kernels.MIN_DRAW_ELEMENTS, remeasure=remeasure)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.linears[0].weight.dtype if self.linears else torch.float32
 
     # -- in place for the loop
 
@@ -323,16 +358,72 @@ class DecodeKernels:
         drop_packed_weights(self.linears)
 
 
-def _chosen_linear(kernels: DecodeKernels, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def plan_key(decision: str, shape: tuple[int, ...]) -> str:
+    return f"{decision}/{'x'.join(map(str, shape))}"
+
+
+def plan_decode_kernels(model: torch.nn.Module, max_rows: int, max_context: int, table: KernelTable | None = None,
+                        recorded: Mapping[str, str] | None = None, remeasure: bool = False) -> dict[str, str]:
+    """The decode loop's plan for `model`: an alternative for every decision a loop of at most `max_rows` rows and
+    `max_context` positions reaches, made before anything is sampled (kernels.py says why).
+
+    `recorded`: a run's plan (from its checkpoint): its choices are kept wherever they can run here, whatever
+    this machine would choose, and one line is logged for each that cannot. A forced choice
+    (`GRPO_TRAINER_DECODE_KERNELS`) wins over both and is logged where it changes a recorded one. The rest
+    comes from `table` (this machine's cache; measured now where missing, or everywhere with `remeasure`)."""
+    loop = DecodeKernels(model)
+    table = table or kernels.default_table()
+    recorded = dict(recorded or {})
+    forced = kernels.forced_choices()
+    plan: dict[str, str] = {}
+    todo = loop.reachable(max_rows, max_context)
+    measured_before = len(table.entries())
+    for decision, shape in todo:
+        key = plan_key(decision, shape)
+        kept = recorded.get(key)
+        if kept is not None and decision not in forced:
+            if kept in loop.alternatives(decision, shape):
+                plan[key] = kept
+                continue
+            plan[key] = loop.decide(decision, shape, table)
+            logger.warning("decode kernels: the run's recorded %s=%s for %s cannot run here; using %s%s", decision,
+                           kept, key, plan[key], "" if decision == "draw" else " (samples differ from the run it continues)")
+            continue
+        plan[key] = loop.decide(decision, shape, table, remeasure=remeasure)
+        if kept is not None and kept != plan[key]:
+            logger.warning("decode kernels: %s forces %s=%s where the run recorded %s (samples differ from the run "
+                           "it continues)", kernels.FORCE_ENV, decision, plan[key], kept)
+    if len(table.entries()) > measured_before:
+        logger.info("decode kernels: measured %d choices for this machine (cached in %s)",
+                    len(table.entries()) - measured_before, table.path)
+    return plan
+
+
+def _chosen_linear(loop: DecodeKernels, module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     in_features = module.weight.shape[1]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear_form(module, x.numel() // in_features)(module, x)
+        return loop.linear_form(module, x.numel() // in_features)(module, x)
 
     return forward
 
 
-def _draw_timings(shape: tuple[int, int]) -> dict[str, Callable[[], torch.Tensor]]:
+def _cache_bytes(shape: tuple[int, ...], dtype: torch.dtype, layers: int) -> int:
+    rows, _, kv_heads, length, dim = shape
+    return 2 * rows * kv_heads * length * dim * torch.finfo(dtype).bits // 8 * layers
+
+
+def _attention_timings(shape: tuple[int, ...], layers: int, dtype: torch.dtype) -> dict[str, Callable[[], list]]:
+    rows, heads, kv_heads, length, dim = shape
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, 1, dim, generator=generator, dtype=dtype)
+    k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
+    return {name: (lambda fn=fn: [fn(q, k, v, mask, None) for _ in range(layers)]) for name, fn in ATTENTION.items()}
+
+
+def _draw_timings(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     probs = torch.softmax(torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4, -1)
     return {name: (lambda fn=DRAWS[name]: fn(probs)) for name in available_draws()}
 
@@ -343,14 +434,14 @@ _active = threading.local()  # the DecodeKernels of the loop running in this thr
 def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """The attention function registered for the decode loop: for single-token queries the chosen path,
     anything else (and anything unusual: dropout, attention sinks) transformers' own SDPA function."""
-    kernels = getattr(_active, "kernels", None)
-    if query.shape[2] != 1 or dropout or kwargs.get("s_aux") is not None or kernels is None:
+    active = getattr(_active, "kernels", None)
+    if query.shape[2] != 1 or dropout or kwargs.get("s_aux") is not None or active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if key.shape[1] == query.shape[1]:
         path = ATTENTION["repeated"]  # no groups to fold: plain SDPA
     else:
-        path = kernels.attention_path(query, key, attention_mask)
+        path = active.attention_path(query, key, attention_mask)
     return path(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
@@ -358,6 +449,6 @@ AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
-def decode_kernels(model: torch.nn.Module, table: KernelTable | None = None) -> DecodeKernels:
-    """The decode loop's kernels for `model`, as a context manager (see DecodeKernels)."""
-    return DecodeKernels(model, table)
+def decode_kernels(model: torch.nn.Module, plan: Mapping[str, str] | None = None) -> DecodeKernels:
+    """The decode loop's kernels for `model` under `plan`, as a context manager (see DecodeKernels)."""
+    return DecodeKernels(model, plan)

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
 from ..models import left_padded, positions
 from . import Rollout, SamplingSettings
-from .decode import EagerDecoder, decode_kernels, reserve_room
+from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
 from .draw import draw_torch
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
@@ -52,6 +53,7 @@ class HFEngine:
         tokenizer=None,
         lockstep: Collectives | None = None,
         compile: str | None = None,
+        kernel_plan: Mapping[str, str] | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
@@ -66,6 +68,9 @@ class HFEngine:
         # this torch.compile mode ("default" for torch's default); None: the eager loop with measured kernels.
         self.compile = compile
         self._compiled: CompiledForward | None = None
+        # The decode loop's kernel choices (rollout/kernels.py), fixed before anything is sampled: the trainer's
+        # recorded plan (plan_kernels / use_kernels), or planned at the first generate for its shapes.
+        self.kernel_plan: dict[str, str] | None = dict(kernel_plan) if kernel_plan is not None else None
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
@@ -77,6 +82,22 @@ class HFEngine:
             if tokenizer is None:
                 raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
             self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
+                     decide: bool = True) -> dict[str, str]:
+        """The decode loop's kernel plan for every shape a run of at most `max_rows` rows per decode step and
+        `max_context` positions reaches (decode.plan_decode_kernels; `recorded`: a resumed run's). Called on every
+        rank (the parameters are gathered where sharded, a collective); `decide` False returns {} without timing
+        anything, for ranks that take the main process's plan."""
+        if not self.share_prompt:  # `generate` runs transformers' own loop: nothing of ours to choose
+            return {}
+        model = self.get_model()
+        with self.full_parameters(model):
+            return plan_decode_kernels(model, max_rows, max_context, recorded=recorded) if decide else {}
+
+    def use_kernels(self, plan: Mapping[str, str]) -> None:
+        """Sample with `plan` from now on (a shape it lacks runs the incumbent kernel)."""
+        self.kernel_plan = dict(plan)
 
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
         """Nothing to do: this engine samples from the training model itself (`needs_weight_sync` is False, so
@@ -105,6 +126,9 @@ class HFEngine:
         starts = list(range(0, len(prompt_ids), step))
         # In lockstep every rank runs as many batches as the busiest one, idling through those it has not.
         batches = len(starts) if self.lockstep is None else self._max_over_ranks(len(starts))
+        if self.kernel_plan is None:  # planned now, before this engine samples anything; then fixed
+            context = max(map(len, prompt_ids), default=0) + limit
+            self.kernel_plan = self.plan_kernels(min(step, len(prompt_ids)) * num_generations, context)
         completions: list[list[int]] = []
         truncated: list[bool] = []
         generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
@@ -143,7 +167,7 @@ class HFEngine:
     def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int, limit: int):
         """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
         if not prompts:  # only in lockstep, for a batch only other ranks have
-            with decode_kernels(model):
+            with decode_kernels(model, self.kernel_plan):
                 self._idle_forward(model)
                 while self._max_over_ranks(0):
                     self._idle_forward(model)
@@ -157,7 +181,7 @@ class HFEngine:
             occurred = torch.zeros(len(prompts), out.logits.shape[-1], dtype=torch.int32, device=ids.device)
             occurred.scatter_add_(1, ids, mask.to(torch.int32))
             occurred = (occurred > 0)[rows]
-        kernels = decode_kernels(model)
+        kernels = decode_kernels(model, self.kernel_plan)
         if self.compile is not None:  # plain modules under torch.compile; only the (exact) draw is chosen here
             cache.reorder_cache(rows)
             decoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)

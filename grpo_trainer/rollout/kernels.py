@@ -1,26 +1,33 @@
-"""Which of the decode loop's exact alternatives runs: measured on the machine that runs it, once, then cached.
+"""Which of the decode loop's alternative kernels runs: measured once per machine, before a run samples anything.
 
 The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
 path; draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
 and the shapes: the weight-stationary linear that was twice as fast on one AVX-512 machine gained 8% on an
-AVX2 one (issue 26). So each decision is timed where it runs, on first use, for its shape: every
-alternative a few times, alternating, the best time of each kept (the least disturbed on a busy machine),
-and the fastest wins. Timing takes milliseconds to a second, once per machine.
+AVX2 one (issue 26). So each decision is timed where it runs, per shape: every alternative a few times,
+alternating, the best time of each kept (the least disturbed on a busy machine), and the fastest wins.
 
-Choices are cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the CPU
-model and its flags (or the GPU's name), ATen's CPU capability (`ATEN_CPU_CAPABILITY=avx2` runs the AVX2
-kernels on an AVX-512 machine), torch's version and thread count; then by decision and shape. Each entry
-keeps its timings and the load average when measured.
+The linear forms and attention paths round differently (the draws are exact), so a choice changes what a run
+samples. A run's samples must be a function of its config, its seed and its recorded kernel choices, so:
+* Every decision a run can reach (each linear shape at every row bucket up to the run's largest batch, each
+  attention shape at every context bucket up to its longest sequence, each draw) is decided *before* the run
+  samples anything, as one plan (`decode.plan_decode_kernels`); the decode loop only looks its choices up and
+  never measures (a shape the plan lacks runs the incumbent). Timing runs under `fork_rng` with its own
+  generators: it never moves the run's random stream.
+* A decision is cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the CPU
+  model and its flags (or the GPU's name), ATen's CPU capability (`ATEN_CPU_CAPABILITY=avx2` runs the AVX2
+  kernels on an AVX-512 machine), torch's version and thread count; then by decision and shape. A cached
+  choice is final: nothing re-times it behind the user's back. `python -m grpo_trainer kernels CONFIG
+  --remeasure` times the config's decisions again, and says which changed (runs then sample differently).
+* The plan is recorded in the run's output folder (`decode_kernels.json`) and in every checkpoint; a resume
+  uses the recorded plan, whatever this machine's cache says (an alternative not available here is replaced,
+  with one warning line).
 
-Three rules keep the measurement honest:
+Two rules keep the measurement honest:
 * A decision is measured only where it can matter (`worth_measuring`, decided by the caller: e.g. the
   weights or KV cache a kernel class reads per decode step are at least `MIN_WORK_BYTES`). Below that a
   kernel class costs microseconds per step, the timings are noise, and the incumbent (the first
-  alternative, today's behaviour) stays. Alternatives of the linear form and the attention path round
-  differently, so this also keeps small models (the demo's, the golden test's) on one path on every machine.
+  alternative) stays. This also keeps small models (the demo's, the golden test's) on one path on every machine.
 * An alternative replaces the incumbent only when it is at least `MARGIN` faster.
-* A choice timed on an overloaded machine (load average above its CPU count) is timed again when the
-  machine is next quiet (below half of it).
 
 `GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native"` forces choices
 (the tests do so to check every alternative); an unknown name is an error naming the choices.
@@ -50,6 +57,7 @@ FORCE_ENV = "GRPO_TRAINER_DECODE_KERNELS"
 CACHE_FILE = "decode_kernels.json"
 CACHE_VERSION = 1
 MIN_WORK_BYTES = 16 * 2**20
+MIN_DRAW_ELEMENTS = 2**16  # rows x vocabulary of a draw worth timing
 MARGIN = 0.10
 REPS = 5
 
@@ -129,10 +137,13 @@ class KernelTable:
         self.path = path
         self._choices: dict[str, dict] | None = None
 
-    def choose(self, decision: str, shape: tuple[int, ...], alternatives: list[str],
-               measure: Callable[[], dict[str, Callable[[], Any]]], worth_measuring: bool, device_type: str = "cpu") -> str:
-        """The alternative to run for `decision` at `shape`: forced, cached, the incumbent (alternatives[0])
-        where the work is too small to matter, or measured now (`measure()` builds the timed calls)."""
+    def decide(self, decision: str, shape: tuple[int, ...], alternatives: list[str],
+               measure: Callable[[], dict[str, Callable[[], Any]]], worth_measuring: bool, device_type: str = "cpu",
+               remeasure: bool = False) -> str:
+        """The alternative to run for `decision` at `shape`: forced, the incumbent (alternatives[0]) where the
+        work is too small to matter, cached, or measured now (`measure()` builds the timed calls; it and the
+        timing run with the global random state saved and restored). `remeasure`: time it again even if cached.
+        Called while a run is planned, never while it samples."""
         forced = forced_choices().get(decision)
         if forced is not None:
             if forced not in alternatives:
@@ -143,10 +154,10 @@ class KernelTable:
         key = f"{machine_key(device_type)}/{decision}/{'x'.join(map(str, shape))}"
         entry = self._load().get(key)
         # A choice made before an alternative was added (or without one that is gone) is measured again.
-        if (entry is not None and set(entry.get("ms", ())) == set(alternatives)
-                and not _measured_busy_now_quiet(entry)):
+        if entry is not None and set(entry.get("ms", ())) == set(alternatives) and not remeasure:
             return entry["choice"]
-        ms = time_alternatives(measure(), device_type=device_type)
+        with torch.random.fork_rng(devices=[]):
+            ms = time_alternatives(measure(), device_type=device_type)
         incumbent = alternatives[0]
         fastest = min(ms, key=ms.get)
         choice = fastest if ms[fastest] < (1 - MARGIN) * ms[incumbent] else incumbent
@@ -191,13 +202,6 @@ class KernelTable:
             self._choices = merged
         except OSError as exc:  # a read-only cache costs a re-measurement next time, nothing else
             logger.warning("decode kernels: could not write %s (%s)", self.path, exc)
-
-
-def _measured_busy_now_quiet(entry: dict) -> bool:
-    """A choice timed while the machine was overloaded (load average above its CPU count) is timed again once
-    it is quiet (below half of it): a busy machine's timings are the weakest evidence there is."""
-    cpus = os.cpu_count() or 1
-    return entry.get("loadavg", 0.0) > cpus and os.getloadavg()[0] < cpus / 2
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,7 @@ prompt's seed, i and k: the result does not depend on batching or the number of 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,13 @@ class MultiTurnEngine:
     @property
     def weight_version(self):
         return getattr(self.engine, "weight_version", None)
+
+    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
+                     decide: bool = True) -> dict[str, str]:
+        return self.engine.plan_kernels(max_rows, max_context, recorded, decide)
+
+    def use_kernels(self, plan: Mapping[str, str]) -> None:
+        self.engine.use_kernels(plan)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Rollout, SamplingSettings
+from . import Rollout, SamplingSettings, VendorKernels
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
@@ -82,7 +82,7 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
     return completions, truncated, logprobs
 
 
-class VLLMColocateEngine:
+class VLLMColocateEngine(VendorKernels):
     needs_weight_sync = True  # vLLM holds its own copy of the weights
 
     def __init__(

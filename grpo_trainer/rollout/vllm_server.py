@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UserError
-from . import Rollout, SamplingSettings
+from . import Rollout, SamplingSettings, VendorKernels
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
@@ -248,7 +248,7 @@ class _Tracked:
             pass
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(VendorKernels):
     needs_weight_sync = True  # the servers hold their own copy of the weights
 
     def __init__(

@@ -1,0 +1,158 @@
+"""The decode loop's kernel plan (rollout/kernels.py, decode.plan_decode_kernels): made before a run samples
+anything, covering every shape the loop reaches, recorded in the run and its checkpoints, kept on resume.
+
+The end-to-end tests make every decision worth measuring on the tiny model and inject timings under which
+non-incumbent alternatives win (helpers.cli_with_kernel_timings), so the measured path really runs: the same
+config and seed must then give the same run on a fresh kernel cache, on the cache it left, and across a
+kill -9 and a resume on a machine whose (empty) cache would choose otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from grpo_trainer.rollout import kernels
+from grpo_trainer.rollout.decode import INCUMBENT, DecodeKernels, plan_decode_kernels
+from helpers import assert_same_run, cli_with_kernel_timings, run_in_fork, small_run_overrides
+
+# Under these timings every decision's winner is not today's incumbent; under OTHER_MACHINE, another one wins.
+FAST_OTHERS = {"linear": 0.1, "onednn_packed": 0.5, "weight_stationary": 1.0,
+               "grouped_matmul": 0.1, "repeated": 0.5, "grouped": 1.0, "numpy": 0.1, "native": 0.5, "torch": 1.0}
+OTHER_MACHINE = {"onednn_packed": 0.1, "linear": 0.5, "weight_stationary": 1.0,
+                 "repeated": 0.1, "grouped_matmul": 0.5, "grouped": 1.0, "native": 0.1, "numpy": 0.5, "torch": 1.0}
+
+
+def _tiny(tiny_model_path):
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+
+    return load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+
+
+def _every_decision_measured(monkeypatch, timings):
+    monkeypatch.setattr(kernels, "MIN_WORK_BYTES", 0)
+    monkeypatch.setattr(kernels, "MIN_DRAW_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "time_alternatives", lambda candidates, **_: {k: timings.get(k, 1.0) for k in candidates})
+
+
+def test_the_plan_covers_every_shape_the_decode_loop_reaches(tiny_model_path, monkeypatch):
+    """A generate of 3 prompts x 5 completions (rows leaving as they finish) looks up only planned shapes, and
+    samples with the plan's (non-incumbent) choices; the loop itself never times anything."""
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout import hf
+
+    _every_decision_measured(monkeypatch, FAST_OTHERS)
+    lm = _tiny(tiny_model_path)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    settings = SamplingSettings(eos_token_ids=[2], max_completion_length=20)
+    plan = plan_decode_kernels(lm, 3 * 5, 7 + 20, kernels.KernelTable(None))
+    assert set(plan.values()) <= {"linear", "grouped_matmul", "numpy"}, plan
+    loops = []
+    monkeypatch.setattr(hf, "decode_kernels", lambda model, p: loops.append(DecodeKernels(model, p)) or loops[-1])
+    monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("timed while sampling"))
+    engine = hf.HFEngine(settings, get_model=lambda: lm, pad_token_id=0, kernel_plan=plan)
+    engine.generate(prompts, 5)
+    used = {key for loop in loops for key in loop.chosen}
+    assert used and used <= set(plan), sorted(used - set(plan))
+    assert all(loop.chosen[key] == plan[key] for loop in loops for key in loop.chosen)
+
+
+def test_an_engine_without_a_plan_makes_one_before_it_samples(tiny_model_path, monkeypatch):
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout.hf import HFEngine
+
+    _every_decision_measured(monkeypatch, FAST_OTHERS)
+    table = kernels.KernelTable(None)
+    monkeypatch.setattr(kernels, "default_table", lambda: table)
+    engine = HFEngine(SamplingSettings(eos_token_ids=[2], max_completion_length=8), get_model=lambda: _tiny(tiny_model_path),
+                      pad_token_id=0)
+    engine.generate([[5, 6, 7]], 4)
+    assert engine.kernel_plan and engine.kernel_plan["linear/" + "x".join(map(str, (96, 96, 4)))] == "linear"
+
+
+def test_a_recorded_plan_is_kept_whatever_this_machine_would_choose(tiny_model_path, monkeypatch, caplog):
+    """A resumed run keeps its recorded choices where they can run here; one that cannot (an alternative this
+    machine lacks) is replaced with one warning line naming it; shapes the record lacks are planned here."""
+    _every_decision_measured(monkeypatch, FAST_OTHERS)
+    lm = _tiny(tiny_model_path)
+    here = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None))
+    linear_key, draw_key = "linear/96x96x8", "draw/8x128"
+    recorded = {linear_key: "weight_stationary", draw_key: "a_draw_that_is_gone"}
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer.rollout.decode"):
+        plan = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None), recorded=recorded)
+    assert here[linear_key] == "linear" and plan[linear_key] == "weight_stationary"
+    assert plan[draw_key] == here[draw_key] == "numpy"
+    assert {k: v for k, v in plan.items() if k not in recorded} == {k: v for k, v in here.items() if k not in recorded}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "a_draw_that_is_gone" in lines[0] and draw_key in lines[0], lines
+
+
+def test_a_forced_choice_wins_over_the_recorded_one_and_says_so(tiny_model_path, monkeypatch, caplog):
+    monkeypatch.setenv(kernels.FORCE_ENV, "linear=linear")
+    lm = _tiny(tiny_model_path)
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer.rollout.decode"):
+        plan = plan_decode_kernels(lm, 1, 10, kernels.KernelTable(None), recorded={"linear/96x96x1": "weight_stationary"})
+    assert plan["linear/96x96x1"] == "linear"
+    assert any(kernels.FORCE_ENV in r.getMessage() for r in caplog.records)
+
+
+def test_a_plan_without_an_entry_runs_the_incumbent():
+    layer = torch.nn.Linear(4, 3)
+    loop = DecodeKernels(torch.nn.Sequential(layer), {"linear/3x4x2": "linear"})
+    loop.linear_form(layer, 2), loop.linear_form(layer, 8)
+    assert loop.chosen == {"linear/3x4x2": "linear", "linear/3x4x8": INCUMBENT["linear"]}
+
+
+def _train(out, steps, timings, cache, *extra, resume="never", kill_after_save=0):
+    overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
+    args = ["train", "configs/demo_cpu.yaml", *overrides, f"checkpoint.resume={resume}", *extra]
+    return run_in_fork(cli_with_kernel_timings, (args, timings, str(cache), kill_after_save), timeout=600)
+
+
+@pytest.mark.slow
+def test_same_seed_same_run_on_a_fresh_cache_the_cache_it_left_and_across_a_kill_and_resume(tmp_path, tiny_model_path):
+    """Run A measures every decision (fresh cache), run B reads A's cache: identical metrics, bit-identical weights.
+    Run C is killed -9 right after its step-2 checkpoint and resumed in a process whose kernel cache is empty and
+    whose timings would choose other kernels: it keeps the recorded plan and ends bit-identical to A."""
+    cache = tmp_path / "kernels.json"
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for out in (a, b):
+        result = _train(out, 3, FAST_OTHERS, cache)
+        assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((a / "decode_kernels.json").read_text())["choices"]
+    assert plan and set(plan.values()) <= {"linear", "grouped_matmul", "numpy"}, plan  # the measured path ran
+    assert json.loads((b / "decode_kernels.json").read_text())["choices"] == plan
+    assert_same_run(a, b)
+
+    killed = _train(c, 3, FAST_OTHERS, tmp_path / "c-kernels.json", "checkpoint.save_every=2", kill_after_save=2)
+    assert killed.returncode == -9 and (c / "checkpoints" / "step-000002").is_dir(), killed.stderr[-3000:]
+    resumed = _train(c, 3, OTHER_MACHINE, tmp_path / "empty" / "kernels.json", "checkpoint.save_every=2", resume="auto")
+    assert resumed.returncode == 0 and "at step 2" in resumed.stderr, resumed.stderr[-3000:]
+    assert "cannot run here" not in resumed.stderr
+    assert json.loads((c / "decode_kernels.json").read_text())["choices"] == plan
+    assert not (tmp_path / "empty" / "kernels.json").exists()  # nothing was measured: the record was complete
+    assert_same_run(a, c)
+
+
+def test_the_kernels_command_remeasures_only_when_asked_and_says_what_changed(tmp_path, monkeypatch, capsys):
+    from grpo_trainer.cli import main
+
+    timings = dict(FAST_OTHERS)
+    _every_decision_measured(monkeypatch, timings)
+    table = kernels.KernelTable(tmp_path / "kernels.json")
+    monkeypatch.setattr(kernels, "default_table", lambda: table)
+    args = ["kernels", "configs/demo_cpu.yaml", "train.prompts_per_step=2", "rollout.num_generations=2", "train.micro_batch_size=4"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "linear/96x96x4" in first and "changed" not in first and "(was" not in first
+    timings.update(OTHER_MACHINE)
+    assert main(args) == 0  # cached: the new timings are not consulted
+    assert capsys.readouterr().out == first
+    assert main([*args, "--remeasure"]) == 0
+    out = capsys.readouterr().out
+    assert "onednn_packed   (was linear)" in out or "weight_stationary   (was linear)" in out, out
+    assert "choices changed: new runs on this machine sample differently" in out
