@@ -229,7 +229,7 @@ def check_server_url(url: str) -> str:
         port = parts.port
     except ValueError:
         port = -1
-    if port is not None and not 1 <= port <= 65535 or parts.netloc.endswith(":"):
+    if (port is not None and not 1 <= port <= 65535) or parts.netloc.endswith(":"):
         raise ValueError(f"{url!r}: the port must be a number from 1 to 65535 (e.g. http://127.0.0.1:8000)")
     return url
 

@@ -60,10 +60,10 @@ import shutil
 import socket
 import tempfile
 import time
-import weakref
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
