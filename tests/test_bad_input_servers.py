@@ -116,6 +116,12 @@ class FakeVLLM:
 # ---------------------------------------------------------------------------- serve (item 4)
 
 
+@pytest.fixture
+def cpu_vllm(monkeypatch):
+    """vLLM would run on the CPU here (not asked of vLLM itself: importing it takes seconds)."""
+    monkeypatch.setattr("grpo_trainer.serve._cpu_only", lambda: True)
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--port", "0", "argument --port: '0' is not a port number (1-65535)"),
     ("--port", "99999", "argument --port: '99999' is not a port number (1-65535)"),
@@ -139,7 +145,7 @@ def test_serve_refuses_a_port_or_tensor_parallel_size_out_of_range_naming_the_op
     (["--no-enforce-eager"], "would override --enforce-eager, which serve sets from the config: set rollout.vllm.enforce_eager"),
     (["--weight-transfer-config", '{"backend": "nccl"}'], "set rollout.vllm_server.weight_sync instead"),
 ])
-def test_serve_refuses_vllm_arguments_that_would_override_its_own_flags(extra, says, tiny_model_path):
+def test_serve_refuses_vllm_arguments_that_would_override_its_own_flags(extra, says, tiny_model_path, cpu_vllm):
     cfg = load_config(CONFIG, ["rollout.engine=vllm_server"])
     with pytest.raises(ConfigError, match="^serve: " + extra[0]) as error:
         serve_command(cfg, vllm_args=extra)
@@ -162,7 +168,7 @@ def test_serve_dry_run_prints_the_command_where_vllm_is_not_installed(monkeypatc
                                                "(docs/vllm.md), or add --dry-run to print the command for a machine that has it")
 
 
-def test_serve_listens_where_the_trainer_connects_for_a_url_without_a_port(tiny_model_path):
+def test_serve_listens_where_the_trainer_connects_for_a_url_without_a_port(tiny_model_path, cpu_vllm):
     for url, port in (("http://127.0.0.1", "80"), ("https://10.1.2.3", "443"), ("http://127.0.0.1:8123", "8123")):
         cfg = load_config(CONFIG, ["rollout.engine=vllm_server", f"rollout.vllm_server.base_url={url}"])
         command, _ = serve_command(cfg)
