@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(vLLM arguments after --)")
     p.add_argument("config", help="YAML config file (the trainer's)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--port", type=int, help="default: the port of the (first) server URL in the config")
+    p.add_argument("--port", type=port_number, help="default: the port of the (first) server URL in the config")
     p.add_argument("--host", help="default: the URL's host if it is loopback, else 0.0.0.0")
-    p.add_argument("--tensor-parallel-size", type=int, help="default: rollout.vllm.tensor_parallel_size")
+    p.add_argument("--tensor-parallel-size", type=positive_int, help="default: rollout.vllm.tensor_parallel_size")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p = sub.add_parser("kernels", help="this machine's decode-kernel choices for a config (hf engine, CPU): cached, "
                                        "measured where missing, or all timed again with --remeasure")
@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="folder to write")
     p.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapter into the base weights")
     return parser
+
+
+def port_number(text: str) -> int:
+    """A TCP port a server can listen on (argparse names the option when this refuses)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def next_commands(output_dir) -> str:

@@ -177,7 +177,10 @@ class VLLMServerConfig(_Section):
         "GPUs through host memory; this package's backend); `disk` (safetensors in weights_dir, reloaded by our "
         "worker extension); `none` (never pushed). `python -m grpo_trainer serve` starts a server to match.",
     )
-    weights_dir: str | None = Field(None, description="With weight_sync `disk`: a folder both trainer and server can read.")
+    weights_dir: str | None = Field(
+        None, description="With weight_sync `disk`: a folder both trainer and server can read (None: a fresh temporary "
+        "folder of the run's own, removed at its end; for a server on this machine, run by the same user)."
+    )
     transfer_host: str | None = Field(
         None, description="nccl/gloo: the trainer's address as the servers reach it (None: the one routing to them)."
     )
@@ -191,11 +194,15 @@ class VLLMServerConfig(_Section):
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http:// or https:// address")
+            check_server_url(url)
         if len({u.rstrip("/") for u in urls}) != len(urls):
             raise ValueError("a server is listed twice")
         return urls
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, url: str) -> str:
+        return check_server_url(url)
 
     @model_validator(mode="after")
     def _one_way_to_name_servers(self) -> VLLMServerConfig:
@@ -205,6 +212,26 @@ class VLLMServerConfig(_Section):
 
     def server_urls(self) -> list[str]:
         return list(self.urls) or [self.base_url]
+
+
+def check_server_url(url: str) -> str:
+    """An address a connection can be made to, or ValueError saying why not: refused when the config loads, since
+    the engine would otherwise wait out its startup_timeout on it (`http://`, port 99999) or fail with a traceback
+    (a port that is not a number)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not url.startswith(parts.scheme + "://"):
+        raise ValueError(f"{url!r} is not an http:// or https:// address")
+    if not parts.hostname or any(c.isspace() for c in parts.netloc):
+        raise ValueError(f"{url!r} names no host (e.g. http://127.0.0.1:8000)")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (port is not None and not 1 <= port <= 65535) or parts.netloc.endswith(":"):
+        raise ValueError(f"{url!r}: the port must be a number from 1 to 65535 (e.g. http://127.0.0.1:8000)")
+    return url
 
 
 # Keys that moved: a config using the old place is told the new one.
@@ -548,6 +575,10 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: no clipping).")
     max_consecutive_nonfinite: int = Field(
         3, ge=0, description="Optimizer steps with a NaN/inf loss or gradient are skipped; stop after this many in a row."
+    )
+    max_consecutive_unscored: int = Field(
+        3, ge=0, description="Steps in which no reward scores any completion (each returns None or NaN for all: nothing "
+        "to learn from) are warned about, naming the rewards; stop after this many in a row.",
     )
     trim_host_memory: bool | None = Field(
         None, description="Hand the C heap's free pages back to the system at the points where a step's phases peak "

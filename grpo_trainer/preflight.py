@@ -1,9 +1,12 @@
 """Checks of a config against the files and the machine it will run on, before any model loads.
 
 The schema (`config.py`) judges what a config says on its own. This judges it against the world: a
-resume path that must exist, a model the chosen engine can run here, and settings that are legal but
-rarely meant (returned as warnings). `validate` prints both; `train` runs the same checks first, so a
-run that cannot work stops in seconds with one line naming the key, not after loading a model.
+resume path that must exist, a model the chosen engine can run here, trackers that can start here, and
+settings that are legal but rarely meant (returned as warnings). `validate` prints both; `train` runs the
+same checks first, so a run that cannot work stops in seconds with one line naming the key, not after
+loading a model. `train` also waits here for the vLLM servers of `rollout.engine: vllm_server` (up to
+`rollout.vllm_server.startup_timeout`: a server may still be starting) and refuses an address where
+something other than vLLM answers; `validate` does not (the servers may not be up while a config is written).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from .config import Config
 from .errors import ConfigError
 from .geometry import geometry_of
 from .trackers import check_installed as check_trackers_installed
+from .trackers import check_ready as check_trackers_ready
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -32,6 +36,7 @@ def preflight(cfg: Config) -> list[str]:
     if cfg.rollout.engine == "vllm_colocate":
         _check_vllm_can_run(cfg)
     check_trackers_installed(cfg)
+    check_trackers_ready(cfg)
     warnings = []
     optimizer_steps = geometry_of(cfg).optimizer_steps  # what the learning-rate schedule counts
     if cfg.train.warmup_steps >= optimizer_steps:
@@ -77,9 +82,13 @@ def cpu_has_bf16_instructions(cpuinfo: str | None = None) -> bool:
 
 
 def run_preflight(cfg: Config) -> None:
-    """`preflight`, with its warnings logged (what `train` does before anything loads)."""
+    """`preflight`, with its warnings logged, then the servers (what `train` does before anything loads)."""
     for warning in preflight(cfg):
         logger.warning("%s", warning)
+    if cfg.rollout.engine == "vllm_server":
+        from .rollout.vllm_server import check_servers
+
+        check_servers(cfg.rollout.vllm_server, log=logger.info)
 
 
 def _check_vllm_can_run(cfg: Config) -> None:

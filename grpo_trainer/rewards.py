@@ -234,6 +234,11 @@ def compute_rewards(
     return RewardBatch(per_function=per_function, total=total, metrics=metrics)
 
 
+def unscored(rewards: list[Reward], per_function: torch.Tensor) -> list[str]:
+    """The rewards that scored no completion of the batch (None or NaN for all of them; per_function: [N, R])."""
+    return [reward.name for j, reward in enumerate(rewards) if not (~torch.isnan(per_function[:, j])).any()]
+
+
 def reward_statistics(rewards: list[Reward], per_function: torch.Tensor) -> dict[str, float]:
     """`rewards/<name>/mean` and `.../std` over the samples each reward had an opinion on (per_function: [N, R])."""
     stats = {}

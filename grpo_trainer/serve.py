@@ -14,7 +14,12 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
   `rollout.vllm`; `builtin:` model names resolved to their cached folders; host and port from the (first)
   server URL in the config unless given.
 
-Anything after `--` goes to vLLM as is. `--dry-run` prints the command instead of running it. The command
+Anything after `--` goes to vLLM as is, except a flag that `serve` sets itself: vLLM would take the later
+one, silently overriding what the engine depends on (`--logprobs-mode`) or what the config says (`--dtype`,
+`--seed`), so it is refused in one line naming the key or option to use instead. `--port` and
+`--tensor-parallel-size` must be in range (vLLM would take 0 or a negative size). `--dry-run` prints the
+command instead of running it, also where vLLM is not installed (it is often for another machine: then the
+CPU-only KV cache flag, which depends on that machine, is left to the note printed beside it). The command
 is `python -m vllm.entrypoints.openai.api_server`, which works where `vllm serve` does and also on vLLM's
 CPU build, whose `vllm serve` fails (docs/vllm.md).
 """
@@ -28,8 +33,28 @@ import sys
 import urllib.parse
 
 from .config import Config
+from .errors import ConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # as the colocate engine: plenty for small models, RAM stays free
+DEFAULT_PORTS = {"http": 80, "https": 443}  # where the trainer connects for a URL without a port
+# Flags `serve` sets, and what to change instead of repeating one after `--` (vLLM's aliases and spellings:
+# `_` for `-`, `--no-` for a boolean's negation, `-tp`, are matched too).
+OWN_FLAGS = {
+    "--model": "model.name_or_path",
+    "--host": "serve's --host",
+    "--port": "serve's --port",
+    "--dtype": "rollout.vllm.dtype",
+    "--logprobs-mode": None,  # the engine's: no setting changes it
+    "--seed": "seed",
+    "--tensor-parallel-size": "serve's --tensor-parallel-size (or rollout.vllm.tensor_parallel_size)",
+    "--max-model-len": "rollout.vllm.max_model_len",
+    "--enforce-eager": "rollout.vllm.enforce_eager",
+    "--kv-cache-memory-bytes": "rollout.vllm.kv_cache_memory_bytes",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--weight-transfer-config": "rollout.vllm_server.weight_sync",
+    "--worker-extension-cls": "rollout.vllm_server.weight_sync",
+}
+FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
 
 
 def serve_command(cfg: Config, *, host: str | None = None, port: int | None = None,
@@ -38,24 +63,24 @@ def serve_command(cfg: Config, *, host: str | None = None, port: int | None = No
     from .builtin import resolve_model_path
 
     server, engine = cfg.rollout.vllm_server, cfg.rollout.vllm
-    url = urllib.parse.urlparse(server.server_urls()[0])
+    url = urllib.parse.urlparse(server.server_urls()[0])  # checked when the config loaded: host and port are valid
     loopback = url.hostname in ("127.0.0.1", "localhost", "::1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", resolve_model_path(cfg.model.name_or_path),
         "--host", host or (url.hostname if loopback else "0.0.0.0"),  # a remote trainer must reach it
-        "--port", str(port or url.port or 8000),
+        "--port", str(port if port is not None else url.port or DEFAULT_PORTS[url.scheme]),  # where the trainer connects
         "--dtype", cfg.model.dtype if engine.dtype == "auto" else engine.dtype,
         "--logprobs-mode", "processed_logprobs",
         "--seed", str(cfg.seed),
-        "--tensor-parallel-size", str(tensor_parallel_size or engine.tensor_parallel_size),
+        "--tensor-parallel-size", str(tensor_parallel_size if tensor_parallel_size is not None else engine.tensor_parallel_size),
     ]  # fmt: skip
     if engine.max_model_len:
         command += ["--max-model-len", str(engine.max_model_len)]
     if engine.enforce_eager:
         command += ["--enforce-eager"]
     kv_bytes = engine.kv_cache_memory_bytes
-    if kv_bytes is None and _cpu_only() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if kv_bytes is None and _cpu_only() is True and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES  # on CPU, vLLM's memory share would be a share of the machine's RAM
     if kv_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(kv_bytes)]
@@ -66,13 +91,44 @@ def serve_command(cfg: Config, *, host: str | None = None, port: int | None = No
     elif server.weight_sync == "disk":
         command += ["--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync"]
     env = {} if server.weight_sync == "none" else {"VLLM_SERVER_DEV_MODE": "1"}
+    check_extra_args(command, list(vllm_args))
     return command + list(vllm_args), env
 
 
-def _cpu_only() -> bool:
-    """Whether vLLM will run on the CPU here (its CPU build, or no GPU)."""
-    from vllm.platforms import current_platform
+def flag_name(arg: str) -> str | None:
+    """The flag an argument names, as `serve` spells it (`--logprobs_mode=x` -> `--logprobs-mode`); None for a value."""
+    if not arg.startswith("-") or arg[1:2].isdigit():  # a value, or a negative number
+        return None
+    name = arg.split("=", 1)[0]
+    name = FLAG_ALIASES.get(name, name)
+    if name.startswith("--"):
+        name = "--" + name[2:].replace("_", "-").removeprefix("no-")
+    return name
 
+
+def check_extra_args(command: list[str], vllm_args: list[str]) -> None:
+    """Refuse an argument after `--` that repeats a flag of `command`: vLLM takes the last, so it would silently
+    override the engine's needs or the config's settings (OWN_FLAGS says what to change instead)."""
+    own = {flag_name(arg): i for i, arg in enumerate(command) if arg.startswith("--")}
+    for arg in vllm_args:
+        name = flag_name(arg)
+        if name not in own:
+            continue
+        value = command[own[name] + 1 : own[name] + 2]
+        given = " ".join([name, *(v for v in value if not v.startswith("--"))])
+        if OWN_FLAGS.get(name) is None:
+            raise ConfigError(f"serve: {arg} after -- would override {given}, which the vllm_server engine needs; "
+                              "leave it out")
+        raise ConfigError(f"serve: {arg} after -- would override {given}, which serve sets from the config: set "
+                          f"{OWN_FLAGS[name]} instead")
+
+
+def _cpu_only() -> bool | None:
+    """Whether vLLM will run on the CPU here (its CPU build, or no GPU); None where vLLM is not installed."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
     return current_platform.is_cpu()
 
 
@@ -81,9 +137,17 @@ def shell_line(command: list[str], env: dict[str, str]) -> str:
 
 
 def serve(cfg: Config, *, host=None, port=None, tensor_parallel_size=None, vllm_args=(), dry_run=False) -> int:
+    installed = _cpu_only() is not None
+    if not installed and not dry_run:
+        raise ConfigError("serve: vLLM is not installed here: pip install 'grpo-trainer[vllm]' (docs/vllm.md), or "
+                          "add --dry-run to print the command for a machine that has it")
     command, env = serve_command(cfg, host=host, port=port, tensor_parallel_size=tensor_parallel_size,
                                  vllm_args=vllm_args)
     print(shell_line(command, env), file=sys.stdout if dry_run else sys.stderr, flush=True)
     if dry_run:
+        if not installed and cfg.rollout.vllm.kv_cache_memory_bytes is None:
+            print(f"note: vLLM is not installed here, so this command has no CPU-only flags: on a machine without GPUs "
+                  f"add --kv-cache-memory-bytes {DEFAULT_CPU_KV_CACHE_BYTES} after -- (or set "
+                  "rollout.vllm.kv_cache_memory_bytes), else vLLM reserves a share of its RAM", file=sys.stderr)
         return 0
     os.execvpe(command[0], command, {**os.environ, **env})  # the server takes this process over: signals reach it

@@ -69,6 +69,7 @@ class Run:
     progress: ProgressBar | None = None
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
+    unscored_in_a_row: int = 0  # steps in a row in which no reward scored any completion (update.check_scored)
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
     rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
     # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything and
@@ -229,6 +230,7 @@ def resume(run: Run) -> None:
         run.start_step = int(saved["step"])
         run.rollouts.load_state_dict(saved.get("rollout_queue", {}), run.start_step)
         run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
+        run.unscored_in_a_row = int(saved.get("unscored_in_a_row", 0))
         if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
             run.entropy_control = EntropyControl(**saved["entropy_control"])
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
@@ -306,6 +308,7 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
     state = {
         "sampler": run.sampler.state_dict(),
         "nonfinite_in_a_row": run.nonfinite_in_a_row,
+        "unscored_in_a_row": run.unscored_in_a_row,
         "entropy_control": asdict(run.entropy_control),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),

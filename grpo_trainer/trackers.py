@@ -2,9 +2,11 @@
 
 They run through Accelerate's tracker classes (`Accelerator(log_with=...)`, `accelerator.log`,
 `end_training`), which serve as they are for metrics and the config; this module adds what they leave to
-the caller: checking at load that the package is installed (one line saying what to install), where each
-one writes, and the per-step sample tables (prompt, completion, reward, advantage) for the trackers that
-have tables. Only the main process writes.
+the caller: checking at load that the package is installed (one line saying what to install) and that it
+can start here (`check_ready`: wandb online has an API key, read as wandb reads it, without the network; an
+MLflow tracking server at MLFLOW_TRACKING_URI accepts connections), so that neither fails after the model
+loaded and left a partial output folder; where each one writes, and the per-step sample tables (prompt,
+completion, reward, advantage) for the trackers that have tables. Only the main process writes.
 
 Where each writes (the tracker's own environment variables win where it has them):
 
@@ -28,6 +30,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +73,69 @@ def check_installed(cfg: Config) -> None:
                 f"logging.report_to: {name} needs the {tracker.module} package, which is not installed: "
                 f"pip install 'grpo-trainer[{tracker.extra}]'"
             )
+
+
+def check_ready(cfg: Config) -> None:
+    """A chosen tracker that cannot start here stops the run now, in one line naming `logging.report_to`."""
+    names = chosen(cfg)
+    if "wandb" in names and not wandb_can_log():
+        raise ConfigError(
+            "logging.report_to: wandb is online and finds no API key: set WANDB_API_KEY (or run `wandb login`), or "
+            "set WANDB_MODE=offline to log to OUTPUT_DIR/trackers/wandb (`wandb sync` uploads it later)"
+        )
+    if "mlflow" in names:
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        problem = unreachable(uri)
+        if problem:
+            raise ConfigError(
+                f"logging.report_to: mlflow: the tracking server MLFLOW_TRACKING_URI={uri} cannot be reached ({problem}): "
+                "start it or correct the URI, or unset MLFLOW_TRACKING_URI to log to OUTPUT_DIR/trackers/mlruns"
+            )
+
+
+def wandb_can_log() -> bool:
+    """Whether wandb.init would find what it needs: nothing offline (WANDB_MODE offline, dryrun, disabled), else
+    an API key from where wandb looks for one without the network (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, its
+    settings files, the .netrc entry `wandb login` writes for its host). True where wandb's own readers cannot be
+    used (another version): no false alarm."""
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+        from wandb.sdk.wandb_settings import Settings
+
+        settings = Settings()
+        config_dir = os.environ.get("WANDB_CONFIG_DIR")
+        settings.settings_system = str(Path(config_dir or "~/.config/wandb").expanduser() / "settings")
+        settings.update_from_system_settings()  # also the workspace's (`wandb offline` writes mode there)
+        settings.update_from_env_vars(dict(os.environ))
+        if settings.mode in ("offline", "dryrun", "disabled"):
+            return True
+        if settings.api_key or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+            return True
+        return bool(read_netrc_auth(host=settings.base_url))
+    except Exception:  # noqa: BLE001  wandb's internals moved: let wandb.init say what it needs
+        return True
+
+
+def unreachable(uri: str, timeout: float = 5.0) -> str | None:
+    """Why nothing accepts a connection at an http(s) tracking URI (None: something does, or the URI is not
+    a server's: a file store, a database, Databricks). Only the connection is tried: what answers is the
+    tracker's business."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return "its port is not a number from 0 to 65535"
+    if not parts.hostname:
+        return "it names no host"
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def trackers_dir(cfg: Config) -> Path:

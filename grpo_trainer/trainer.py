@@ -52,7 +52,7 @@ from .metrics import PhaseTimer
 from .report import report, step_record
 from .preemption import StopRequests
 from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
-from .update import add_logprobs, update
+from .update import add_logprobs, check_scored, update
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -106,6 +106,7 @@ def train_step(run: Run, step: int) -> dict:
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
     scored = collect(run, step, timer)
+    check_scored(run, scored, step)  # a step no reward scored: warned about, stopped after a few in a row
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled

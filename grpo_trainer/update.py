@@ -311,6 +311,37 @@ class EntropyTerm:
         )
 
 
+def check_scored(run, scored, step: int) -> None:
+    """Before the update: warn about rewards that scored no completion of the step (None or NaN for every one, over
+    all ranks), and count the steps in which none did: nothing to learn from (every advantage 0), yet the run
+    would go on silently. Stop once train.max_consecutive_unscored such steps came in a row (the count is in
+    checkpoints). Every rank sees the gathered rewards, so every rank decides alike."""
+    from .rewards import unscored
+
+    if scored.per_function is None:
+        return
+    names = unscored(run.task.rewards, scored.per_function)
+    n = scored.per_function.shape[0]
+    if len(names) < len(run.task.rewards) or not n:
+        run.unscored_in_a_row = 0
+        for name in names:
+            logger.warning("step %d: reward '%s' returned None or NaN for all %d completions (the others scored them)",
+                           step, name, n)
+        return
+    run.unscored_in_a_row += 1
+    which = ", ".join(f"'{name}'" for name in names)
+    limit = run.cfg.train.max_consecutive_unscored
+    if run.unscored_in_a_row > limit:
+        raise TrainingError(
+            f"step {step}: {run.unscored_in_a_row} steps in a row in which no reward scored any completion "
+            f"(reward {which} returned None or NaN for all {n}); stopping (train.max_consecutive_unscored={limit}). "
+            "Check the reward on a few completions by hand: does it return a number where it can judge one?"
+        )
+    logger.warning("step %d: no reward scored any completion (reward %s returned None or NaN for all %d): nothing to "
+                   "learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
+                   step, which, n, run.unscored_in_a_row, limit)
+
+
 def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor) -> None:
     """Clip and step, or skip and count a non-finite update; stop once too many come in a row."""
     # The norm is global (reduced over ranks), so every rank takes the same decision.

@@ -71,9 +71,9 @@ def servers(model_dir, tmp_path_factory):
     try:
         started["a"] = ServerProcess(folder / "a.log", model_dir, gloo, ["--worker-extension-cls", EXTENSION])
         started["b"] = ServerProcess(folder / "b.log", model_dir, gloo)
-        # A user's mistake: raw log-probs (the later flag wins over the one `serve` puts first).
+        # A user's mistake: vLLM started by hand without --logprobs-mode (its default is raw_logprobs).
         started["raw"] = ServerProcess(folder / "raw.log", model_dir, ["rollout.vllm_server.weight_sync=none"],
-                                       ["--logprobs-mode", "raw_logprobs"])
+                                       without=("--logprobs-mode",))
         t0 = time.monotonic()
         for server in started.values():
             server.wait_healthy()
@@ -231,9 +231,10 @@ def test_gloo_push_streams_buckets_keeps_the_tied_head_merges_lora_and_carries_t
 
 
 @pytest.mark.slow
-def test_disk_push_reloads_in_place_and_carries_the_version(servers, model_dir, tmp_path):
+def test_disk_push_reloads_in_place_and_carries_the_version(servers, model_dir):
+    """Into the engine's own folder (no weights_dir): the server reads it, and it is gone once the engine closes."""
     a = servers["a"]
-    engine = engine_for(a, weight_sync="disk", weights_dir=str(tmp_path / "weights"))
+    engine = engine_for(a, weight_sync="disk")
     lm = load_lm(model_dir)
     perturb(lm, seed=4)
     t0 = time.perf_counter()
@@ -241,6 +242,10 @@ def test_disk_push_reloads_in_place_and_carries_the_version(servers, model_dir, 
     print(f"disk weight push: {time.perf_counter() - t0:.2f}s")
     assert Server(a.url, 10).weight_version() == "11"
     assert_samples_from(engine, lm, stale=load_lm(model_dir))
+    folder = engine.weights_dir
+    assert (folder / "model.safetensors").is_file()
+    engine.close()
+    assert not folder.exists()
 
 
 @pytest.mark.slow
@@ -437,9 +442,26 @@ def test_a_server_killed_mid_generation_and_restarted_raises_weights_lost_then_s
 
 
 @pytest.mark.slow
-def test_a_server_that_goes_away_for_good_stops_sampling_naming_it(servers):
+def test_a_server_that_goes_away_for_good_stops_sampling_naming_it_with_tools_or_without(servers, model_dir):
+    """With rollout.tools (the engine inside MultiTurnEngine), driven by the rollout queue: the server is found gone
+    before sampling and waited for, through the wrapper, for the reconnect time the message names (the wrapper once
+    hid the engine's wait_until_healthy: the run stopped at once, saying it had waited)."""
+    from grpo_trainer.rollout_queue import ServerLostError
+    from test_async import server_run
+    from test_bad_input_servers import tools_engine
+
     a = servers["a"]
     engine = engine_for(a, weight_sync="none", reconnect_timeout=2)
+    tools = tools_engine(engine_for(a, weight_sync="disk"), max_len=MAX_LEN)
+    run = server_run(0, 2, engine=tools, overrides=["rollout.vllm_server.reconnect_timeout=3"])
+    lm = load_lm(model_dir)
+    run.bare_lm, run.task.prompt_ids = (lambda: lm), (lambda indices: [PROMPTS[i % len(PROMPTS)] for i in indices])
+    run.rollouts.start(0)  # pushes the weights: from then on the engine checks the server's version before sampling
+    assert max(len(ids) for ids in tools.generate(PROMPTS, 2, max_tokens=3).completion_ids) <= 3
     a.kill()
     with pytest.raises(ConnectionError, match=f"{a.url} went away and did not come back within 2s"):
         engine.generate(PROMPTS, 4)
+    started = time.monotonic()
+    with pytest.raises(ServerLostError, match=f"{a.url} went away during GET /weight_info.* did not come back within 3s"):
+        run.rollouts.take(1)
+    assert time.monotonic() - started >= 3

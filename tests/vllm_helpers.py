@@ -118,20 +118,33 @@ class ServerProcess:
     process group (the API server, its engine core and workers), so that a kill takes all of it down, as a
     crashed machine would, and a restart comes back on the same port."""
 
-    def __init__(self, log: Path, model_dir: Path, overrides: list[str] = (), vllm_args: list[str] = ()):
+    def __init__(self, log: Path, model_dir: Path, overrides: list[str] = (), vllm_args: list[str] = (),
+                 without: tuple[str, ...] = ()):
+        """`without`: flags `serve` sets that this server is started without, as by a user who typed vLLM's command
+        by hand (`serve` refuses to override its own flags)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.command = [sys.executable, "-m", "grpo_trainer", "serve", "configs/demo_cpu.yaml", f"model.name_or_path={model_dir}",
-                        "rollout.vllm.max_model_len=256", "rollout.vllm.kv_cache_memory_bytes=268435456",
-                        "rollout.engine=vllm_server", *overrides, "--port", str(self.port), "--", *vllm_args]
+        config = ["configs/demo_cpu.yaml", f"model.name_or_path={model_dir}", "rollout.vllm.max_model_len=256",
+                  "rollout.vllm.kv_cache_memory_bytes=268435456", "rollout.engine=vllm_server", *overrides]
+        self.command = [sys.executable, "-m", "grpo_trainer", "serve", *config, "--port", str(self.port), "--", *vllm_args]
+        self.env: dict[str, str] = {}
+        if without:
+            from grpo_trainer.config import load_config
+            from grpo_trainer.serve import serve_command
+
+            command, self.env = serve_command(load_config(ROOT / config[0], config[1:]), port=self.port,
+                                              vllm_args=list(vllm_args))
+            dropped = {i for i, arg in enumerate(command) if arg in without}
+            dropped |= {i + 1 for i in dropped if i + 1 < len(command) and not command[i + 1].startswith("--")}
+            self.command = [arg for i, arg in enumerate(command) if i not in dropped]
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         with open(self.log, "a") as fh:
             self.proc = subprocess.Popen(self.command, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+                                         env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env), start_new_session=True)
 
     def healthy(self) -> bool:
         try:

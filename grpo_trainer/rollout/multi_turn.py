@@ -1,7 +1,9 @@
 """Multi-turn rollouts with tool calls (`rollout.tools`), on top of any engine.
 
 `MultiTurnEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its
-interface, so the loop does not know tools exist. A completion becomes a
+interface, so the loop does not know tools exist: `generate` (with `max_tokens`), and everything else the
+wrapped engine has, which is its own, reached through the wrapper (`wait_until_healthy` of a server the
+trainer waits for after a restart, `weight_version`, `lockstep`, `sleep`'s level). A completion becomes a
 conversation, all of it one token sequence after the prompt:
 
     prompt | model turn 1 ... <tool_call>{...}</tool_call><EOS> | tool tokens | model turn 2 ... <EOS>
@@ -140,12 +142,16 @@ class MultiTurnEngine:
         self.max_tool_turns = max_tool_turns
         self.tool_tokens = ToolMessageTokens(tokenizer, template_kwargs)
 
-    def sync_weights(self, model: torch.nn.Module, **push) -> None:
-        self.engine.sync_weights(model, **push)  # version=, gather= for the engines that take them
+    def __getattr__(self, name: str) -> Any:
+        """What this class does not define is the wrapped engine's (module docstring): a caller asking whether the
+        engine can do something (`getattr(engine, "wait_until_healthy", None)`) gets the same answer with tools as
+        without. ("engine" itself is asked for before __init__ has set it by copy and pickle: not forwarded.)"""
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
-    @property
-    def weight_version(self):
-        return getattr(self.engine, "weight_version", None)
+    def sync_weights(self, model: torch.nn.Module, *args, **push) -> None:
+        self.engine.sync_weights(model, *args, **push)  # version=, gather= for the engines that take them
 
     def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
                      decide: bool = True) -> dict[str, str]:
@@ -154,8 +160,8 @@ class MultiTurnEngine:
     def use_kernels(self, plan: Mapping[str, str]) -> None:
         self.engine.use_kernels(plan)
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def sleep(self, *args, **kwargs) -> None:
+        self.engine.sleep(*args, **kwargs)
 
     def wake_up(self) -> None:
         self.engine.wake_up()
@@ -163,9 +169,13 @@ class MultiTurnEngine:
     def close(self) -> None:
         self.engine.close()
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 max_tokens: int | None = None) -> Rollout:
+        """`max_tokens` lowers rollout.max_completion_length for this call: it bounds each conversation's model and
+        tool tokens together, as that limit does."""
         g = num_generations
-        first = self.engine.generate(prompt_ids, g, seeds=seeds)
+        limit = min(max_tokens, self.max_completion_length) if max_tokens else self.max_completion_length
+        first = self.engine.generate(prompt_ids, g, seeds=seeds, max_tokens=limit if max_tokens else None)
         conversations = [Conversation(prompt_ids[j // g], None if seeds is None else mix_seed(seeds[j // g], j % g))
                          for j in range(len(first.completion_ids))]
         for j, conv in enumerate(conversations):
@@ -189,7 +199,7 @@ class MultiTurnEngine:
             for conv in acting:
                 mine, results = results[: len(conv.calls)], results[len(conv.calls) :]
                 tokens = self.tool_tokens(mine)
-                room = self.max_completion_length - len(conv.ids) - len(tokens)
+                room = limit - len(conv.ids) - len(tokens)
                 if room <= 0:  # no room for the answer: the conversation ends at the length limit
                     conv.truncated, conv.done = True, True
                     continue

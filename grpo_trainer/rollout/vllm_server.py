@@ -16,7 +16,11 @@ against vLLM 0.32 and tested for real against its CPU build.
   asks for the two likeliest next tokens at temperatures 1 and 2. Under
   `--logprobs-mode processed_logprobs` the gap between their log-probs halves (they are those of
   logits / T); under vLLM's default `raw_logprobs` it does not move, and the importance weights would
-  silently use the wrong distribution: such a server is refused in one line.
+  silently use the wrong distribution: such a server is refused in one line. Only what may still come up
+  is waited for (the connection refused or timed out: a server starting); an address that answers
+  something else (an HTTP 4xx to `/health`, an answer that is not vLLM's JSON) is refused at once, naming
+  the URL and what it answered (`NotAVLLMServer`). `check_servers` runs these checks before the trainer
+  loads its model (preflight.py); impossible URLs are refused when the config loads (config.py).
 - Weight push (`weight_sync`), main process only, every server at once, each push with a weight
   version (`weight_version`: the last one pushed, None before any):
   - `nccl` (GPU) and `gloo` (CPU, or GPUs through host memory): vLLM's RL API
@@ -28,6 +32,10 @@ against vLLM 0.32 and tested for real against its CPU build.
     ZeRO-3 gathered one layer at a time with `gather`).
   - `disk`: merged weights written as safetensors into `weights_dir` (a folder every server can read),
     then reloaded in place through our worker extension (`POST /collective_rpc grpo_reload_weights`).
+    Without `weights_dir`, a fresh folder of the engine's own under the temp directory (`TMPDIR`, else
+    /tmp; readable by the trainer's user only), removed when the engine closes or the process exits: two
+    runs on one machine never share it. It suits a server on the same machine run by the same user; any
+    other set-up names a shared folder in `weights_dir`.
   - `none`: never pushed (the servers keep the weights they started with).
   Every push is wrapped in `/pause?mode=wait` (requests in flight finish with the weights they started
   with) and `/resume`, and ends with `/reset_prefix_cache` (cached KV blocks belong to the old weights).
@@ -48,12 +56,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +90,10 @@ class ServerError(UserError, RuntimeError):
 
 class ServerUnreachable(UserError, ConnectionError):
     """A vLLM server does not answer (in time, or at all)."""
+
+
+class NotAVLLMServer(ServerError):
+    """An address that answers, but not as a vLLM server does: waiting would not help."""
 
 
 class ServerGone(ServerUnreachable):
@@ -111,15 +125,19 @@ class Server:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+                read: tuple[str | int, ...] | None = None) -> Any:
+        """The JSON answer, or with `read` the item at that path in it (NotAVLLMServer if it is not there)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
         limit = timeout or self.timeout
         try:
             with urllib.request.urlopen(req, timeout=limit) as resp:
-                raw = resp.read()
+                raw, kind = resp.read(), resp.headers.get_content_type()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
+            if path in ("/health", "/v1/models") and 400 <= e.code < 500:  # every vLLM server has both
+                raise self.not_vllm(method, path, f"HTTP {e.code} {_snippet(detail.encode())}") from None
             if e.code == 404 and path.split("?")[0] not in ("/v1/completions", "/v1/models", "/health"):
                 raise ServerError(
                     f"vLLM server at {self.url} has no {path.split('?')[0]}: start it with VLLM_SERVER_DEV_MODE=1 "
@@ -138,12 +156,36 @@ class Server:
                 raise ServerGone(self.url, f"vLLM server at {self.url} went away during {method} {path}: {reason}") from None
             raise ServerUnreachable(f"vLLM server at {self.url} did not answer {method} {path} within {limit:g}s: "
                                     f"{reason}") from None
-        return json.loads(raw) if raw else None
+        if path == "/health":
+            return None  # vLLM's is empty; what else a server says there is judged by /v1/models
+        try:
+            answer = json.loads(raw) if raw else None
+        except ValueError:
+            raise self.not_vllm(method, path, f"{kind} {_snippet(raw)}") from None
+        if read is None:
+            return answer
+        item = answer
+        for key in read:
+            try:
+                item = item[key]
+            except (KeyError, IndexError, TypeError):
+                raise self.not_vllm(method, path, f"{_snippet(raw)}, without {''.join(f'[{k!r}]' for k in read)}") from None
+        return item
+
+    def not_vllm(self, method: str, path: str, answer: str) -> NotAVLLMServer:
+        return NotAVLLMServer(
+            f"rollout.vllm_server: {self.url} is not a vLLM server (or not vLLM 0.32's API): {method} {path} answered "
+            f"{answer}. Give the server's root address (e.g. http://127.0.0.1:8000, without /v1) and start it with "
+            "`python -m grpo_trainer serve CONFIG`"
+        )
 
     def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether `GET /health` answers; NotAVLLMServer where something else answers there."""
         try:
             self.request("GET", "/health", timeout=timeout)
             return True
+        except NotAVLLMServer:
+            raise
         except (ServerUnreachable, ServerError):
             return False
 
@@ -159,11 +201,18 @@ class Server:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     def weight_version(self) -> str:
-        return str(self.request("GET", "/weight_info")["weight_version"])
+        return str(self.request("GET", "/weight_info", read=("weight_version",)))
 
     def workers(self) -> int:
         """Workers across the server's data-parallel replicas: its ranks in a transfer group."""
-        return int(self.request("GET", "/get_world_size")["world_size"])
+        return int(self.request("GET", "/get_world_size", read=("world_size",)))
+
+    def model(self) -> str:
+        """The model the server serves (also the check that it is a vLLM server at all)."""
+        name = self.request("GET", "/v1/models", read=("data", 0, "id"))
+        if not isinstance(name, str):
+            raise self.not_vllm("GET", "/v1/models", f"a model id {name!r}")
+        return name
 
     # vLLM's VLLMWeightSyncClient
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -269,7 +318,8 @@ class VLLMServerEngine(VendorKernels):
         self.sampling = sampling  # replace it (dataclasses.replace) to sample differently from the next call on
         self.seed = seed
         self.weight_sync = settings.weight_sync
-        self.weights_dir = Path(settings.weights_dir or Path(tempfile.gettempdir()) / "grpo_trainer_vllm_weights")
+        self.weights_dir = Path(settings.weights_dir) if settings.weights_dir else None  # None: our own, at the first push
+        self._remove_weights_dir: weakref.finalize | None = None
         self.is_main_process = is_main_process
         self.weight_version: Any = None  # the version of the last push (None: nothing pushed yet)
         self._pushes = 0
@@ -277,7 +327,7 @@ class VLLMServerEngine(VendorKernels):
         self._client: AllServers | None = None
         self._transfer = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
         self.wait_until_healthy(settings.startup_timeout)
-        names = [self._model_of(server) for server in self.servers]
+        names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
             raise ServerError("rollout.vllm_server.urls: the servers serve different models: "
                               + ", ".join(f"{s.url}: {n}" for s, n in zip(self.servers, names)))
@@ -289,23 +339,11 @@ class VLLMServerEngine(VendorKernels):
 
     def wait_until_healthy(self, seconds: float) -> None:
         """Wait until every server answers its health check; ConnectionError naming the first that does not."""
-        for server in self.servers:
-            if not server.wait_until_healthy(seconds):
-                raise ServerUnreachable(
-                    f"rollout.engine=vllm_server: no healthy vLLM server at {server.url} after {seconds:g}s. Start one "
-                    "first: `python -m grpo_trainer serve CONFIG` (or see docs/vllm.md for the vllm serve command)."
-                )
+        wait_for_servers(self.servers, seconds)
 
     @property
     def base_url(self) -> str:
         return self.servers[0].url
-
-    @staticmethod
-    def _model_of(server: Server) -> str:
-        data = (server.request("GET", "/v1/models") or {}).get("data") or []
-        if not data:
-            raise ServerError(f"vLLM server at {server.url} serves no model (/v1/models is empty)")
-        return data[0]["id"]
 
     # ------------------------------------------------------------------ start-up check
     def check_processed_logprobs(self, server: Server) -> None:
@@ -320,7 +358,7 @@ class VLLMServerEngine(VendorKernels):
             body = {"model": self.model_name, "prompt": [list(self.sampling.eos_token_ids[:1])], "max_tokens": 1,
                     "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                     "logprobs": 2, "seed": 0}
-            top = server.request("POST", "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0]
+            top = server.request("POST", "/v1/completions", body, read=("choices", 0, "logprobs", "top_logprobs", 0))
             best = sorted(top.values(), reverse=True)[:2]
             if len(best) < 2 or best[1] < -1000:
                 return
@@ -461,7 +499,7 @@ class VLLMServerEngine(VendorKernels):
             self._close_transfer()  # a server restarted: its workers are not in our transfer group any more
         with self._paused():
             if self.weight_sync == "disk":
-                folder = save_weights(source.source.model, self.weights_dir, gather=source.source.gather).parent
+                folder = save_weights(source.source.model, self._weights_folder(), gather=source.source.gather).parent
                 each(self.servers, lambda server: server.request(
                     "POST", "/collective_rpc",
                     {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}))
@@ -496,7 +534,7 @@ class VLLMServerEngine(VendorKernels):
         """A server left paused by a trainer that died mid-push: end its update, let it sample again."""
         for server in self.servers:
             try:
-                paused = server.request("GET", "/is_paused", timeout=10)["is_paused"]
+                paused = server.request("GET", "/is_paused", timeout=10, read=("is_paused",))
             except (ServerUnreachable, ServerError):
                 continue  # not a dev-mode server: nothing of ours can be open there
             if paused:
@@ -558,6 +596,13 @@ class VLLMServerEngine(VendorKernels):
             self._client.shutdown_weight_transfer_engine()
             self._client = None
 
+    def _weights_folder(self) -> Path:
+        """`weights_dir`, or a fresh folder of this engine's own, removed at `close` (or at exit, if never closed)."""
+        if self.weights_dir is None:
+            self.weights_dir = Path(tempfile.mkdtemp(prefix="grpo_trainer_vllm_weights_"))
+            self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, ignore_errors=True)
+        return self.weights_dir
+
     def sleep(self) -> None:
         """Nothing to free here: the servers' memory is on their own machines or GPUs."""
 
@@ -565,9 +610,41 @@ class VLLMServerEngine(VendorKernels):
         """Nothing to restore."""
 
     def close(self) -> None:
-        """Leave the transfer group (the servers outlive the trainer and may take another one)."""
+        """Leave the transfer group (the servers outlive the trainer and may take another one); remove the weights
+        folder of our own (the servers have loaded what it held)."""
         if self._transfer is not None:
             self._close_transfer()
+        if self._remove_weights_dir is not None:
+            self._remove_weights_dir()
+
+
+def wait_for_servers(servers: list[Server], seconds: float, log=None) -> None:
+    """Wait up to `seconds` for every server's health check (a server may still be starting: a refused
+    connection is waited out); ConnectionError naming the first that does not answer, NotAVLLMServer at once
+    for an address where something else answers. `log(message)` hears of a wait before it starts."""
+    for server in servers:
+        if log is not None and not server.healthy(timeout=min(5.0, seconds)):
+            log(f"waiting up to {seconds:g}s (rollout.vllm_server.startup_timeout) for the vLLM server at {server.url}")
+        if not server.wait_until_healthy(seconds):
+            raise ServerUnreachable(
+                f"rollout.engine=vllm_server: no healthy vLLM server at {server.url} after {seconds:g}s. Start one "
+                "first: `python -m grpo_trainer serve CONFIG` (or see docs/vllm.md for the vllm serve command)."
+            )
+
+
+def check_servers(settings: VLLMServerConfig, log=None) -> None:
+    """What `VLLMServerEngine` checks first, for preflight (before the trainer loads its model): every server
+    answers its health check within startup_timeout and is a vLLM server serving a model."""
+    servers = [Server(url, settings.timeout) for url in settings.server_urls()]
+    wait_for_servers(servers, settings.startup_timeout, log)
+    for server in servers:
+        server.model()
+
+
+def _snippet(raw: bytes, limit: int = 80) -> str:
+    """The start of an answer, for a message: one line, quoted."""
+    text = " ".join(raw.decode(errors="replace").split())
+    return repr(text[:limit] + ("..." if len(text) > limit else "")) if text else "nothing"
 
 
 def _free_port() -> int:
