@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Callable
 
@@ -377,7 +378,7 @@ def plan_decode_kernels(model: torch.nn.Module, max_rows: int, max_context: int,
     forced = kernels.forced_choices()
     plan: dict[str, str] = {}
     todo = loop.reachable(max_rows, max_context)
-    measured_before = len(table.entries())
+    measured_before, started = len(table.entries()), time.perf_counter()
     for decision, shape in todo:
         key = plan_key(decision, shape)
         kept = recorded.get(key)
@@ -394,8 +395,8 @@ def plan_decode_kernels(model: torch.nn.Module, max_rows: int, max_context: int,
             logger.warning("decode kernels: %s forces %s=%s where the run recorded %s (samples differ from the run "
                            "it continues)", kernels.FORCE_ENV, decision, plan[key], kept)
     if len(table.entries()) > measured_before:
-        logger.info("decode kernels: measured %d choices for this machine (cached in %s)",
-                    len(table.entries()) - measured_before, table.path)
+        logger.info("decode kernels: measured %d choices for this machine in %.0f s (once: cached in %s)",
+                    len(table.entries()) - measured_before, time.perf_counter() - started, table.path)
     return plan
 
 
