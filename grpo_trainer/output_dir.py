@@ -208,8 +208,8 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     ckpt.check_resume_compatible(saved.get("config", {}), cfg.model_dump(mode="json"), None, 1,
                                  cfg.checkpoint.force_resume)
     setup_logging(cfg, is_main_process)
-    logger.info("the run in %s is complete (checkpoint %s, step %d; train.max_steps=%d): nothing to train, its final "
-                "metrics are returned; raise train.max_steps to train on, or set checkpoint.resume=never to start over",
+    logger.info("the run in %s is complete (checkpoint %s, step %d; train.max_steps=%d): nothing to train; raise "
+                "train.max_steps to train on, or set checkpoint.resume=never to start over",
                 cfg.output_dir, found.name, step, cfg.train.max_steps)
     history = read_metrics(found) if (found / ckpt.METRICS_HISTORY).is_file() else []
     return history[-1] if history else {}
