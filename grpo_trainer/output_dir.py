@@ -43,8 +43,8 @@ _held_fds: set[int] = set()  # lock descriptors this process holds (closed in fo
 def check(output_dir: str | Path) -> Path:
     """`output_dir` as a folder this process can create and write into, or a ConfigError naming it.
 
-    Nothing is created here (`validate` may call it); `claimed` creates the folder. Root passes the
-    permission check everywhere but on read-only file systems; creating the folder then says the rest."""
+    Nothing is created here (`claimed` creates the folder). Root passes the permission check everywhere but
+    on read-only file systems; creating the folder, then the lock file, says what else is wrong."""
     path = Path(output_dir)
     try:
         if path.exists() and not path.is_dir():
