@@ -59,8 +59,8 @@ def train(
     model:          a causal LM already loaded (trained in place, as TRL does); replaces `model.name_or_path`,
                     and its dtype sets `model.dtype`. Sampling with `rollout.engine: hf`. A string (a Hub id,
                     a folder, `builtin:tiny`) is `model.name_or_path` itself, as TRL reads a string model.
-    tokenizer:      its tokenizer (copied: the caller's is left as it is). Without it, a given model's tokenizer
-                    is loaded from where the model was loaded from.
+    tokenizer:      its tokenizer (copied: the caller's is left as it is), or a Hub id or folder. Without it, a
+                    given model's tokenizer is loaded from where the model was loaded from.
 
     Resuming (`checkpoint.resume: auto`, the default) a run that was given objects needs the same objects
     again: a missing one is refused naming it, a dataset whose records changed is refused like any other
@@ -85,7 +85,9 @@ def train(
         objects["model"] = model  # wrapped below, once the config says whether a reference copy is needed
         set_dotted(data, "model.name_or_path", in_memory.reference("model"))
         _set_dtype(data, _dtype_name(model))
-    if tokenizer is not None:
+    if isinstance(tokenizer, (str, Path)):  # a Hub id or folder: the config's model.tokenizer
+        set_dotted(data, "model.tokenizer", str(tokenizer))
+    elif tokenizer is not None:
         objects["tokenizer"] = tokenizer
         set_dotted(data, "model.tokenizer", in_memory.reference("tokenizer"))
     elif model is not None and not (data.get("model") or {}).get("tokenizer"):

@@ -13,6 +13,9 @@ written as `checkpoints/.tmp-step-000020/`: files, then fsync, then the manifest
   the free space (`CheckpointError`);
 - a checkpoint damaged after it was written (a truncated file, a bit flip) is
   found by `verify`: resume falls back to the newest intact one and says so;
+- a manifest edited by hand counts as damage too (`manifest_problem`): one that
+  is not `{"files": {...}}`, names a path outside the checkpoint, or leaves out
+  a file the checkpoint holds (`{"files": {}}` would vouch for everything);
 - a checkpoint without a manifest (written before checkpoints carried one) is
   used unverified, with a warning saying so (`unverified_note`).
 

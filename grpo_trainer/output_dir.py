@@ -43,8 +43,8 @@ _held_fds: set[int] = set()  # lock descriptors this process holds (closed in fo
 def check(output_dir: str | Path) -> Path:
     """`output_dir` as a folder this process can create and write into, or a ConfigError naming it.
 
-    Nothing is created here (`validate` may call it); `claimed` creates the folder. Root passes the
-    permission check everywhere but on read-only file systems; creating the folder then says the rest."""
+    Nothing is created here (`claimed` creates the folder). Root passes the permission check everywhere but
+    on read-only file systems; creating the folder, then the lock file, says what else is wrong."""
     path = Path(output_dir)
     try:
         if path.exists() and not path.is_dir():
@@ -196,7 +196,13 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     from .metrics import read_metrics
     from .state import setup_logging
 
-    found, _ = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return None
+    candidates = ckpt.complete_checkpoints(cfg.output_dir) if resume == "auto" else [Path(resume)]
+    if all(_saved_step(c) < cfg.train.max_steps for c in candidates):
+        return None  # steps to go: resume verifies (hashes) the checkpoint, once
+    found, _ = ckpt.find_resume_checkpoint(cfg.output_dir, resume)
     if found is None:
         return None
     saved = ckpt.read_trainer_state(found)
@@ -213,3 +219,13 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
                 cfg.output_dir, found.name, step, cfg.train.max_steps)
     history = read_metrics(found) if (found / ckpt.METRICS_HISTORY).is_file() else []
     return history[-1] if history else {}
+
+
+def _saved_step(checkpoint: Path) -> int:
+    """The step a checkpoint's trainer state names, unverified (-1 when unreadable: resume will say why)."""
+    from .checkpoint import read_trainer_state
+
+    try:
+        return int(read_trainer_state(checkpoint)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1

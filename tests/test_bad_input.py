@@ -24,6 +24,7 @@ import torch
 
 import grpo_trainer
 from grpo_trainer import api, output_dir, trainer
+from grpo_trainer import checkpoint as ckpt
 from grpo_trainer.checkpoint import MANIFEST, METRICS_HISTORY, TRAINER_STATE, find_resume_checkpoint, verify
 from grpo_trainer.config import Config, load_config
 from grpo_trainer.errors import ConfigError, RewardError, TrainingError
@@ -139,11 +140,12 @@ def test_only_the_main_process_locks_and_every_rank_gets_its_verdict(tmp_path):
 def test_a_second_run_into_a_running_runs_folder_is_refused_and_the_first_finishes_intact(tmp_path, tiny_model_path):
     """Two runs into one output_dir at once: before the lock both exited 0 with two step series in one
     metrics.jsonl, one run's config.yaml and the other's model card. Now the second stops in one line, before
-    loading a model, and the first run's files are its own."""
+    loading a model, and the first run's files (metrics, config, checkpoint) are its own."""
     folder = tmp_path / "run"
     first: list = []
     thread = threading.Thread(target=lambda: first.append(run_cli(
-        ["train", "configs/demo_cpu.yaml", *small_run_overrides(folder, steps=1), "seed=1"],
+        ["train", "configs/demo_cpu.yaml", *small_run_overrides(folder, steps=1), "seed=1",
+         "checkpoint.save_final_model=false"],  # (the model card's plot costs seconds)
         env={"GRPO_TRAINER_PAUSE_IN_SAVE": "2"})))  # the first run holds the folder 2 s more, in its last save
     thread.start()
     lock = folder / output_dir.LOCK_FILE
@@ -160,7 +162,7 @@ def test_a_second_run_into_a_running_runs_folder_is_refused_and_the_first_finish
     assert "world_size=" not in second.stderr  # stopped before the accelerator and the model
     assert [row["step"] for row in read_metrics(folder)] == [1]
     assert load_config(folder / "config.yaml").seed == 1
-    assert "seed: 1" in (folder / "model" / "README.md").read_text()
+    assert json.loads((folder / "checkpoints" / "step-000001" / "trainer_state.json").read_text())["config"]["seed"] == 1
     assert not lock.exists()
 
 
@@ -255,15 +257,18 @@ def write_manifest(checkpoint: Path, **changes) -> None:
     (checkpoint / MANIFEST).write_text(json.dumps({"files": {**files, **changes}}))
 
 
-def test_a_finished_run_run_again_returns_its_final_metrics_without_loading_a_model(tmp_path, no_model):
+def test_a_finished_run_run_again_returns_its_final_metrics_without_loading_a_model(tmp_path, monkeypatch, no_model):
     cfg = load_config(None, [f"output_dir={tmp_path}", "train.max_steps=2"])
     records = [{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.5}]
     finished_checkpoint(tmp_path, cfg, 2, records)
     result = trainer.train(cfg)
     assert (result.steps_done, result.last_metrics, result.output_dir) == (0, records[-1], tmp_path)
     assert output_dir.finished_run(load_config(None, [f"output_dir={tmp_path}", "train.max_steps=1"])) == records[-1]
-    # Not finished: more steps asked, starting over, or the final model missing (resuming saves it).
-    assert output_dir.finished_run(load_config(None, [f"output_dir={tmp_path}", "train.max_steps=3"])) is None
+    # Not finished: more steps asked (found without hashing a file: resume verifies the checkpoint, once), starting
+    # over, or the final model missing (resuming saves it).
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "_sha256", lambda path: pytest.fail(f"{path} was hashed"))
+        assert output_dir.finished_run(load_config(None, [f"output_dir={tmp_path}", "train.max_steps=3"])) is None
     assert output_dir.finished_run(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": "never"})})) is None
     # A change resuming refuses is refused here too: those metrics are another run's.
     with pytest.raises(TrainingError, match="loss.type: 'grpo' -> 'dapo'"):
@@ -344,10 +349,12 @@ def test_a_path_leading_out_through_a_link_is_not_hashed(two_checkpoints):
 
 def test_a_model_given_as_a_string_is_the_models_name_or_path(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(trainer, "train", lambda cfg, on_step_end=None: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(trainer, "train", lambda cfg, on_step_end=None: seen.update(cfg=cfg))
     grpo_trainer.train(None, {"output_dir": str(tmp_path), "train.max_steps": 1}, model="builtin:tiny")
     assert seen["cfg"].model.name_or_path == "builtin:tiny" and seen["cfg"].model.tokenizer is None
     assert seen["cfg"].model.dtype == "float32"
+    grpo_trainer.train(None, {"output_dir": str(tmp_path)}, model=tmp_path / "m", tokenizer=str(tmp_path / "t"))
+    assert (seen["cfg"].model.name_or_path, seen["cfg"].model.tokenizer) == (str(tmp_path / "m"), str(tmp_path / "t"))
 
 
 def test_what_is_not_a_causal_lm_or_an_override_is_refused_in_one_line(tmp_path, tiny_model_path, no_model):
