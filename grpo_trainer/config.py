@@ -542,6 +542,10 @@ class LossConfig(_Section):
             elif value is not None:
                 options[name] = value
         fields = variant.options.model_fields
+        for key in data:
+            hint = [] if key in cls.model_fields else difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            if hint:  # a misspelt option, once a flat key of loss: point at where options live now
+                raise ValueError(f"{key}: unknown key; did you mean 'loss.options.{hint[0]}'?")
         for name in options:
             if name not in fields:
                 readers = [v.name for v in LOSS_VARIANTS.values() if name in v.options.model_fields]
