@@ -21,9 +21,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from .config import Config
-from .losses import LOSS_VARIANTS, LossOptions
+from .losses import AGGREGATION_DOCS, LOSS_VARIANTS, LossOptions
 
 REGENERATE = "python -m grpo_trainer.config_reference > docs/config_reference.md"
+REGENERATE_LOSS_FAMILY = "python -m grpo_trainer.config_reference --loss-family"  # rewrites docs/loss_family.md's table
+LOSS_FAMILY_MARKER = f"<!-- Generated from the registry in grpo_trainer/losses.py by `{REGENERATE_LOSS_FAMILY}`. -->"
 REQUIRED = "(required)"
 LIST_INDEX = "N"  # list items are addressed by index, as in `rewards.0.weight=2`
 
@@ -153,6 +155,26 @@ def loss_options_table() -> list[str]:
     return lines + [""]
 
 
+def loss_family_table() -> list[str]:
+    """docs/loss_family.md's table of the loss types: each registry entry's docs row."""
+    lines = [
+        "| `loss.type` | per-token loss | aggregation into the batch loss | paper | choose it when |",
+        "|---|---|---|---|---|",
+    ]
+    for v in LOSS_VARIANTS.values():
+        cells = [f"`{v.name}`", v.formula, AGGREGATION_DOCS[v.aggregation], v.paper, v.use]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def with_loss_family_table(text: str) -> str:
+    """`text` (docs/loss_family.md) with the table after LOSS_FAMILY_MARKER (up to the next blank line) regenerated."""
+    lines = text.split("\n")
+    start = lines.index(LOSS_FAMILY_MARKER) + 1
+    end = lines.index("", start)
+    return "\n".join(lines[:start] + loss_family_table() + lines[end:])
+
+
 # ----------------------------------------------------------------------------- types and defaults
 
 
@@ -266,5 +288,10 @@ def _anchor(path: str) -> str:
 
 if __name__ == "__main__":
     import sys
+    from pathlib import Path
 
-    sys.stdout.write(render_config_reference())
+    if sys.argv[1:] == ["--loss-family"]:
+        doc = Path(__file__).resolve().parent.parent / "docs" / "loss_family.md"
+        doc.write_text(with_loss_family_table(doc.read_text()))
+    else:
+        sys.stdout.write(render_config_reference())

@@ -162,6 +162,7 @@ class LossVariant:
                   of being multiplied by it; such a type takes only a per-token correction (`tis_mode token_*`).
     ratio:        `token`, `sequence` (GSPO, LUSPO: the geometric mean of the token ratios) or `sequence_product`
                   (VESPO); for the docs and the tests' tolerances.
+    title:        the name a reader knows it by ("Dr. GRPO"), as pyproject's description and the README list it.
     formula, use: the docs row (docs/loss_family.md): the per-token loss, and when to choose it.
     legacy_keys:  flat `loss.*` keys of earlier versions read as its options (`sapo_temperature_pos` ->
                   `temperature_pos`), so older configs and configs saved in checkpoints keep loading.
@@ -175,11 +176,14 @@ class LossVariant:
     exact_zero_advantage_skip: bool = False
     sampler_weight_in_ratio: bool = False
     ratio: Literal["token", "sequence", "sequence_product"] = "token"
+    title: str = ""
     formula: str = ""
     use: str = ""
     legacy_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
+        if not self.title:
+            object.__setattr__(self, "title", self.name)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"loss type {self.name!r}: unknown aggregation {self.aggregation!r}; one of {AGGREGATIONS}")
         unknown = set(self.legacy_keys.values()) - set(self.options.model_fields)
@@ -393,41 +397,41 @@ _AS_GRPO = "as `grpo`"
 for _variant in (
     LossVariant(
         "grpo", clipped_token_ratio, "sequence_mean", ClipOptions, "Shao et al. 2024, DeepSeekMath, eq. 3",
-        exact_zero_advantage_skip=True, legacy_keys=_CLIP_KEYS, formula="-min(r_t A_t, clip(r_t) A_t)",
+        exact_zero_advantage_skip=True, title="GRPO", legacy_keys=_CLIP_KEYS, formula="-min(r_t A_t, clip(r_t) A_t)",
         use="you want the reference GRPO behaviour; note it makes right answers short and wrong answers long (below)",
     ),
     LossVariant(
         "bnpo", clipped_token_ratio, "micro_batch_token_mean", ClipOptions, "Xiao et al. 2025, BNPO",
-        legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        title="BNPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
         use="reproducing TRL's `bnpo`; the loss depends on how the batch is cut into micro-batches (by definition)",
     ),
     LossVariant(
         "dr_grpo", clipped_token_ratio, "max_length", ClipOptions, "Liu et al. 2025, Dr. GRPO, eq. 7",
-        exact_zero_advantage_skip=True, legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        exact_zero_advantage_skip=True, title="Dr. GRPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
         use="removing the length bias; pair with `scale_rewards: none`; raise the learning rate (the loss is divided "
         "by L_max, not by lengths)",
     ),
     LossVariant(
         "dapo", clipped_token_ratio, "batch_token_mean", ClipOptions, "Yu et al. 2025, DAPO, eq. 12",
-        exact_zero_advantage_skip=True, legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        exact_zero_advantage_skip=True, title="DAPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
         use="long reasoning: every token weighs the same, so long completions are not diluted; pair with clip-higher",
     ),
     LossVariant(
         "gspo", clipped_sequence_ratio, "sequence_mean", ClipOptions, "Zheng et al. 2025, GSPO, eq. 7",
-        exact_zero_advantage_skip=True, ratio="sequence", legacy_keys=_CLIP_KEYS,
+        exact_zero_advantage_skip=True, ratio="sequence", title="GSPO", legacy_keys=_CLIP_KEYS,
         formula="-min(s_i A_t, clip(s_i) A_t), one ratio per completion s_i = exp(mean_t log r_t)",
         use="MoE models or noisy per-token ratios; use a narrow clip range (3e-4 / 4e-4)",
     ),
     LossVariant(
         "cispo", cispo, "batch_token_mean", CispoOptions, "MiniMax 2025, MiniMax-M1, eq. 4",
-        exact_zero_advantage_skip=True, legacy_keys={"epsilon_high": "epsilon_high"},
+        exact_zero_advantage_skip=True, title="CISPO", legacy_keys={"epsilon_high": "epsilon_high"},
         formula="-sg(min(r_t, 1 + epsilon_high)) A_t log pi_theta(o_t)",
         use="many updates per batch (`num_iterations` > 1): the weight is clipped but no token loses its gradient",
     ),
     LossVariant(
         "sapo", soft_gate, "sequence_mean", SoftGate, "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347",
         exact_zero_advantage_skip=True,
-        legacy_keys={"sapo_temperature_pos": "temperature_pos", "sapo_temperature_neg": "temperature_neg"},
+        title="SAPO", legacy_keys={"sapo_temperature_pos": "temperature_pos", "sapo_temperature_neg": "temperature_neg"},
         formula="-f(r_t) A_t, f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = `temperature_pos` if A_t > 0 else "
         "`temperature_neg`",
         use="off-policy updates (batch reuse, MoE routing noise) where a hard clip silences tokens or, in GSPO, whole "
@@ -435,14 +439,14 @@ for _variant in (
     ),
     LossVariant(
         "luspo", clipped_sequence_ratio, "sequence_sum", ClipOptions, "Liu et al. 2026, LUSPO, arXiv 2602.05261",
-        exact_zero_advantage_skip=True, ratio="sequence", legacy_keys=_CLIP_KEYS, formula="as `gspo`",
+        exact_zero_advantage_skip=True, ratio="sequence", title="LUSPO", legacy_keys=_CLIP_KEYS, formula="as `gspo`",
         use="GSPO's sequence ratio without GSPO's length bias (its responses shrink as training goes on); GSPO-like "
         "narrow clip, 2e-3 / 2.5e-3",
     ),
     LossVariant(
         "vespo", gamma, "batch_token_mean", GammaShape, "Shen et al. 2026, VESPO, arXiv 2602.10693, sec. 3.4",
         exact_zero_advantage_skip=True, sampler_weight_in_ratio=True, ratio="sequence_product",
-        legacy_keys={"vespo_k_pos": "k_pos", "vespo_lambda_pos": "lambda_pos", "vespo_k_neg": "k_neg",
+        title="VESPO", legacy_keys={"vespo_k_pos": "k_pos", "vespo_lambda_pos": "lambda_pos", "vespo_k_neg": "k_neg",
                      "vespo_lambda_neg": "lambda_neg"},
         formula="-sg(phi(W_i)) A_t log pi_theta(o_t), W_i = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), "
         "(k, lambda) by the sign of A_t",
