@@ -180,9 +180,9 @@ def _describe_loss(cfg: Config) -> str:
     """The loss as the registry describes it (losses.LOSS_VARIANTS, or the user's type): paper, aggregation and
     the options it was trained with."""
     variant = cfg.loss.variant
-    options = ", ".join(f"{k} {_option(v)}" for k, v in cfg.loss.options.model_dump().items())
+    options = ", ".join(f"{k} {_option(v)}" for k, v in cfg.loss.options.model_dump().items() if v is not None)
     return (f"`{cfg.loss.type}`" + (f" ({variant.paper})" if variant.paper else "")
-            + f": {AGGREGATION_DOCS[variant.aggregation]}"
+            + f"; aggregation: {AGGREGATION_DOCS[variant.aggregation]}"
             + (f"; options {options}" if options else "")
             + f"; advantages `{cfg.loss.advantage}`, scaled by `{cfg.loss.scale_rewards}`; KL beta {cfg.loss.beta:g}")
 

@@ -24,9 +24,8 @@ logger = logging.getLogger("grpo_trainer")
 @torch.no_grad()
 def add_logprobs(run, batch: TrainBatch) -> None:
     """Per micro-batch, before any update: old log-probs (only when the sampling-time policy differs from the
-    one being trained by some step, i.e. num_iterations > 1 or mini_batches > 1: otherwise the old policy
-    *is* the current one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only
-    when beta > 0)."""
+    one being trained by some step, `train.policy_moves_within_step`: otherwise the old policy *is* the current
+    one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only when `loss.kl_on`)."""
     cfg = run.cfg
     needs_old = cfg.train.policy_moves_within_step
     rho = cfg.loss.top_entropy_quantile

@@ -222,3 +222,29 @@ def test_every_list_of_the_loss_types_is_the_registrys():
     assert re.findall(r"`(\w+)`", sentence) == list(LOSS_TYPES)
     doc = (ROOT / "docs" / "loss_family.md").read_text()
     assert with_loss_family_table(doc) == doc, f"docs/loss_family.md's table is stale: run {REGENERATE_LOSS_FAMILY}"
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_model_card_describes_every_type_from_the_registry(loss_type):
+    from grpo_trainer.model_card import _describe_loss
+
+    cfg = load_config(None, [f"loss.type={loss_type}"])
+    text = _describe_loss(cfg)
+    assert text.startswith(f"`{loss_type}` ({LOSS_VARIANTS[loss_type].paper}); aggregation: "), text
+    for name, value in cfg.loss.options.model_dump().items():
+        assert (f"{name} {value:g}" in text) if value is not None else (name not in text), (name, text)
+
+
+def test_the_loss_rules_are_derived_once_on_the_config():
+    """kl_on, correction_on, needs_reference and policy_moves_within_step are the config's; no module re-derives
+    them from the raw keys (update.py and report.py once did, each its own way)."""
+    cfg = load_config(None)
+    assert not (cfg.loss.kl_on or cfg.loss.correction_on or cfg.needs_reference or cfg.train.policy_moves_within_step)
+    cfg = load_config(None, ["loss.beta=0.04", "loss.tis_cap=2", "train.num_iterations=2"])
+    assert cfg.loss.kl_on and cfg.loss.correction_on and cfg.needs_reference and cfg.train.policy_moves_within_step
+    assert not load_config(None, ["loss.beta=0.04", "model.lora={r: 4}"]).needs_reference  # the adapters-off policy
+    assert load_config(None, ["train.mini_batches=2"]).train.policy_moves_within_step
+    raw = re.compile(r"cfg\.loss\.beta [<>=]|cfg\.loss\.tis_cap is|num_iterations > 1 or|cfg\.model\.lora is None and")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "grpo_trainer").rglob("*.py")) if p.name != "config.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if raw.search(line)]
+    assert found == []
