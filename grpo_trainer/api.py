@@ -57,7 +57,8 @@ def train(
                     keys of a YAML reward entry, with `fn` for `name`), or a YAML reward entry (`"math_accuracy"`,
                     `{"name": "file.py:fn"}`). Metrics name a function by its `__name__` (or `alias`).
     model:          a causal LM already loaded (trained in place, as TRL does); replaces `model.name_or_path`,
-                    and its dtype sets `model.dtype`. Sampling with `rollout.engine: hf`.
+                    and its dtype sets `model.dtype`. Sampling with `rollout.engine: hf`. A string (a Hub id,
+                    a folder, `builtin:tiny`) is `model.name_or_path` itself, as TRL reads a string model.
     tokenizer:      its tokenizer (copied: the caller's is left as it is). Without it, a given model's tokenizer
                     is loaded from where the model was loaded from.
 
@@ -76,7 +77,11 @@ def train(
         set_dotted(data, "data.eval_source", _dataset(eval_dataset, "eval_dataset", objects))
     if rewards is not None:
         data["rewards"] = [_reward_entry(item, i, objects) for i, item in enumerate(_as_list(rewards, "rewards"))]
-    if model is not None:
+    if isinstance(model, (str, Path)):  # a Hub id or folder, as TRL takes it: the config's model.name_or_path
+        set_dotted(data, "model.name_or_path", str(model))
+        model = None
+    elif model is not None:
+        _check_causal_lm(model)
         objects["model"] = model  # wrapped below, once the config says whether a reference copy is needed
         set_dotted(data, "model.name_or_path", in_memory.reference("model"))
         _set_dtype(data, _dtype_name(model))
@@ -110,14 +115,24 @@ def config_data(config: str | Path | Mapping[str, Any] | Config | None) -> dict[
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any]) -> None:
+    """Strings as on the command line, or a dict of dotted keys (a mapping value merges into its section, as
+    `train={...}` does on the command line: `{"train": {"max_steps": 1}}` keeps the section's other keys)."""
+    expected = "expected a list of KEY=VALUE strings or a dict"
     if isinstance(overrides, str):
-        raise ConfigError(f"overrides: expected a list of KEY=VALUE strings or a dict, got the string {overrides!r}")
+        raise ConfigError(f"overrides: {expected}, got the string {overrides!r}")
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
+            if not isinstance(key, str) or not key.strip():
+                raise ConfigError(f"overrides: its keys are dotted config keys (e.g. 'train.max_steps'), got {key!r}")
             set_dotted(data, key, value)
-    else:
-        for override in overrides:
-            apply_override(data, override)
+        return
+    if not isinstance(overrides, Iterable):
+        raise ConfigError(f"overrides: {expected}, got {type(overrides).__name__}")
+    for i, override in enumerate(overrides):
+        if not isinstance(override, str):
+            raise ConfigError(f"overrides[{i}]: expected a KEY=VALUE string (e.g. 'train.max_steps=50'), got "
+                              f"{type(override).__name__} {override!r:.60}")
+        apply_override(data, override)
 
 
 def _describe(config: Any) -> str:
@@ -212,6 +227,19 @@ def _function_name(fn: Any) -> str | None:
 
 
 # ----------------------------------------------------------------------------- models
+
+
+def _check_causal_lm(model: Any) -> None:
+    """A model object must be a causal LM: a torch module with a transformers config and `generate` (what
+    AutoModelForCausalLM gives, PEFT's wrappers included); anything else is refused before anything loads."""
+    import torch
+
+    lacks = [what for what, ok in (("is not a torch.nn.Module", isinstance(model, torch.nn.Module)),
+                                   ("has no `config`", hasattr(model, "config")),
+                                   ("has no `generate`", callable(getattr(model, "generate", None)))) if not ok]
+    if lacks:
+        raise ConfigError(f"model: expected a causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)) or its Hub id "
+                          f"or folder as a string; the {type(model).__name__} given {' and '.join(lacks)}")
 
 
 def _dtype_name(model: Any) -> str:

@@ -68,18 +68,13 @@ class TrainBatch:
     lengths: torch.Tensor  # [local_n] completion lengths on this rank
     trained_completions: int  # completions on this rank that go through the passes
     local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
-    mini_batch_tokens: list[float] = field(default_factory=list)  # local_tokens split by mini-batch
     total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
-    mini_batch_totals: list[float] = field(default_factory=list)  # mini_batch_tokens summed over ranks (likewise)
+    mini_batch_totals: list[float] = field(default_factory=list)  # per mini-batch, its tokens summed over ranks (likewise)
     metrics: dict[str, float] = field(default_factory=dict)  # what the log-prob phase measured (entropy selection)
     # Micro-batches of each mini-batch, the same on every rank: the accumulation steps of its optimizer step.
     window_sizes: list[int] = field(default_factory=list)
     # Per mini-batch: no rank trains anything in it (every advantage 0), so it holds fillers only.
     idle: list[bool] = field(default_factory=list)
-
-    def window(self, mini_batch: int) -> list[MicroBatch]:
-        """The micro-batches of one mini-batch (one optimizer step), in order."""
-        return [mb for mb in self.micro_batches if mb.mini_batch == mini_batch]
 
     def to(self, device) -> TrainBatch:
         return replace(self, micro_batches=[mb.to(device) for mb in self.micro_batches])
@@ -157,7 +152,6 @@ def build_train_batch(
         lengths=lengths,
         trained_completions=local_n if trainable is None else len(trainable),
         local_tokens=float((lengths * keep).sum()),
-        mini_batch_tokens=mini_batch_tokens,
         total_tokens=float(sum(mini_batch_totals)),
         mini_batch_totals=mini_batch_totals,
         window_sizes=[len([mb for mb in micro_batches if mb.mini_batch == k]) for k in range(len(windows))],

@@ -25,8 +25,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import TrainingError
@@ -38,6 +39,7 @@ WEIGHTS = "model.safetensors"  # Accelerate's name for the first prepared model'
 METRICS_HISTORY = "metrics.jsonl"  # the run's metrics up to the checkpoint's step
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size": bytes, "sha256": hex}}}, written last
 LATEST = "latest"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(TrainingError):
@@ -163,16 +165,26 @@ def _save_failed_message(staging: Path, root: Path, step: int, error: str) -> st
 
 def verify(folder: str | Path) -> str | None:
     """What is wrong with a complete checkpoint's files (one line naming the file), or None when its manifest
-    matches, or when it has no manifest (see `unverified_note`: such a checkpoint is used, and it is said)."""
+    matches, or when it has no manifest (see `unverified_note`: such a checkpoint is used, and it is said).
+
+    A manifest is trusted only as far as it is well formed (`manifest_problem`): it lists every file of the
+    checkpoint, each by a path inside the checkpoint. A manifest edited by hand into `{"files": {}}` would
+    otherwise vouch for files it never saw, and a path like `../../x` would have a file outside the checkpoint
+    read and hashed. A bad manifest makes the checkpoint damaged, like a bad file: resume falls back to an
+    older one.
+    """
     folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         return None
     try:
-        listed = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError, OSError) as exc:
+        listed = json.loads(manifest_path.read_text())
+    except (ValueError, OSError) as exc:
         return f"{manifest_path}: unreadable ({type(exc).__name__})"
-    for name, expected in listed.items():
+    problem = manifest_problem(folder, listed)
+    if problem:
+        return f"{manifest_path}: {problem}"
+    for name, expected in listed["files"].items():
         path = folder / name
         if not path.is_file():
             return f"{path}: missing"
@@ -182,6 +194,42 @@ def verify(folder: str | Path) -> str | None:
         if _sha256(path) != expected["sha256"]:
             return f"{path}: contents differ from what was written (SHA-256 mismatch)"
     return None
+
+
+def manifest_problem(folder: Path, manifest: Any) -> str | None:
+    """What makes `manifest` (as read from folder's manifest.json) not one `_publish` could have written, or None.
+
+    It must be `{"files": {PATH: {"size": BYTES, "sha256": HEX}}}` (other keys are ignored), each PATH relative
+    and inside `folder` (no `..`, no symbolic link leading out), and every file in the folder but the manifest
+    itself listed: a file the manifest does not cover is one no check covers (Accelerate finds its files by
+    name, so an unlisted one would be loaded unverified).
+    """
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return f"not a checkpoint manifest (expected {{\"files\": {{path: {{\"size\": ..., \"sha256\": ...}}}}}})"
+    for name, entry in files.items():
+        if not _inside(folder, name):
+            return f"lists {name!r}, which is not a path inside the checkpoint"
+        size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            return f"the entry of {name!r} is not {{\"size\": BYTES, \"sha256\": 64 hex digits}} (got {entry!r:.80})"
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
+    unlisted = sorted(present - {PurePosixPath(name).as_posix() for name in files})
+    if unlisted:
+        return f"does not list {unlisted[0]}" + (f" (and {len(unlisted) - 1} more files)" if len(unlisted) > 1 else "") + \
+            ", which the checkpoint holds (a manifest lists every file)"
+    return None
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """Whether `name` is a relative path that stays inside `folder`, symbolic links followed."""
+    relative = PurePosixPath(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        return False
+    try:
+        return (folder / relative).resolve().is_relative_to(folder.resolve())
+    except (OSError, ValueError):  # a NUL in the name, a link loop
+        return False
 
 
 def unverified_note(folder: str | Path) -> str | None:

@@ -12,7 +12,9 @@ Command-line overrides are dotted paths (`train.max_steps=50`,
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,9 +32,27 @@ ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
 
 
 class _Section(BaseModel):
-    """Strict base: unknown keys are errors, assignments are re-validated."""
+    """Strict base: unknown keys are errors, assignments are re-validated, and `true`/`false` is not a number.
+
+    Pydantic's lax mode reads a bool as 1 or 0 where an int or float is asked (`train.max_steps=true` would run
+    one step); that is refused for every number field of the tree. Strings stay readable as numbers: PyYAML reads
+    `1e-4` (no dot) as a string, and `train.learning_rate: 1e-4` must mean 0.0001.
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info) -> Any:
+        if isinstance(value, bool) and _asks_a_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
+
+
+def _asks_a_number(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float and no bool (`int`, `float | None`, ...)."""
+    kinds = set(getattr(annotation, "__args__", None) or (annotation,))
+    return bool(kinds & {int, float}) and bool not in kinds and Any not in kinds
 
 
 class LoraConfig(_Section):
@@ -726,6 +746,13 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.")
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_named(cls, value: str) -> str:
+        if not value.strip():  # Path("") is the current folder: the run would write there
+            raise ValueError("empty: name the folder the run writes to (e.g. outputs/run)")
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         if not self.rewards:
@@ -805,16 +832,29 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set `a.b.c` to `value` (already parsed) in a nested dict; list items by index (`rewards.0.weight`)."""
+    """Set `a.b.c` to `value` (already parsed) in a nested dict; list items by index (`rewards.0.weight`).
+
+    A mapping given for a mapping is merged into it key by key (`train={max_steps: 1}` changes max_steps and
+    keeps the section's other keys); anything else (a list, a scalar, null) replaces what was there.
+    """
     parts = key.strip().split(".")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         node = _child(node, part, parts[: i + 1], create=not parts[i + 1].isdigit())
     last = parts[-1]
     if isinstance(node, list):
-        node[_index(node, last, parts)] = value
-    else:
-        node[last] = value
+        last = _index(node, last, parts)
+    elif last not in node:
+        node[last] = None
+    node[last] = merged(node[last], value)
+
+
+def merged(old: Any, new: Any) -> Any:
+    """`new` over `old`: mappings merged key by key (recursively), anything else replaced. Copies `new`, so the
+    caller's value is never changed by a later override."""
+    if isinstance(old, dict) and isinstance(new, Mapping):
+        return {**old, **{k: merged(old.get(k), v) for k, v in new.items()}}
+    return copy.deepcopy(new)
 
 
 def _child(node: Any, part: str, path: list[str], create: bool) -> Any:

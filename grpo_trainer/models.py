@@ -482,11 +482,6 @@ class PackedBatch:
     def num_completion_tokens(self) -> int:
         return self.completion_mask.shape[1]
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the model computes: rows x row length, slack included."""
-        return self.input_ids.numel()
-
     def tensors(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The keyword arguments of `TokenLogprobs.forward`, on `device`."""
         return {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}

@@ -42,7 +42,7 @@ class PlotDependencyError(UserError):
 
 
 @dataclass
-class Run:
+class RunMetrics:
     """The metrics of one run as columns: step -> value lists aligned with `steps` (NaN = not logged)."""
 
     steps: list[float]
@@ -65,7 +65,7 @@ class PlotReport:
     skipped: dict[str, str] = field(default_factory=dict)  # panel -> why
 
 
-def read_run(output_dir: str | Path) -> Run:
+def read_run(output_dir: str | Path) -> RunMetrics:
     """Parse OUTPUT_DIR/metrics.jsonl (a trailing half-written line, e.g. from a crash, is skipped)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -91,7 +91,7 @@ def read_run(output_dir: str | Path) -> Run:
     keys = list(dict.fromkeys(k for s in steps for k in rows[s] if k != "step"))
     columns = {k: [_number(rows[s].get(k)) for s in steps] for k in keys}
     columns = {k: v for k, v in columns.items() if any(not math.isnan(x) for x in v)}
-    return Run(steps=steps, columns=columns, skipped_lines=skipped)
+    return RunMetrics(steps=steps, columns=columns, skipped_lines=skipped)
 
 
 def _number(value: Any) -> float:
@@ -104,7 +104,7 @@ def _number(value: Any) -> float:
 # Each panel draws on the axes it is given and returns None, or returns the reason it has nothing to draw.
 
 
-def _line(ax, run: Run, key: str, label: str | None = None, smooth: bool = False, **kw):
+def _line(ax, run: RunMetrics, key: str, label: str | None = None, smooth: bool = False, **kw):
     xs, ys = _present(run.steps, run.get(key))
     few = len(xs) <= MARKERS_MAX_POINTS
     (handle,) = ax.plot(run.steps, run.get(key), label=label or key, marker="o" if few else None, markersize=3, **kw)
@@ -115,7 +115,7 @@ def _line(ax, run: Run, key: str, label: str | None = None, smooth: bool = False
     return handle
 
 
-def panel_reward(ax, run: Run) -> str | None:
+def panel_reward(ax, run: RunMetrics) -> str | None:
     if not run.has("reward"):
         return "no `reward` metric"
     handle = _line(ax, run, "reward", "reward (weighted total)", smooth=True)
@@ -133,7 +133,7 @@ def panel_reward(ax, run: Run) -> str | None:
     return None
 
 
-def panel_zero_std(ax, run: Run) -> str | None:
+def panel_zero_std(ax, run: RunMetrics) -> str | None:
     if not run.has("frac_reward_zero_std"):
         return "no `frac_reward_zero_std` metric"
     _line(ax, run, "frac_reward_zero_std", "groups with zero reward variance", smooth=True)
@@ -143,7 +143,7 @@ def panel_zero_std(ax, run: Run) -> str | None:
     return None
 
 
-def panel_length(ax, run: Run) -> str | None:
+def panel_length(ax, run: RunMetrics) -> str | None:
     keys = [
         ("completions/mean_length", "all"),
         ("completions/mean_length_correct", "correct (reward > 0)"),
@@ -161,7 +161,7 @@ def panel_length(ax, run: Run) -> str | None:
     return None
 
 
-def panel_kl(ax, run: Run) -> str | None:
+def panel_kl(ax, run: RunMetrics) -> str | None:
     if not run.has("kl"):
         return "no `kl` metric (it is logged only when loss.beta > 0)"
     _line(ax, run, "kl", "KL(policy || reference)", smooth=True)
@@ -170,7 +170,7 @@ def panel_kl(ax, run: Run) -> str | None:
     return None
 
 
-def panel_entropy(ax, run: Run) -> str | None:
+def panel_entropy(ax, run: RunMetrics) -> str | None:
     if not run.has("entropy"):
         return "no `entropy` metric"
     _line(ax, run, "entropy", "entropy", smooth=True)
@@ -179,7 +179,7 @@ def panel_entropy(ax, run: Run) -> str | None:
     return None
 
 
-def panel_clip(ax, run: Run) -> str | None:
+def panel_clip(ax, run: RunMetrics) -> str | None:
     keys = [
         ("clip_ratio/low_mean", "low (ratio < 1 - eps_low, A < 0)"),
         ("clip_ratio/high_mean", "high (ratio > 1 + eps_high, A > 0)"),
@@ -195,7 +195,7 @@ def panel_clip(ax, run: Run) -> str | None:
     return None
 
 
-def panel_step_time(ax, run: Run) -> str | None:
+def panel_step_time(ax, run: RunMetrics) -> str | None:
     keys = [k for k in TIMING_ORDER if run.has(k)] + sorted(k for k in run.keys("timing/") if k not in TIMING_ORDER)
     if not keys:
         return "no `timing/*` metrics"
@@ -219,7 +219,7 @@ def panel_step_time(ax, run: Run) -> str | None:
     return None
 
 
-def panel_eval(fig_or_ax, run: Run, single_ax: bool = False) -> str | None:
+def panel_eval(fig_or_ax, run: RunMetrics, single_ax: bool = False) -> str | None:
     keys = [k for k in run.keys("eval/") if k != "eval/num_prompts"]
     if not keys:
         return "no `eval/*` metrics (periodic evaluation was off)"
@@ -271,7 +271,7 @@ def plot_run(output_dir: str | Path, out_dir: str | Path | None = None, on_skip:
     return report.written
 
 
-def plot_panel(run: Run, name: str, path: Path) -> str | None:
+def plot_panel(run: RunMetrics, name: str, path: Path) -> str | None:
     """Panel `name` of PANELS alone, as the PNG `path` (the model card's reward curve is one); returns why it
     has nothing to draw, or None once written."""
     Figure = _figure_class()
@@ -284,7 +284,7 @@ def plot_panel(run: Run, name: str, path: Path) -> str | None:
     return why
 
 
-def plot_metrics(run: Run, out_dir: Path) -> PlotReport:
+def plot_metrics(run: RunMetrics, out_dir: Path) -> PlotReport:
     Figure = _figure_class()
     out_dir.mkdir(parents=True, exist_ok=True)
     report = PlotReport()

@@ -354,27 +354,70 @@ def _first_prompt(prompts: list[Any]) -> str:
 
 
 def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float | None]:
-    if not isinstance(out, (list, tuple)) and not (isinstance(out, torch.Tensor) and out.dim() == 1):
-        raise RewardError(f"reward '{reward.name}' must return a list of {n} floats (or None), got {type(out).__name__}")
-    out = out.tolist() if isinstance(out, torch.Tensor) else list(out)
-    if len(out) != n:
-        raise RewardError(f"reward '{reward.name}' returned {len(out)} values for {n} completions; it must return one per completion")
+    values = _as_sequence(out)
+    if values is None:
+        raise RewardError(f"reward '{reward.name}' must return a list of {n} floats (or None), got {_kind(out)}")
+    if len(values) != n:
+        raise RewardError(f"reward '{reward.name}' returned {len(values)} values for {n} completions; it must return one per completion")
     checked: list[float | None] = []
-    for i, value in enumerate(out):
-        if value is None:
-            checked.append(None)
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
+    for i, value in enumerate(values):
+        number = reward_value(value)
+        if number is _NOT_A_NUMBER:
             raise RewardError(
-                f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: {_short(prompts[i])}); "
+                f"reward '{reward.name}' returned {_shown(value)} for sample {i} (prompt: {_short(prompts[i])}); "
                 "expected a float or None"
-            ) from None
-        if math.isinf(number):
+            )
+        if number is not None and math.isinf(number):
             raise RewardError(f"reward '{reward.name}' returned {number} for sample {i} (prompt: {_short(prompts[i])})")
-        checked.append(None if math.isnan(number) else number)
+        checked.append(None if number is None or math.isnan(number) else number)
     return checked
+
+
+# What a reward may return, one rule for every array library (torch, NumPy, JAX: anything with `ndim`, `shape` and
+# `item`): the batch's values as a list, a tuple or a 1-d array; each value None or a number: a Python int, float
+# or bool (TRL reads True as 1.0), a NumPy scalar, a Decimal or Fraction (what has `__float__`), or a 0-d array or
+# tensor of one. A string is not a number, whatever it spells ("1.0" as much as "yes"): a reward that returns text
+# has a bug, and today's "1.0" is tomorrow's "1.0 (correct)".
+_NOT_A_NUMBER = object()
+
+
+def _as_sequence(out: Any) -> list[Any] | None:
+    """A reward's return value as a list of its values, or None when it is not a list, tuple or 1-d array."""
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    if _is_array(out) and out.ndim == 1:
+        return list(out)  # its elements: 0-d arrays or NumPy scalars, each read by reward_value
+    return None
+
+
+def reward_value(value: Any) -> float | None | object:
+    """One value a reward returned, as a float (NaN kept), None, or `_NOT_A_NUMBER`."""
+    if _is_array(value):
+        if value.ndim != 0:
+            return _NOT_A_NUMBER
+        value = value.item()
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):  # text, complex, a list, a dict
+        return _NOT_A_NUMBER
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return _NOT_A_NUMBER
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "ndim") and hasattr(value, "shape") and callable(getattr(value, "item", None))
+
+
+def _kind(value: Any) -> str:
+    return f"a {value.ndim}-d {type(value).__name__}" if _is_array(value) else type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    if _is_array(value):
+        return f"{_kind(value)} of shape {tuple(value.shape)}" if value.ndim else repr(value.item())
+    return repr(value)
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from . import distributed
+from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
 from .collect import collect
@@ -67,7 +67,11 @@ class TrainResult:
 
 def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> TrainResult:
     """Train as `cfg` says. `on_step_end(step)` is called after every step (a profiler's step(), a test's probe)."""
-    with StopRequests(cfg.checkpoint.save_on_signals) as stop:
+    is_main = distributed.partial_state().is_main_process
+    with StopRequests(cfg.checkpoint.save_on_signals) as stop, output_dir.claimed(cfg.output_dir, is_main):
+        finished = output_dir.finished_run(cfg, is_main)
+        if finished is not None:  # the same command (or notebook cell) run twice: nothing to train
+            return TrainResult(Path(cfg.output_dir), 0, finished, is_main)
         run = build_run(cfg)
         try:
             resume(run)

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import grpo_trainer
 from grpo_trainer import api, in_memory
@@ -309,9 +310,13 @@ def test_what_cannot_work_with_objects_stops_before_anything_loads(tmp_path):
         grpo_trainer.train("configs/demo_cpu.yaml", {"eval.every": 2, "output_dir": str(tmp_path)},
                            train_dataset=arithmetic_records("train"))
 
-    class Model:
+    class Model(torch.nn.Module):  # what a causal LM has that the API checks: a module, a config, generate
         dtype = "torch.float32"
         name_or_path = str(tmp_path)
+        config = None
+
+        def generate(self):
+            raise AssertionError("not reached")
 
     with pytest.raises(ConfigError, match="rollout.engine: vllm_colocate loads the model from model.name_or_path"):
         grpo_trainer.train("configs/demo_cpu.yaml", {"rollout.engine": "vllm_colocate", "output_dir": str(tmp_path)},

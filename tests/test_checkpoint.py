@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -174,5 +176,7 @@ def test_a_checkpoint_without_a_manifest_is_used_and_said_to_be_unverified(tmp_p
     assert found == folder and notes == [f"checkpoint {folder} has no {MANIFEST}: its files are used unverified "
                                          "(no size or SHA-256 check)"]
     assert find_resume_checkpoint(tmp_path, str(folder))[1] == notes
-    (folder / MANIFEST).write_text('{"files": {}}')
+    state = folder / TRAINER_STATE
+    (folder / MANIFEST).write_text(json.dumps({"files": {TRAINER_STATE: {
+        "size": state.stat().st_size, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}}}))
     assert find_resume_checkpoint(tmp_path, "auto") == (folder, [])

@@ -31,11 +31,15 @@ def run_cells(cells: list[str], folder: str) -> None:
 def test_the_notebook_example_runs_as_written(tmp_path, tiny_model_path):
     cells = python_blocks(DOC.read_text())
     assert len(cells) >= 3 and "grpo_trainer.train(" in cells[0]
-    child = run_in_fork(run_cells, (cells, str(tmp_path)))
+    # The first cell twice, as a notebook user reruns it: the finished run is said to be complete and its final
+    # metrics are returned (it was resumed for 0 steps with last_metrics={}: a KeyError on 'reward').
+    child = run_in_fork(run_cells, ([cells[0], cells[0], *cells[1:]], str(tmp_path)))
     assert child.returncode == 0, child.stderr[-3000:]
     printed = child.stdout.splitlines()  # (libraries print their own lines too, e.g. DeepSpeed's accelerator note)
     run = tmp_path / "outputs" / "notebook"
-    assert any(line.startswith("outputs/notebook 10 ") for line in printed)  # output_dir, steps_done, last reward
+    first, again = [line.split() for line in printed if line.startswith("outputs/notebook ")]
+    assert first[:2] == ["outputs/notebook", "10"] and again == ["outputs/notebook", "0", first[2]]  # dir, steps, reward
+    assert "the run in outputs/notebook is complete (checkpoint step-000010, step 10; train.max_steps=10)" in child.stderr
     assert any(line.startswith("4 ") for line in printed)  # the second run's steps_done
     assert "['grpo-trainer', 'reinforcement-learning', 'grpo']" in printed
     assert "| rewards | `correct` (weight 1), `concise` (weight 0.1) |" in printed

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from grpo_trainer.metrics import read_metrics
-from helpers import accelerate_launch, assert_same_update, launch_failure, run_cli, small_run_overrides
+from helpers import accelerate_launch, assert_same_update, free_port, launch_failure, run_cli, small_run_overrides
 from test_sharding import SETUPS, float32_launch_file
 
 COMMON = ["rollout.seed_per_prompt=true", "loss.type=dapo", "train.mini_batches=2"]
@@ -33,7 +33,7 @@ def test_two_ranks_packed_under_a_token_budget_train_as_one_padded_process(tmp_p
                       "train.micro_batch_size=4"])
     assert single.returncode == 0, single.stderr[-3000:]
     env, expected_type = SETUPS["ddp"]
-    launcher = accelerate_launch(float32_launch_file("ddp", tmp_path), "--main_process_port", "29751")
+    launcher = accelerate_launch(float32_launch_file("ddp", tmp_path), "--main_process_port", str(free_port()))
     ranks = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, steps=1), *COMMON,
                      "train.packing=true", "train.micro_batch_tokens=64"], launcher=launcher, env=env)
     assert ranks.returncode == 0, launch_failure(ranks)

@@ -127,12 +127,12 @@ def test_no_metrics_file_is_a_clear_error(tmp_path):
 
 def test_reward_band_is_drawn_around_the_reward(tmp_path):
     """The ±std band must widen the filled area: a run with a wide std has more coloured pixels."""
-    from grpo_trainer.plot import Run, _figure_class, panel_reward
+    from grpo_trainer.plot import RunMetrics, _figure_class, panel_reward
 
     steps = [float(s) for s in range(1, 31)]
     areas = []
     for std in (0.0, 0.3):
-        run = Run(steps=steps, columns={"reward": [0.5] * 30, "reward_std": [std] * 30})
+        run = RunMetrics(steps=steps, columns={"reward": [0.5] * 30, "reward_std": [std] * 30})
         fig = _figure_class()(figsize=(8, 4.5))
         assert panel_reward(fig.subplots(), run) is None
         fig.savefig(tmp_path / f"{std}.png", dpi=60)
