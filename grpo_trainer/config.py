@@ -571,6 +571,10 @@ class LossConfig(_Section):
                 readers = [v.name for v in LOSS_VARIANTS.values() if name in v.options.model_fields]
                 whose = f"; it is read by: {', '.join(readers)}" if readers else ""
                 raise ValueError(f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'}){whose}")
+        for name, value in options.items():  # as _Section: `true`/`false` is not a number
+            if isinstance(value, bool) and _asks_a_number(fields[name].annotation):
+                written = next((k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}")
+                raise ValueError(f"{written}: expected a number, not {str(value).lower()}")
         try:
             data["options"] = variant.options.model_validate(options)
         except ValidationError as exc:

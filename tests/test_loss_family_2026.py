@@ -34,6 +34,8 @@ from helpers import assert_same_run, run_cli, small_run_overrides
         (["loss.type=sapo", "loss.sapo_temperature_pos=0"],
          "loss: sapo_temperature_pos (options.temperature_pos of type sapo): Input should be greater than 0 (got 0)"),
         (["loss.delta=1.1"], "loss: options: delta (1.1) must be larger than 1 + epsilon_high (1.2)"),
+        (["loss.options.epsilon_low=true"], "loss: options.epsilon_low: expected a number, not true"),
+        (["loss.type=sapo", "loss.sapo_temperature_pos=false"], "loss: sapo_temperature_pos: expected a number, not false"),
         (["loss.epsilon_low=0.1", "loss.options.epsilon_low=0.3"],
          "loss: epsilon_low and options.epsilon_low are the same option of type grpo: set only options.epsilon_low"),
         (["loss.type=vespo", "loss.tis_cap=2", "loss.tis_mode=sequence_truncate"],
