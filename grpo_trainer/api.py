@@ -98,8 +98,7 @@ def train(
     if model is not None:
         # The frozen reference of the KL term (state._reference: beta > 0, and not LoRA, whose reference is the
         # adapter-disabled policy) is a copy taken now, before any step, as the YAML path loads one from disk.
-        needs_reference = cfg.loss.beta > 0 and cfg.model.lora is None
-        objects["model"] = in_memory.ModelObject(model, copy.deepcopy(model) if needs_reference else None)
+        objects["model"] = in_memory.ModelObject(model, copy.deepcopy(model) if cfg.needs_reference else None)
     with in_memory.given(objects):
         return train_config(cfg, on_step_end=on_step_end)
 

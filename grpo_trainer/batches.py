@@ -49,8 +49,8 @@ class MicroBatch:
     mask: torch.Tensor  # [mb, C] 1 on completion tokens that carry loss
     advantages: torch.Tensor  # [mb]
     sampling_logp: torch.Tensor | None = None  # [mb, C] the sampler's own log-probs (vLLM engines)
-    old_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when num_iterations > 1
-    ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when beta > 0
+    old_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when train.policy_moves_within_step
+    ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.kl_on
     entropy_mask: torch.Tensor | None = None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
     mini_batch: int = 0  # the optimizer step (within one pass over the batch) this micro-batch belongs to
     rows: list[int] = field(default_factory=list)  # this rank's completions in it, in order; empty for a filler

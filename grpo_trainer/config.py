@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .geometry import geometry_of
 from .advantages import ESTIMATORS
-from .losses import IS_MODES, LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate
+from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
 
-LossType = Literal[LOSS_TYPES]  # the names of losses.LOSS_VARIANTS, the one table of loss variants
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
 ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
@@ -421,19 +420,18 @@ class RewardConfig(_Section):
 
 
 class LossConfig(_Section):
-    type: LossType = Field(
+    type: str = Field(
         "grpo",
-        description="Aggregation/ratio variant: grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo, luspo or vespo "
-        "(docs/loss_family.md; the table below).",
+        description="The loss type: a name from the registry (`loss.type` values below; docs/loss_family.md) or your own `grpo_trainer.losses.LossVariant` by import path, "
+        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").",
+    )
+    options: SerializeAsAny[LossOptions] = Field(
+        default_factory=lambda: LOSS_VARIANTS["grpo"].options(),
+        description="The options of `loss.type`, checked by its own model (the tables below); an option of another "
+        "type is an error naming the types that read it. The flat keys of earlier versions (`loss.epsilon_low`, "
+        "`loss.sapo_temperature_pos`, ...) are read into these.",
     )
     beta: float = Field(0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded).")
-    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range: ratios below 1 - epsilon_low are clipped.")
-    epsilon_high: float | None = Field(
-        None, ge=0, description="Upper clip range (DAPO clip-higher); None means equal to epsilon_low."
-    )
-    delta: float | None = Field(
-        None, gt=1, description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off)."
-    )
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM)."
     )
@@ -474,22 +472,6 @@ class LossConfig(_Section):
         description="rho: only the top-rho highest-entropy completion tokens of the batch (entropy under the sampling "
         "policy) carry policy gradient (\"Beyond the 80/20 Rule\", 0.2 there); 1: all. Logged: entropy/masked_fraction.",
     )
-    sapo_temperature_pos: float = Field(
-        1.0, gt=0, description="`sapo`: temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for completions "
-        "with advantage > 0 (larger: the gradient decays faster as the ratio leaves 1)."
-    )
-    sapo_temperature_neg: float = Field(
-        1.05, gt=0, description="`sapo`: the gate temperature for advantage <= 0; the paper keeps it above the positive one."
-    )
-    vespo_k_pos: float = Field(
-        2.0, ge=0, description="`vespo`: power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, "
-        "for advantage >= 0 (c1 in the paper)."
-    )
-    vespo_lambda_pos: float = Field(
-        3.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage >= 0 (c2 in the paper)."
-    )
-    vespo_k_neg: float = Field(3.0, ge=0, description="`vespo`: power k of phi(W) for advantage < 0.")
-    vespo_lambda_neg: float = Field(2.0, ge=0, description="`vespo`: decay lambda of phi(W) for advantage < 0.")
     entropy_coef: float = Field(
         0.0, ge=0,
         description="c: the loss becomes L - c * H, H the mean token entropy of the policy over the trained tokens (the "
@@ -516,36 +498,120 @@ class LossConfig(_Section):
     )
 
     @property
-    def epsilon_high_value(self) -> float:
-        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+    def variant(self) -> LossVariant:
+        """The registry entry of `type` (or the user's, by import path)."""
+        return loss_variant(self.type)
 
     @property
-    def soft_gate(self) -> SoftGate:
-        return SoftGate(self.sapo_temperature_pos, self.sapo_temperature_neg)
+    def kl_on(self) -> bool:
+        """The loss has a KL term to the reference (beta > 0): reference log-probs are computed and `kl` logged."""
+        return self.beta > 0
 
     @property
-    def gamma_shape(self) -> GammaShape:
-        return GammaShape(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+    def correction_on(self) -> bool:
+        """Rollout correction is configured (tis_cap): it weights the batches whose engine reports sampler log-probs."""
+        return self.tis_cap is not None
 
     @property
     def entropy_term(self) -> bool:
         """Whether the loss has an entropy term (its coefficient may still be 0 at times, under adaptive control)."""
         return self.entropy_coef > 0 or self.entropy_target is not None
 
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        try:
+            loss_variant(value)
+        except (ValueError, UserError) as exc:
+            raise ValueError(str(exc).removeprefix("loss.type: ")) from None
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_options(cls, data: Any) -> Any:
+        """`options` validated by the type's own model, with the flat keys of earlier versions read into it.
+
+        Each type reads only its own options: another type's option would silently do nothing, so it is an error
+        naming the types that read it. A flat key of another type at its default passes (a resolved config of an
+        earlier version lists them all), and a flat key set to null means unset (epsilon_high, delta)."""
+        if not isinstance(data, dict) or not isinstance(data.get("type", "grpo"), str):
+            return data
+        data = dict(data)
+        spec = data.get("type", "grpo")
+        flat = {key: data.pop(key) for key in list(data) if key in _FLAT_OPTION_KEYS}
+        try:
+            variant = loss_variant(spec)
+        except (ValueError, UserError):
+            data.pop("options", None)
+            return data  # `type` reports it
+        given = data.get("options")
+        if given is None:
+            given = {}
+        elif isinstance(given, BaseModel):
+            given = given.model_dump()
+        if not isinstance(given, dict):
+            raise ValueError(f"options: a mapping of the options of loss type {spec}, got {type(given).__name__}")
+        options = dict(given)
+        for key, value in flat.items():
+            name = variant.legacy_keys.get(key)
+            if name is None:
+                if value is not None and not _is_flat_default(key, value):
+                    raise ValueError(f"{key} ({value}) is not used by type {spec}; it is read by: {_readers(key)}")
+            elif name in given:
+                raise ValueError(f"{key} and options.{name} are the same option of type {spec}: set only options.{name}")
+            elif value is not None:
+                options[name] = value
+        fields = variant.options.model_fields
+        for key in data:
+            hint = [] if key in cls.model_fields else difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            if hint:  # a misspelt option, once a flat key of loss: point at where options live now
+                raise ValueError(f"{key}: unknown key; did you mean 'loss.options.{hint[0]}'?")
+        for name in options:
+            if name not in fields:
+                readers = [v.name for v in LOSS_VARIANTS.values() if name in v.options.model_fields]
+                whose = f"; it is read by: {', '.join(readers)}" if readers else ""
+                raise ValueError(f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'}){whose}")
+        for name, value in options.items():  # as _Section: `true`/`false` is not a number
+            if isinstance(value, bool) and _asks_a_number(fields[name].annotation):
+                written = next((k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}")
+                raise ValueError(f"{written}: expected a number, not {str(value).lower()}")
+        try:
+            data["options"] = variant.options.model_validate(options)
+        except ValidationError as exc:
+            raise ValueError("; ".join(_option_error(err, variant, flat) for err in exc.errors())) from None
+        return data
+
     @model_validator(mode="after")
     def _check_loss_options(self) -> "LossConfig":
-        # Each loss type reads only its own options (losses.LOSS_VARIANTS): another type's option set away from
-        # its default would silently do nothing, so it is an error. (Defaults pass: a resolved config lists them all.)
-        variant = LOSS_VARIANTS[self.type]
-        for key in sorted({k for v in LOSS_VARIANTS.values() for k in v.options} - set(variant.options)):
-            if getattr(self, key) != type(self).model_fields[key].default:
-                readers = ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.options)
-                raise ValueError(f"{key} ({getattr(self, key)}) is not used by type {self.type}; it is read by: {readers}")
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
             )
         return self
+
+
+# The flat `loss.*` option keys of earlier versions, read into `loss.options` by the registry's legacy_keys.
+_FLAT_OPTION_KEYS = frozenset(key for v in LOSS_VARIANTS.values() for key in v.legacy_keys)
+
+
+def _readers(key: str) -> str:
+    return ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.legacy_keys)
+
+
+def _is_flat_default(key: str, value: Any) -> bool:
+    """`value` is the default of the option a flat key stands for (in every type that reads it)."""
+    return all(
+        value == v.options.model_fields[v.legacy_keys[key]].default for v in LOSS_VARIANTS.values() if key in v.legacy_keys
+    )
+
+
+def _option_error(err: dict, variant: LossVariant, flat: dict[str, Any]) -> str:
+    """One error of the type's options model, naming the key as the user wrote it."""
+    name = ".".join(str(p) for p in err["loc"])
+    written = next((key for key, option in variant.legacy_keys.items() if option == name and key in flat), None)
+    where = f"{written} (options.{name} of type {variant.name})" if written else f"options.{name}" if name else "options"
+    shown = "" if isinstance(err.get("input"), dict) else f" (got {err.get('input')!r})"
+    return f"{where}: {err['msg'].removeprefix('Value error, ')}{shown}"
 
 
 class TrainConfig(_Section):
@@ -606,6 +672,13 @@ class TrainConfig(_Section):
         "the CPU (docs/performance.md). None: on where the policy trains on the CPU and its weights fill 64 MiB or more "
         "(below, the trims cost more than they save); no effect on GPU memory.",
     )
+
+    @property
+    def policy_moves_within_step(self) -> bool:
+        """The policy takes more than one optimizer step on a generation batch (num_iterations or mini_batches > 1):
+        the sampling-time ("old") log-probs then differ from the current ones and must be computed before the update,
+        and the ratio can leave 1 (clipping happens)."""
+        return self.num_iterations > 1 or self.mini_batches > 1
 
 
 class EvalConfig(_Section):
@@ -699,17 +772,18 @@ class Config(_Section):
                 f"loss.tis_min ({self.loss.tis_min}) is the lower end of [tis_min, tis_cap]: set loss.tis_cap above it "
                 f"(got tis_cap {self.loss.tis_cap})"
             )
-        if self.loss.type == "vespo" and self.loss.tis_cap is not None and self.loss.tis_mode.startswith("sequence"):
+        if self.loss.variant.sampler_weight_in_ratio and self.loss.correction_on and self.loss.tis_mode.startswith("sequence"):
             raise ValueError(
-                f"loss.type vespo folds the per-token rollout correction into its sequence ratio W: set loss.tis_mode "
+                f"loss.type {self.loss.type} folds the per-token rollout correction into its own ratio: set loss.tis_mode "
                 f"to token_truncate or token_mask (got {self.loss.tis_mode})"
             )
-        if self.loss.delta is not None and self.loss.delta <= 1 + self.loss.epsilon_high_value:
-            raise ValueError(
-                f"loss.delta ({self.loss.delta}) must be larger than 1 + epsilon_high ({1 + self.loss.epsilon_high_value}), "
-                "or the dual clip would cut into the clip range"
-            )
         return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model is loaded for the KL term: beta > 0, and not LoRA (whose reference is the
+        policy with its adapters switched off)."""
+        return self.loss.kl_on and self.model.lora is None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

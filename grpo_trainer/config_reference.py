@@ -21,9 +21,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from .config import Config
-from .losses import LOSS_VARIANTS
+from .losses import AGGREGATION_DOCS, LOSS_VARIANTS, LossOptions
 
 REGENERATE = "python -m grpo_trainer.config_reference > docs/config_reference.md"
+REGENERATE_LOSS_FAMILY = "python -m grpo_trainer.config_reference --loss-family"  # rewrites docs/loss_family.md's table
+LOSS_FAMILY_MARKER = f"<!-- Generated from the registry in grpo_trainer/losses.py by `{REGENERATE_LOSS_FAMILY}`. -->"
 REQUIRED = "(required)"
 LIST_INDEX = "N"  # list items are addressed by index, as in `rewards.0.weight=2`
 
@@ -50,7 +52,9 @@ def collect(model: type[BaseModel] = Config, prefix: str = "", description: str 
     for name, field in model.model_fields.items():
         path = f"{prefix}.{name}" if prefix else name
         sub, is_list = _sub_model(field.annotation)
-        if sub is not None:
+        if sub is not None and issubclass(sub, LossOptions):  # one model per loss type: loss_options_table
+            here.rows.append(Row(path, "mapping", _default(field), field.description or ""))
+        elif sub is not None:
             sub_prefix = f"{path}.{LIST_INDEX}" if is_list else path
             desc = field.description or ""
             if is_list:
@@ -72,9 +76,13 @@ def missing_descriptions(model: type[BaseModel] = Config, prefix: str = "") -> l
         if not (field.description or "").strip():
             missing.append(path)
         sub, is_list = _sub_model(field.annotation)
-        if sub is not None:
+        if sub is not None and issubclass(sub, LossOptions):
+            for variant in LOSS_VARIANTS.values():
+                missing += [f"{path}.{o} ({variant.name})" for o, f in variant.options.model_fields.items()
+                            if not (f.description or "").strip()]
+        elif sub is not None:
             missing += missing_descriptions(sub, f"{path}.{LIST_INDEX}" if is_list else path)
-    return missing
+    return list(dict.fromkeys(missing))
 
 
 def render_config_reference() -> str:
@@ -104,23 +112,67 @@ def render_config_reference() -> str:
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lines.append("")
         if section.path == "loss":
-            lines += loss_variant_table()
+            lines += loss_variant_table() + loss_options_table()
     return "\n".join(lines).rstrip() + "\n"
 
 
 def loss_variant_table() -> list[str]:
-    """`loss.type`'s values as `losses.LOSS_VARIANTS` defines them (the table the trainer reads too)."""
+    """`loss.type`'s values as the registry `losses.LOSS_VARIANTS` defines them (the table the trainer reads too)."""
     lines = [
-        "`loss.type` values (from `grpo_trainer/losses.py: LOSS_VARIANTS`; formulas in docs/loss_family.md):",
+        "`loss.type` values (from the registry, `grpo_trainer/losses.py: LOSS_VARIANTS`; formulas in docs/loss_family.md):",
         "",
-        "| `loss.type` | ratio | surrogate | aggregation | depends on micro-batching | zero-advantage skip exact | reads | paper |",
+        "| `loss.type` | ratio | surrogate | aggregation | depends on micro-batching | zero-advantage skip exact | "
+        "options | paper |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for v in LOSS_VARIANTS.values():
-        cells = [f"`{v.name}`", v.ratio, v.surrogate, v.aggregation, "yes" if v.per_micro_batch else "no",
-                 "yes" if v.exact_zero_advantage_skip else "no", ", ".join(f"`{o}`" for o in v.options), v.paper]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells = [f"`{v.name}`", v.ratio, f"`{v.surrogate.__name__}`", v.aggregation, "yes" if v.per_micro_batch else "no",
+                 "yes" if v.exact_zero_advantage_skip else "no",
+                 ", ".join(f"`{o}`" for o in v.options.model_fields) or "none", v.paper]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines + [""]
+
+
+def loss_options_table() -> list[str]:
+    """`loss.options`: each options model of the registry once, with the types that read it."""
+    lines = [
+        "`loss.options` by loss type (each type's own model; an option of another type is an error). The flat keys "
+        "of earlier versions still load into them:",
+        "",
+        "| option | type | default | read by | flat key | description |",
+        "|---|---|---|---|---|---|",
+    ]
+    models: dict[type, list] = {}
+    for v in LOSS_VARIANTS.values():
+        models.setdefault(v.options, []).append(v)
+    for model, variants in models.items():
+        for name, field in model.model_fields.items():
+            flat = sorted({k for v in variants for k, o in v.legacy_keys.items() if o == name})
+            cells = [f"`loss.options.{name}`", _code(type_name(field.annotation, field)), _code(_default(field)),
+                     ", ".join(f"`{v.name}`" for v in variants), ", ".join(f"`loss.{k}`" for k in flat),
+                     field.description or ""]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines + [""]
+
+
+def loss_family_table() -> list[str]:
+    """docs/loss_family.md's table of the loss types: each registry entry's docs row."""
+    lines = [
+        "| `loss.type` | per-token loss | aggregation into the batch loss | paper | choose it when |",
+        "|---|---|---|---|---|",
+    ]
+    for v in LOSS_VARIANTS.values():
+        cells = [f"`{v.name}`", v.formula, AGGREGATION_DOCS[v.aggregation], v.paper, v.use]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def with_loss_family_table(text: str) -> str:
+    """`text` (docs/loss_family.md) with the table after LOSS_FAMILY_MARKER (up to the next blank line) regenerated."""
+    lines = text.split("\n")
+    start = lines.index(LOSS_FAMILY_MARKER) + 1
+    end = lines.index("", start)
+    return "\n".join(lines[:start] + loss_family_table() + lines[end:])
 
 
 # ----------------------------------------------------------------------------- types and defaults
@@ -236,5 +288,10 @@ def _anchor(path: str) -> str:
 
 if __name__ == "__main__":
     import sys
+    from pathlib import Path
 
-    sys.stdout.write(render_config_reference())
+    if sys.argv[1:] == ["--loss-family"]:
+        doc = Path(__file__).resolve().parent.parent / "docs" / "loss_family.md"
+        doc.write_text(with_loss_family_table(doc.read_text()))
+    else:
+        sys.stdout.write(render_config_reference())

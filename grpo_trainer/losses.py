@@ -1,11 +1,12 @@
-"""The GRPO loss family as pure functions of tensors.
+"""The GRPO loss family as pure functions of tensors, and the registry of loss types.
 
 Shapes: B completions in a micro-batch, T completion tokens (padded);
 `mask` [B, T] is 1 on real completion tokens. Log-probs are per token, fp32.
 
 Two steps, kept apart because that is where the variants differ:
-1. `token_loss`: the per-token surrogate (ratio, clipping or its soft/gamma
-   replacements, optional KL).
+1. `per_token_loss`: the loss type's surrogate (ratio, clipping or its soft/gamma
+   replacements) on per-token advantages [B, T], then what every type shares
+   (rollout-correction and policy weights, the optional KL term).
 2. `aggregate`: how token losses become one number. This is where the length
    bias lives, and it is fed totals over the *whole generation batch* (all
    micro-batches, all ranks), so splitting a batch differently does not change
@@ -14,80 +15,28 @@ Beside them, the entropy term: `entropy_share` (the bonus, normalised like the
 policy term's totals) and `EntropyControl` (its coefficient, fixed or adapted
 to a target entropy; the one piece of loss state that lives across steps).
 
-Deliberately not here: no config objects, no model calls, no distributed code.
+The registry, `LOSS_VARIANTS`: one `LossVariant` per `loss.type` with its surrogate, its aggregation, its
+options (a pydantic model of their own, `loss.options`), its paper and its docs row. The config, the trainer,
+the config reference, the model card and docs/loss_family.md all read it, so a new loss type is one entry
+here (plus its tests and docs); a user's own is a `LossVariant` named by import path
+(`loss.type: my_losses.py:MY_LOSS`, resolved like rewards) or added with `register_loss`.
+
+Deliberately not here: no config objects (the options models are plain pydantic models the config embeds),
+no model calls, no distributed code. The aggregations are a closed set (each is a normaliser the trainer
+feeds totals for); a new loss type picks one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-@dataclass(frozen=True)
-class LossVariant:
-    """What distinguishes one `loss.type` from another; the config, the trainer and the docs read this table.
-
-    ratio:        `token` (one ratio per token), `sequence` (GSPO, LUSPO: one per completion, the geometric mean
-                  of its token ratios) or `sequence_product` (VESPO: one per completion, the product).
-    surrogate:    `clipped` (PPO's -min(r*A, clip(r)*A)), `cispo` (-sg(clip(r, max)) * A * log pi),
-                  `soft_gate` (SAPO: -f(r) * A, a sigmoid gate instead of the clip) or
-                  `gamma` (VESPO: -sg(phi(W)) * A * log pi, a gamma-shaped weight of the sequence ratio W).
-    aggregation:  how token losses become the batch loss (see `aggregate`).
-    per_micro_batch: the loss is normalised within each micro-batch, so it depends on how the batch is cut.
-    exact_zero_advantage_skip: with beta = 0 and no entropy term, leaving zero-advantage completions out of the
-                  passes leaves the update unchanged (false where the normaliser counts the tokens present in a
-                  micro-batch).
-    options:      the `loss.*` keys its surrogate reads; setting another variant's key for it is a config error.
-    """
-
-    name: str
-    ratio: Literal["token", "sequence", "sequence_product"]
-    surrogate: Literal["clipped", "cispo", "soft_gate", "gamma"]
-    aggregation: Literal["sequence_mean", "micro_batch_token_mean", "max_length", "batch_token_mean", "sequence_sum"]
-    per_micro_batch: bool
-    exact_zero_advantage_skip: bool
-    paper: str
-    options: tuple[str, ...]
-
-
-CLIP_OPTIONS = ("epsilon_low", "epsilon_high", "delta")
-SAPO_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg")
-VESPO_OPTIONS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-
-LOSS_VARIANTS: dict[str, LossVariant] = {
-    v.name: v
-    for v in (
-        LossVariant("grpo", "token", "clipped", "sequence_mean", False, True,
-                    "Shao et al. 2024, DeepSeekMath, eq. 3", CLIP_OPTIONS),
-        LossVariant("bnpo", "token", "clipped", "micro_batch_token_mean", True, False,
-                    "Xiao et al. 2025, BNPO", CLIP_OPTIONS),
-        LossVariant("dr_grpo", "token", "clipped", "max_length", False, True,
-                    "Liu et al. 2025, Dr. GRPO, eq. 7", CLIP_OPTIONS),
-        LossVariant("dapo", "token", "clipped", "batch_token_mean", False, True,
-                    "Yu et al. 2025, DAPO, eq. 12", CLIP_OPTIONS),
-        LossVariant("gspo", "sequence", "clipped", "sequence_mean", False, True,
-                    "Zheng et al. 2025, GSPO, eq. 7", CLIP_OPTIONS),
-        LossVariant("cispo", "token", "cispo", "batch_token_mean", False, True,
-                    "MiniMax 2025, MiniMax-M1, eq. 4", ("epsilon_high",)),
-        LossVariant("sapo", "token", "soft_gate", "sequence_mean", False, True,
-                    "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347", SAPO_OPTIONS),
-        LossVariant("luspo", "sequence", "clipped", "sequence_sum", False, True,
-                    "Liu et al. 2026, LUSPO, arXiv 2602.05261", CLIP_OPTIONS),
-        LossVariant("vespo", "sequence_product", "gamma", "batch_token_mean", False, True,
-                    "Shen et al. 2026, VESPO, arXiv 2602.10693, sec. 3.4", VESPO_OPTIONS),
-    )
-}
-LOSS_TYPES = tuple(LOSS_VARIANTS)
-
-
-def loss_variant(loss_type: str) -> LossVariant:
-    try:
-        return LOSS_VARIANTS[loss_type]
-    except KeyError:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}") from None
+Aggregation = Literal["sequence_mean", "micro_batch_token_mean", "max_length", "batch_token_mean", "sequence_sum"]
+AGGREGATIONS: tuple[str, ...] = Aggregation.__args__
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -103,31 +52,157 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-@dataclass(frozen=True)
-class SoftGate:
+# ----------------------------------------------------------------------------- options: one model per loss type
+
+
+class LossOptions(BaseModel):
+    """A loss type's own options (`loss.options`), checked by its own model: an unknown key is an error (the
+    config names the loss type that reads it), values are frozen once validated. A type without options uses
+    this model as it is; a user's type subclasses it (or any pydantic model with extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClipOptions(LossOptions):
+    """PPO's clip range with DAPO's clip-higher (Yu et al. 2025, eq. 10) and the dual clip (Ye et al. 2020, eq. 5)."""
+
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip range: ratios below 1 - epsilon_low are clipped.")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="Upper clip range (DAPO clip-higher); None means equal to epsilon_low."
+    )
+    delta: float | None = Field(
+        None, gt=1, description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off)."
+    )
+
+    @property
+    def epsilon_high_value(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @model_validator(mode="after")
+    def _delta_outside_the_clip(self) -> ClipOptions:
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high_value:
+            raise ValueError(
+                f"delta ({self.delta}) must be larger than 1 + epsilon_high ({1 + self.epsilon_high_value}), "
+                "or the dual clip would cut into the clip range"
+            )
+        return self
+
+
+class CispoOptions(LossOptions):
+    """CISPO clips only the (detached) weight from above."""
+
+    epsilon_high: float = Field(0.2, ge=0, description="The weight is sg(min(r, 1 + epsilon_high)).")
+
+
+class SoftGate(LossOptions):
     """SAPO's gate temperatures (Gao et al. 2025, arXiv 2511.20347): tau for tokens of completions with A > 0,
     and for the rest. The paper (and TRL, verl) default to 1.0 and 1.05: a negative update raises the logits of
     every unsampled token, so it is let to decay faster as the ratio drifts."""
 
-    temperature_pos: float = 1.0
-    temperature_neg: float = 1.05
+    temperature_pos: float = Field(
+        1.0, gt=0, description="Temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for tokens with "
+        "advantage > 0 (larger: the gradient decays faster as the ratio leaves 1)."
+    )
+    temperature_neg: float = Field(
+        1.05, gt=0, description="The gate temperature for advantage <= 0; the paper keeps it above the positive one."
+    )
 
 
-@dataclass(frozen=True)
-class GammaShape:
+class GammaShape(LossOptions):
     """VESPO's kernel phi(W) = W^k exp(lambda (1 - W)) parameters by the sign of A (Shen et al. 2026, sec. 3.4,
     where k and lambda are c1 and c2). The defaults are the authors' released code and run scripts (and TRL's):
     A >= 0: k = 2, lambda = 3; A < 0: k = 3, lambda = 2."""
 
-    k_pos: float = 2.0
-    lambda_pos: float = 3.0
-    k_neg: float = 3.0
-    lambda_neg: float = 2.0
+    k_pos: float = Field(
+        2.0, ge=0, description="Power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, for "
+        "advantage >= 0 (c1 in the paper)."
+    )
+    lambda_pos: float = Field(3.0, ge=0, description="Decay lambda of phi(W) for advantage >= 0 (c2 in the paper).")
+    k_neg: float = Field(3.0, ge=0, description="Power k of phi(W) for advantage < 0.")
+    lambda_neg: float = Field(2.0, ge=0, description="Decay lambda of phi(W) for advantage < 0.")
 
 
+# ----------------------------------------------------------------------------- what a surrogate sees
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """What a surrogate reads, all [B, T]: `logp` (with its gradient), `old_logp` (the ratio's denominator),
+    `advantages` per token (a completion's A repeated along it, plus any per-token term a caller adds, so such a
+    term needs no per-loss code), `mask` and `sampler_weight` (the rollout correction pi_old / pi_sampler, or
+    None), which only a type with `sampler_weight_in_ratio` reads: for the others the caller applies it."""
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    sampler_weight: torch.Tensor | None = None
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        return self.logp - self.old_logp
+
+
+# A surrogate: (inputs, options) -> (per-token loss [B, T], clipped-below [B, T] bool, clipped-above [B, T] bool).
+Surrogate = Callable[[TokenInputs, LossOptions], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class LossVariant:
+    """One `loss.type`: everything the config, the trainer and the docs need to know about it.
+
+    surrogate:    (TokenInputs, options) -> (per-token loss, clip_low, clip_high); `per_token_loss` adds the
+                  weights and the KL term every type shares.
+    aggregation:  how token losses become the batch loss (see `aggregate`).
+    options:      the model of its `loss.options` (validated by it; `LossOptions`: none).
+    exact_zero_advantage_skip: with beta = 0 and no entropy term, leaving zero-advantage completions out of the
+                  passes leaves the update unchanged (true only when the surrogate is 0 at A = 0 and the
+                  normaliser does not count the tokens present in a micro-batch).
+    sampler_weight_in_ratio: the surrogate folds the rollout correction into its own ratio (VESPO's W) instead
+                  of being multiplied by it; such a type takes only a per-token correction (`tis_mode token_*`).
+    ratio:        `token`, `sequence` (GSPO, LUSPO: the geometric mean of the token ratios) or `sequence_product`
+                  (VESPO); for the docs and the tests' tolerances.
+    title:        the name a reader knows it by ("Dr. GRPO"), as pyproject's description and the README list it.
+    formula, use: the docs row (docs/loss_family.md): the per-token loss, and when to choose it.
+    legacy_keys:  flat `loss.*` keys of earlier versions read as its options (`sapo_temperature_pos` ->
+                  `temperature_pos`), so older configs and configs saved in checkpoints keep loading.
+    """
+
+    name: str
+    surrogate: Surrogate
+    aggregation: Aggregation
+    options: type[BaseModel] = LossOptions
+    paper: str = ""
+    exact_zero_advantage_skip: bool = False
+    sampler_weight_in_ratio: bool = False
+    ratio: Literal["token", "sequence", "sequence_product"] = "token"
+    title: str = ""
+    formula: str = ""
+    use: str = ""
+    legacy_keys: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.title:
+            object.__setattr__(self, "title", self.name)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss type {self.name!r}: unknown aggregation {self.aggregation!r}; one of {AGGREGATIONS}")
+        unknown = set(self.legacy_keys.values()) - set(self.options.model_fields)
+        if unknown:
+            raise ValueError(f"loss type {self.name!r}: legacy_keys name options its model lacks: {sorted(unknown)}")
+
+    @property
+    def per_micro_batch(self) -> bool:
+        """The loss is normalised within each micro-batch, so it depends on how the batch is cut."""
+        return self.aggregation == "micro_batch_token_mean"
+
+    def __call__(self, inputs: TokenInputs, options: BaseModel):
+        """The surrogate (a variant is callable so that `file.py:NAME` resolves it like a reward function)."""
+        return self.surrogate(inputs, options)
 # VESPO's log W is kept in [ln 1e-8, 20], as in the authors' code: phi stays finite at any drift (a sampler
 # correction of 0, i.e. a masked token, gives W ~ 1e-8 and phi ~ 0 instead of log 0).
 VESPO_LOG_W_RANGE = (math.log(1e-8), 20.0)
+
+
 
 
 def token_loss(
@@ -146,34 +221,53 @@ def token_loss(
     soft_gate: SoftGate = SoftGate(),
     gamma: GammaShape = GammaShape(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`per_token_loss` of a built-in type with its options as plain arguments and one advantage per completion
+    ([B]): the form of the hand-derived tests and scripts/length_bias.py. The clip arguments go to the types that
+    read them, `soft_gate` to sapo, `gamma` to vespo; the others are ignored, as the options are not checked here
+    (the config does that)."""
+    variant = loss_variant(loss_type)
+    if variant.options is SoftGate:
+        options = soft_gate
+    elif variant.options is GammaShape:
+        options = gamma
+    else:
+        given = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
+        options = variant.options.model_construct(**{k: v for k, v in given.items() if k in variant.options.model_fields})
+    return per_token_loss(
+        variant, options, logp, old_logp, advantages[:, None].expand_as(logp), mask, ref_logp=ref_logp, beta=beta,
+        policy_weight=policy_weight, sampler_weight=sampler_weight,
+    )
+
+
+def per_token_loss(
+    variant: LossVariant,
+    options: BaseModel,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    policy_weight: torch.Tensor | None = None,
+    sampler_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, T] (padding included; `aggregate` masks it) and clipping counts.
 
-    advantages: [B], one per completion. `policy_weight` [B, T] (detached), when given, multiplies the
-    policy term only, not the KL term (e.g. top-entropy token selection). `sampler_weight` [B, T] (detached)
-    is the rollout correction pi_old / pi_sampler (`importance_weight`): it multiplies the policy term too,
-    except for VESPO, whose sequence ratio W absorbs it (W = pi_theta / pi_sampler over the completion, as the
-    paper and TRL do). A correction for who sampled the tokens says nothing about how far the policy may drift
-    from the reference, so the KL term is never weighted (TRL weights the same way). Returned metrics are
+    advantages: [B, T], per token (a completion's A along it, plus whatever per-token term the caller adds).
+    `policy_weight` [B, T] (detached), when given, multiplies the policy term only, not the KL term (e.g.
+    top-entropy token selection). `sampler_weight` [B, T] (detached) is the rollout correction pi_old /
+    pi_sampler (`importance_weight`): it multiplies the policy term too, except for a type with
+    `sampler_weight_in_ratio` (VESPO), whose ratio absorbs it (W = pi_theta / pi_sampler over the completion,
+    as the paper and TRL do). A correction for who sampled the tokens says nothing about how far the policy may
+    drift from the reference, so the KL term is never weighted (TRL weights the same way). Returned metrics are
     *sums over real tokens* (`clip_low`, `clip_high`, `clip_region`, and `kl` when beta > 0) so that callers
     can add them across micro-batches and ranks, then divide by the token count. SAPO and VESPO clip nothing:
     their clip counts are 0.
     """
-    variant = loss_variant(loss_type)
-    adv = advantages[:, None]  # [B, 1]
-    log_ratio = logp - old_logp  # [B, T]
-
-    if variant.surrogate == "cispo":
-        loss, clip_low, clip_high = _cispo(logp, log_ratio, adv, epsilon_high)
-    elif variant.surrogate == "soft_gate":
-        loss, clip_low, clip_high = _soft_gate(log_ratio, adv, soft_gate)
-    elif variant.surrogate == "gamma":
-        loss, clip_low, clip_high = _gamma(logp, log_ratio, advantages, mask, gamma, sampler_weight)
-        sampler_weight = None  # inside W already
-    else:
-        loss, clip_low, clip_high = _clipped(
-            logp, log_ratio, adv, mask, variant.ratio, epsilon_low, epsilon_high, delta
-        )
-    if sampler_weight is not None:
+    inputs = TokenInputs(logp, old_logp, advantages, mask, sampler_weight if variant.sampler_weight_in_ratio else None)
+    loss, clip_low, clip_high = variant.surrogate(inputs, options)
+    if sampler_weight is not None and not variant.sampler_weight_in_ratio:
         loss = loss * sampler_weight
     if policy_weight is not None:
         loss = loss * policy_weight
@@ -192,15 +286,21 @@ def token_loss(
     return loss, metrics
 
 
-def _clipped(logp, log_ratio, adv, mask, ratio_kind, epsilon_low, epsilon_high, delta):
-    """PPO's clipped surrogate on a token ratio (GRPO, BNPO, Dr. GRPO, DAPO) or a sequence ratio (GSPO, LUSPO)."""
-    if ratio_kind == "sequence":
-        # GSPO (Zheng et al. 2025, eq. 7): s_i = exp(mean_t(log pi_theta - log pi_old)), one ratio per sequence.
-        lengths = mask.sum(1).clamp(min=1)
-        seq_log_ratio = masked_sum(log_ratio, mask, dim=1) / lengths  # [B]
-        ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)  # [B, T], constant along each sequence
-    else:
-        ratio = torch.exp(log_ratio)
+def clipped_token_ratio(inputs: TokenInputs, options: ClipOptions):
+    """PPO's clipped surrogate on each token's ratio (GRPO, BNPO, Dr. GRPO, DAPO)."""
+    return _clipped(inputs, options, torch.exp(inputs.log_ratio))
+
+
+def clipped_sequence_ratio(inputs: TokenInputs, options: ClipOptions):
+    """PPO's clipped surrogate on one ratio per completion (GSPO, LUSPO; Zheng et al. 2025, eq. 7):
+    s_i = exp(mean_t(log pi_theta - log pi_old)), the same for every token of the completion."""
+    lengths = inputs.mask.sum(1).clamp(min=1)
+    seq_log_ratio = masked_sum(inputs.log_ratio, inputs.mask, dim=1) / lengths  # [B]
+    return _clipped(inputs, options, torch.exp(seq_log_ratio)[:, None].expand_as(inputs.logp))
+
+
+def _clipped(inputs: TokenInputs, options: ClipOptions, ratio: torch.Tensor):
+    adv, epsilon_low, epsilon_high = inputs.advantages, options.epsilon_low, options.epsilon_high_value
     # PPO clipped surrogate (Schulman et al. 2017, eq. 7) with DAPO's decoupled clip-higher range
     # (Yu et al. 2025, eq. 10): -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A).
     unclipped = ratio * adv
@@ -208,35 +308,42 @@ def _clipped(logp, log_ratio, adv, mask, ratio_kind, epsilon_low, epsilon_high, 
     loss = -torch.min(unclipped, clipped)
     clip_low = (ratio < 1 - epsilon_low) & (adv < 0)
     clip_high = (ratio > 1 + epsilon_high) & (adv > 0)
-    if delta is not None:
+    if options.delta is not None:
         # Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for A < 0 the
         # loss is bounded by -delta*A, so one huge ratio cannot blow up the update.
-        loss = torch.where(adv < 0, torch.min(loss, -delta * adv), loss)
+        loss = torch.where(adv < 0, torch.min(loss, -options.delta * adv), loss)
     return loss, clip_low, clip_high
 
 
-def _cispo(logp, log_ratio, adv, epsilon_high):
-    # MiniMax-M1 (2025), eq. 4: -sg(clip(r, max=1+eps_high)) * A * log pi_theta.
-    # The weight is detached, so every token keeps a gradient: none is dropped by clipping.
-    ratio = torch.exp(log_ratio)
-    weight = ratio.clamp(max=1 + epsilon_high).detach()
-    loss = -weight * adv * logp
+def cispo(inputs: TokenInputs, options: CispoOptions):
+    """MiniMax-M1 (2025), eq. 4: -sg(clip(r, max=1+eps_high)) * A * log pi_theta.
+    The weight is detached, so every token keeps a gradient: none is dropped by clipping."""
+    adv = inputs.advantages
+    ratio = torch.exp(inputs.log_ratio)
+    weight = ratio.clamp(max=1 + options.epsilon_high).detach()
+    loss = -weight * adv * inputs.logp
     clip_low = torch.zeros_like(ratio, dtype=torch.bool)
-    clip_high = (ratio > 1 + epsilon_high) & (adv > 0)
+    clip_high = (ratio > 1 + options.epsilon_high) & (adv > 0)
     return loss, clip_low, clip_high
 
 
-def _soft_gate(log_ratio, adv, gate: SoftGate):
+def soft_gate(inputs: TokenInputs, gate: SoftGate):
     """SAPO (Gao et al. 2025, arXiv 2511.20347): -f(r) A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, per token,
     tau by the sign of A (tau_pos for A > 0, tau_neg otherwise). Its slope f'(r) = 4 s (1 - s), with
     s = sigmoid(tau (r - 1)), is 1 at r = 1, so on-policy the gradient is GRPO's, -A grad log pi; away from r = 1
     it decays smoothly instead of dropping to 0 at a clip boundary, and a few off-policy tokens do not silence
     their sequence."""
-    ratio = torch.exp(log_ratio)
-    tau = torch.where(adv > 0, adv.new_tensor(gate.temperature_pos), adv.new_tensor(gate.temperature_neg))  # [B, 1]
+    adv = inputs.advantages
+    ratio = torch.exp(inputs.log_ratio)
+    tau = torch.where(adv > 0, adv.new_tensor(gate.temperature_pos), adv.new_tensor(gate.temperature_neg))  # [B, T]
     loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     nothing = torch.zeros_like(ratio, dtype=torch.bool)
     return loss, nothing, nothing
+
+
+def gamma(inputs: TokenInputs, shape: GammaShape):
+    """VESPO's surrogate (`_gamma`), the sampler correction folded into W."""
+    return _gamma(inputs.logp, inputs.log_ratio, inputs.advantages, inputs.mask, shape, inputs.sampler_weight)
 
 
 def _gamma(logp, log_ratio, advantages, mask, shape: GammaShape, sampler_weight):
@@ -250,19 +357,143 @@ def _gamma(logp, log_ratio, advantages, mask, shape: GammaShape, sampler_weight)
     if sampler_weight is not None:
         log_w = log_w + masked_sum(torch.log(sampler_weight.clamp(min=math.exp(VESPO_LOG_W_RANGE[0]))), mask, dim=1)
     log_w = log_w.detach().clamp(*VESPO_LOG_W_RANGE)
-    positive = advantages >= 0  # the authors' code and TRL: A = 0 takes the positive branch (its loss is 0 anyway)
-    k = torch.where(positive, advantages.new_tensor(shape.k_pos), advantages.new_tensor(shape.k_neg))
-    lam = torch.where(positive, advantages.new_tensor(shape.lambda_pos), advantages.new_tensor(shape.lambda_neg))
-    phi = torch.exp(k * log_w + lam * (1 - torch.exp(log_w)))  # [B], detached
-    loss = -phi[:, None] * advantages[:, None] * logp
+    # advantages are per token [B, T]: phi for either sign of A over the completions [B] (detached), then each
+    # token's by the sign of its A (the authors' code and TRL: A = 0 takes the positive branch; its loss is 0 anyway).
+    phi_pos, phi_neg = (
+        torch.exp(log_w.new_full(log_w.shape, k, dtype=advantages.dtype) * log_w
+                  + log_w.new_full(log_w.shape, lam, dtype=advantages.dtype) * (1 - torch.exp(log_w)))
+        for k, lam in ((shape.k_pos, shape.lambda_pos), (shape.k_neg, shape.lambda_neg))
+    )
+    phi = torch.where(advantages >= 0, phi_pos[:, None], phi_neg[:, None])  # [B, T]
+    loss = -phi * advantages * logp
     nothing = torch.zeros_like(logp, dtype=torch.bool)
     return loss, nothing, nothing
+
+
+# ----------------------------------------------------------------------------- the registry
+
+LOSS_VARIANTS: dict[str, LossVariant] = {}
+
+
+def register_loss(variant: LossVariant) -> LossVariant:
+    """Add a loss type under its name, so that `loss.type: NAME` selects it (a user's type can also be named by
+    import path without registering). A name is taken once: a second, different entry is an error."""
+    if not isinstance(variant, LossVariant):
+        raise TypeError(f"register_loss takes a LossVariant, got {type(variant).__name__}")
+    if ":" in variant.name or not variant.name:
+        raise ValueError(f"loss type name {variant.name!r}: a plain name (':' marks an import path)")
+    existing = LOSS_VARIANTS.get(variant.name)
+    if existing is not None and existing is not variant:
+        raise ValueError(f"loss type {variant.name!r} is already registered")
+    if not issubclass(variant.options, LossOptions):
+        raise TypeError(f"loss type {variant.name!r}: options must subclass losses.LossOptions")
+    LOSS_VARIANTS[variant.name] = variant
+    return variant
+
+
+_CLIP_KEYS = {"epsilon_low": "epsilon_low", "epsilon_high": "epsilon_high", "delta": "delta"}
+_AS_GRPO = "as `grpo`"
+
+for _variant in (
+    LossVariant(
+        "grpo", clipped_token_ratio, "sequence_mean", ClipOptions, "Shao et al. 2024, DeepSeekMath, eq. 3",
+        exact_zero_advantage_skip=True, title="GRPO", legacy_keys=_CLIP_KEYS, formula="-min(r_t A_t, clip(r_t) A_t)",
+        use="you want the reference GRPO behaviour; note it makes right answers short and wrong answers long (below)",
+    ),
+    LossVariant(
+        "bnpo", clipped_token_ratio, "micro_batch_token_mean", ClipOptions, "Xiao et al. 2025, BNPO",
+        title="BNPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        use="reproducing TRL's `bnpo`; the loss depends on how the batch is cut into micro-batches (by definition)",
+    ),
+    LossVariant(
+        "dr_grpo", clipped_token_ratio, "max_length", ClipOptions, "Liu et al. 2025, Dr. GRPO, eq. 7",
+        exact_zero_advantage_skip=True, title="Dr. GRPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        use="removing the length bias; pair with `scale_rewards: none`; raise the learning rate (the loss is divided "
+        "by L_max, not by lengths)",
+    ),
+    LossVariant(
+        "dapo", clipped_token_ratio, "batch_token_mean", ClipOptions, "Yu et al. 2025, DAPO, eq. 12",
+        exact_zero_advantage_skip=True, title="DAPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        use="long reasoning: every token weighs the same, so long completions are not diluted; pair with clip-higher",
+    ),
+    LossVariant(
+        "gspo", clipped_sequence_ratio, "sequence_mean", ClipOptions, "Zheng et al. 2025, GSPO, eq. 7",
+        exact_zero_advantage_skip=True, ratio="sequence", title="GSPO", legacy_keys=_CLIP_KEYS,
+        formula="-min(s_i A_t, clip(s_i) A_t), one ratio per completion s_i = exp(mean_t log r_t)",
+        use="MoE models or noisy per-token ratios; use a narrow clip range (3e-4 / 4e-4)",
+    ),
+    LossVariant(
+        "cispo", cispo, "batch_token_mean", CispoOptions, "MiniMax 2025, MiniMax-M1, eq. 4",
+        exact_zero_advantage_skip=True, title="CISPO", legacy_keys={"epsilon_high": "epsilon_high"},
+        formula="-sg(min(r_t, 1 + epsilon_high)) A_t log pi_theta(o_t)",
+        use="many updates per batch (`num_iterations` > 1): the weight is clipped but no token loses its gradient",
+    ),
+    LossVariant(
+        "sapo", soft_gate, "sequence_mean", SoftGate, "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347",
+        exact_zero_advantage_skip=True,
+        title="SAPO", legacy_keys={"sapo_temperature_pos": "temperature_pos", "sapo_temperature_neg": "temperature_neg"},
+        formula="-f(r_t) A_t, f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = `temperature_pos` if A_t > 0 else "
+        "`temperature_neg`",
+        use="off-policy updates (batch reuse, MoE routing noise) where a hard clip silences tokens or, in GSPO, whole "
+        "sequences: the gate fades each token's gradient smoothly; on-policy it is GRPO",
+    ),
+    LossVariant(
+        "luspo", clipped_sequence_ratio, "sequence_sum", ClipOptions, "Liu et al. 2026, LUSPO, arXiv 2602.05261",
+        exact_zero_advantage_skip=True, ratio="sequence", title="LUSPO", legacy_keys=_CLIP_KEYS, formula="as `gspo`",
+        use="GSPO's sequence ratio without GSPO's length bias (its responses shrink as training goes on); GSPO-like "
+        "narrow clip, 2e-3 / 2.5e-3",
+    ),
+    LossVariant(
+        "vespo", gamma, "batch_token_mean", GammaShape, "Shen et al. 2026, VESPO, arXiv 2602.10693, sec. 3.4",
+        exact_zero_advantage_skip=True, sampler_weight_in_ratio=True, ratio="sequence_product",
+        title="VESPO", legacy_keys={"vespo_k_pos": "k_pos", "vespo_lambda_pos": "lambda_pos", "vespo_k_neg": "k_neg",
+                     "vespo_lambda_neg": "lambda_neg"},
+        formula="-sg(phi(W_i)) A_t log pi_theta(o_t), W_i = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), "
+        "(k, lambda) by the sign of A_t",
+        use="stale batches (many mini-batches, asynchronous rollouts) and sampler mismatch: a smooth sequence-level "
+        "importance weight, no clip, no length normalisation",
+    ),
+):
+    register_loss(_variant)
+LOSS_TYPES = tuple(LOSS_VARIANTS)  # the built-in types (register_loss adds to LOSS_VARIANTS, not to this)
+
+# What each aggregation means, in the words of docs/loss_family.md's table (N completions, T real tokens in the
+# whole generation batch, L_max = rollout.max_completion_length).
+AGGREGATION_DOCS = {
+    "sequence_mean": "mean over each completion's tokens, then mean over the N completions",
+    "micro_batch_token_mean": "token mean within each micro-batch, then mean over micro-batches",
+    "max_length": "token sum / (N x L_max)",
+    "batch_token_mean": "token sum / T",
+    "sequence_sum": "token sum / N: each completion's loss times its length \\|o_i\\|, mean over the N completions",
+}
+
+
+def loss_variant(loss_type: str) -> LossVariant:
+    """A registered type by name, or a user's `LossVariant` by import path (`path/to/file.py:NAME` or
+    `package.module:NAME`, found as rewards are: user_functions.py)."""
+    variant = LOSS_VARIANTS.get(loss_type)
+    if variant is not None:
+        return variant
+    if ":" not in loss_type:
+        raise ValueError(
+            f"unknown loss_type {loss_type!r}; expected one of {tuple(LOSS_VARIANTS)} or a LossVariant by import path "
+            "('path/to/file.py:NAME' or 'package.module:NAME')"
+        )
+    from .errors import ConfigError
+    from .user_functions import resolve_function
+
+    found = resolve_function(loss_type, "loss.type", "loss type", ConfigError)
+    if not isinstance(found, LossVariant):
+        raise ConfigError(f"loss.type: {loss_type!r} is a {type(found).__name__}, not a grpo_trainer.losses.LossVariant")
+    if not issubclass(found.options, LossOptions):
+        raise ConfigError(f"loss.type: {loss_type!r}: its options model must subclass grpo_trainer.losses.LossOptions")
+    return found
 
 
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
-    loss_type: str,
+    loss_type: str | LossVariant,
     *,
     total_sequences: int,
     total_tokens: int | float,
@@ -281,7 +512,7 @@ def aggregate(
       sequence_sum (luspo): token sum / sequences, i.e. each sequence's loss weighted by its length
                             (Liu et al. 2026, LUSPO: GSPO's per-sequence mean times |o_i|)
     """
-    aggregation = loss_variant(loss_type).aggregation
+    aggregation = (loss_type if isinstance(loss_type, LossVariant) else loss_variant(loss_type)).aggregation
     if aggregation == "sequence_mean":
         per_sequence = masked_sum(loss, mask, dim=1) / mask.sum(1).clamp(min=1)
         return per_sequence.sum() / total_sequences

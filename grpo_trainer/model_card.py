@@ -28,6 +28,7 @@ from typing import Any
 from . import in_memory
 from .config import Config
 from .errors import UserError
+from .losses import AGGREGATION_DOCS
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -42,16 +43,6 @@ BUILTIN_MODELS = {
 }
 VERSIONS = ("grpo-trainer", "torch", "transformers", "accelerate", "peft", "datasets", "vllm", "deepspeed")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-LOSS_NAMES = {
-    "grpo": "GRPO (token mean per sequence, then mean over sequences)",
-    "bnpo": "BNPO (token sum over the micro-batch's tokens)",
-    "dr_grpo": "Dr. GRPO (token sum over sequences x max_completion_length)",
-    "dapo": "DAPO (token sum over the whole batch's tokens)",
-    "gspo": "GSPO (sequence-level ratio)",
-    "cispo": "CISPO (clipped importance-sampling weights)",
-}
-
-
 @dataclass(frozen=True)
 class Setup:
     """Where the run trained: what the card says under hardware and processes (None: not recorded)."""
@@ -161,7 +152,7 @@ def _license_in(card: Path | None) -> str | None:
 
 
 def _tags(cfg: Config, adapter: bool) -> list[str]:
-    tags = [LIBRARY_TAG, "reinforcement-learning", "grpo", cfg.loss.type]
+    tags = [LIBRARY_TAG, "reinforcement-learning", "grpo", cfg.loss.variant.name]
     if cfg.model.lora is not None or adapter:
         tags.append("lora")
     if cfg.rollout.tools:
@@ -183,6 +174,21 @@ def _title(cfg: Config, base: str | None) -> str:
     origin = f"[{base}](https://huggingface.co/{base})" if base else f"`{_describe_model(cfg)}`"
     return (f"# {name}\n\n{origin}, trained by grpo-trainer with reinforcement learning from verifiable rewards, "
             f"loss `{cfg.loss.type}`.")
+
+
+def _describe_loss(cfg: Config) -> str:
+    """The loss as the registry describes it (losses.LOSS_VARIANTS, or the user's type): paper, aggregation and
+    the options it was trained with."""
+    variant = cfg.loss.variant
+    options = ", ".join(f"{k} {_option(v)}" for k, v in cfg.loss.options.model_dump().items() if v is not None)
+    return (f"`{cfg.loss.type}`" + (f" ({variant.paper})" if variant.paper else "")
+            + f"; aggregation: {AGGREGATION_DOCS[variant.aggregation]}"
+            + (f"; options {options}" if options else "")
+            + f"; advantages `{cfg.loss.advantage}`, scaled by `{cfg.loss.scale_rewards}`; KL beta {cfg.loss.beta:g}")
+
+
+def _option(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _describe_model(cfg: Config) -> str:
@@ -207,9 +213,7 @@ def _training_section(cfg: Config, rows: list[dict[str, Any]], setup: Setup) -> 
     rewards = ", ".join(f"`{_reward_name(r)}` (weight {r.weight:g})" for r in cfg.rewards)
     lr = f"{cfg.train.learning_rate:g} ({cfg.train.lr_scheduler}, {cfg.train.warmup_steps} warmup steps)"
     table = [
-        ("loss", f"`{cfg.loss.type}`: {LOSS_NAMES.get(cfg.loss.type, '')}; advantages `{cfg.loss.advantage}`, "
-                 f"scaled by `{cfg.loss.scale_rewards}`; clip {cfg.loss.epsilon_low:g} / {cfg.loss.epsilon_high_value:g}; "
-                 f"KL beta {cfg.loss.beta:g}"),
+        ("loss", _describe_loss(cfg)),
         ("rewards", rewards),
         ("group size G", f"{cfg.rollout.num_generations} completions per prompt"),
         ("prompts per step", str(cfg.train.prompts_per_step)),

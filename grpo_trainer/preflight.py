@@ -44,7 +44,7 @@ def preflight(cfg: Config) -> list[str]:
             f"train.warmup_steps ({cfg.train.warmup_steps}) is not below the run's {optimizer_steps} optimizer steps: "
             "the learning rate never reaches train.learning_rate"
         )
-    if cfg.rollout.max_staleness and cfg.loss.tis_cap is None:
+    if cfg.rollout.max_staleness and not cfg.loss.correction_on:
         warnings.append(
             f"rollout.max_staleness {cfg.rollout.max_staleness} without loss.tis_cap: completions sampled by weights up to "
             f"{cfg.rollout.max_staleness} steps old are trained on as if the current policy had sampled them; set "

@@ -29,9 +29,9 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
     all_lengths = run.comm.gather(batch.lengths)
     all_truncated = run.comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
     with_sampler_gap = scored.rollout.sampling_logprobs is not None
-    corrected = with_sampler_gap and run.cfg.loss.tis_cap is not None
+    corrected = with_sampler_gap and run.cfg.loss.correction_on
     step_metrics = stats.metrics(
-        batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.beta > 0,
+        batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.kl_on,
         with_sampler_gap=with_sampler_gap, tis_mode=run.cfg.loss.tis_mode if corrected else None,
         off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None,
     )
@@ -119,8 +119,8 @@ class ProgressBar:
     def __init__(self, cfg: Config, is_main: bool, start_step: int):
         self.enabled = is_main
         self.bar = None
-        self.with_kl = cfg.loss.beta > 0
-        self.with_clip = cfg.train.num_iterations > 1 or cfg.train.mini_batches > 1
+        self.with_kl = cfg.loss.kl_on
+        self.with_clip = cfg.train.policy_moves_within_step
         if is_main and cfg.logging.progress_bar:
             from tqdm.auto import tqdm
 

@@ -205,7 +205,7 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
 
 def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     """A frozen copy for the KL term; none with beta = 0, and none for LoRA (the adapter-disabled policy is it)."""
-    if cfg.loss.beta == 0 or is_lora(lm):
+    if not cfg.needs_reference or is_lora(lm):  # is_lora: an in-memory model given with its adapters
         return None
     reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
                               cfg.model.share_prompt, chunk_agreement(accelerator))

@@ -47,7 +47,6 @@ from .batches import build_train_batch
 from .collect import collect
 from .config import Config
 from .evaluate import evaluate_model
-from .losses import loss_variant
 from .metrics import PhaseTimer
 from .report import report, step_record
 from .preemption import StopRequests
@@ -161,8 +160,8 @@ def skips_zero_advantage(cfg: Config) -> bool:
     """Leave zero-advantage completions out of the passes: exact only without a KL or entropy term (both have a
     gradient at A = 0) and for losses whose normaliser does not count the tokens present in a micro-batch
     (losses.LossVariant)."""
-    return (cfg.train.skip_zero_advantage and cfg.loss.beta == 0 and not cfg.loss.entropy_term
-            and loss_variant(cfg.loss.type).exact_zero_advantage_skip)
+    return (cfg.train.skip_zero_advantage and not cfg.loss.kl_on and not cfg.loss.entropy_term
+            and cfg.loss.variant.exact_zero_advantage_skip)
 
 
 def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:

@@ -24,11 +24,10 @@ logger = logging.getLogger("grpo_trainer")
 @torch.no_grad()
 def add_logprobs(run, batch: TrainBatch) -> None:
     """Per micro-batch, before any update: old log-probs (only when the sampling-time policy differs from the
-    one being trained by some step, i.e. num_iterations > 1 or mini_batches > 1: otherwise the old policy
-    *is* the current one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only
-    when beta > 0)."""
+    one being trained by some step, `train.policy_moves_within_step`: otherwise the old policy *is* the current
+    one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only when `loss.kl_on`)."""
     cfg = run.cfg
-    needs_old = cfg.train.num_iterations > 1 or cfg.train.mini_batches > 1
+    needs_old = cfg.train.policy_moves_within_step
     rho = cfg.loss.top_entropy_quantile
     entropies = []
     for mb in batch.micro_batches:
@@ -39,7 +38,7 @@ def add_logprobs(run, batch: TrainBatch) -> None:
             logp, entropy = run.policy(**mb.sequences, with_entropy=rho < 1)
             mb.old_logp = logp if needs_old else None
             entropies.append(entropy)
-        if cfg.loss.beta > 0:
+        if cfg.loss.kl_on:
             mb.ref_logp = _reference_logprobs(run, mb.sequences)
     if rho < 1:
         batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho))
@@ -230,7 +229,7 @@ def micro_batch_loss(
     term: EntropyTerm | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
-    clipping/KL sums of `losses.token_loss` (plus `is_capped`, tokens outside the rollout-correction range,
+    clipping/KL sums of `losses.per_token_loss` (plus `is_capped`, tokens outside the rollout-correction range,
     `off_policy_masked`, completions off-policy sequence masking left out, and `entropy_term`, c times this share
     of H, when the loss has an entropy term: `entropy` then carries its gradient).
 
@@ -241,7 +240,7 @@ def micro_batch_loss(
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
-    if mb.sampling_logp is not None and cfg.loss.tis_cap is not None:
+    if mb.sampling_logp is not None and cfg.loss.correction_on:
         correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
                                                       floor=cfg.loss.tis_min)
     if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler, pi_old without one
@@ -249,19 +248,19 @@ def micro_batch_loss(
         keep = losses.off_policy_sequence_mask(logp, behaviour, mb.advantages, mb.mask, cfg.loss.off_policy_mask_threshold)
         masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
         gate = keep if gate is None else gate * keep
-    token_loss, parts = losses.token_loss(
-        logp, old, mb.advantages, mb.mask, cfg.loss.type,
-        epsilon_low=cfg.loss.epsilon_low, epsilon_high=cfg.loss.epsilon_high_value, delta=cfg.loss.delta,
+    variant = cfg.loss.variant
+    token_loss, parts = losses.per_token_loss(
+        variant, cfg.loss.options, logp, old, mb.advantages[:, None].expand_as(logp), mb.mask,
         ref_logp=mb.ref_logp, beta=cfg.loss.beta,
         policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
-        sampler_weight=correction, soft_gate=cfg.loss.soft_gate, gamma=cfg.loss.gamma_shape,
+        sampler_weight=correction,
     )
     if capped is not None:
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
     if masked_sequences is not None:
         parts["off_policy_masked"] = masked_sequences
     share = losses.aggregate(
-        token_loss, mb.mask, cfg.loss.type,
+        token_loss, mb.mask, variant,
         total_sequences=geometry.total_completions // geometry.mini_batches,
         total_tokens=batch.mini_batch_totals[mb.mini_batch],
         max_completion_length=cfg.rollout.max_completion_length,

@@ -20,7 +20,7 @@ def test_demo_config_loads_and_defaults_fill_in():
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml")
     assert cfg.model.name_or_path == "builtin:tiny"
     assert cfg.rewards[0].name == "math_accuracy"
-    assert cfg.loss.epsilon_high_value == cfg.loss.epsilon_low  # None means symmetric
+    assert cfg.loss.options.epsilon_high_value == cfg.loss.options.epsilon_low  # None means symmetric
     assert cfg.checkpoint.resume == "never"
 
 
@@ -49,7 +49,7 @@ def test_override_item_of_default_reward_list():
     [
         ("trian.max_steps=3", "trian: unknown key; did you mean 'train'"),
         ("train.max_step=3", "train.max_step: unknown key; did you mean 'train.max_steps'"),
-        ("loss.epsilon_hi=0.3", "did you mean 'loss.epsilon_high'"),
+        ("loss.epsilon_hi=0.3", "did you mean 'loss.options.epsilon_high'"),
         ("rewards.0.wieght=2", "did you mean 'rewards.0.weight'"),
     ],
 )
@@ -60,7 +60,7 @@ def test_unknown_keys_name_the_path_and_suggest(override, expected):
 
 
 def test_unknown_key_without_close_match_lists_valid_keys():
-    with pytest.raises(ConfigError, match=r"loss.zzz: unknown key; valid keys here: type, beta"):
+    with pytest.raises(ConfigError, match=r"loss.zzz: unknown key; valid keys here: type, options, beta"):
         load_config(None, ["loss.zzz=1"])
 
 
@@ -69,7 +69,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     [
         ("train.max_steps=abc", "train.max_steps"),
         ("train.max_steps=0", "train.max_steps: Input should be greater than 0"),
-        ("loss.type=ppo", "loss.type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
+        ("loss.type=ppo", "loss.type: unknown loss_type 'ppo'; expected one of ('grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo', 'cispo', 'sapo', 'luspo', 'vespo')"),
         ("rollout.num_generations=1", "rollout.num_generations"),
         ("loss.scale_rewards=std", "loss.scale_rewards"),
     ],
@@ -85,7 +85,7 @@ def test_wrong_types_and_values_name_the_key(override, expected):
     [
         (["train.micro_batch_size=5"], "train.micro_batch_size (5) must divide the completions per step"),
         (["train.micro_batch_size=1024"], "larger than the completions per step"),
-        (["loss.delta=1.1"], "loss.delta (1.1) must be larger than 1 + epsilon_high"),
+        (["loss.delta=1.1"], "loss: options: delta (1.1) must be larger than 1 + epsilon_high"),
         (["rollout.vllm_server.weight_sync=nfs"], "rollout.vllm_server.weight_sync: Input should be 'nccl', 'gloo', 'disk' or 'none'"),
         (["rollout.vllm_server.base_url=http://a:1", "rollout.vllm_server.urls=[http://b:1]"],
          "rollout.vllm_server: give either base_url (one server) or urls (several), not both"),

@@ -16,15 +16,31 @@ from helpers import assert_same_run, run_cli, small_run_overrides
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["loss.sapo_temperature_neg=2"], "loss: sapo_temperature_neg (2.0) is not used by type grpo; it is read by: sapo"),
+        # The flat keys of earlier versions: each names the types that read it.
+        (["loss.sapo_temperature_neg=2"], "loss: sapo_temperature_neg (2) is not used by type grpo; it is read by: sapo"),
         (["loss.type=sapo", "loss.epsilon_high=0.28"],
          "loss: epsilon_high (0.28) is not used by type sapo; it is read by: grpo, bnpo, dr_grpo, dapo, gspo, cispo, luspo"),
-        (["loss.type=vespo", "loss.delta=2"], "loss: delta (2.0) is not used by type vespo"),
-        (["loss.type=luspo", "loss.vespo_k_pos=1"], "loss: vespo_k_pos (1.0) is not used by type luspo; it is read by: vespo"),
+        (["loss.type=vespo", "loss.delta=2"], "loss: delta (2) is not used by type vespo"),
+        (["loss.type=luspo", "loss.vespo_k_pos=1"], "loss: vespo_k_pos (1) is not used by type luspo; it is read by: vespo"),
         (["loss.type=cispo", "loss.epsilon_low=0.1"], "loss: epsilon_low (0.1) is not used by type cispo"),
+        # loss.options: checked by the type's own model.
+        (["loss.options.k_pos=1"],
+         "loss: options.k_pos is not used by type grpo (its options: epsilon_low, epsilon_high, delta); it is read by: vespo"),
+        (["loss.type=sapo", "loss.options.epsilon_low=0.1"],
+         "loss: options.epsilon_low is not used by type sapo (its options: temperature_pos, temperature_neg); it is read "
+         "by: grpo, bnpo, dr_grpo, dapo, gspo, luspo"),
+        (["loss.options.espilon_low=0.1"], "loss: options.espilon_low is not used by type grpo (its options: epsilon_low"),
+        (["loss.type=sapo", "loss.options.temperature_pos=0"], "loss: options.temperature_pos: Input should be greater than 0 (got 0)"),
+        (["loss.type=sapo", "loss.sapo_temperature_pos=0"],
+         "loss: sapo_temperature_pos (options.temperature_pos of type sapo): Input should be greater than 0 (got 0)"),
+        (["loss.delta=1.1"], "loss: options: delta (1.1) must be larger than 1 + epsilon_high (1.2)"),
+        (["loss.options.epsilon_low=true"], "loss: options.epsilon_low: expected a number, not true"),
+        (["loss.type=sapo", "loss.sapo_temperature_pos=false"], "loss: sapo_temperature_pos: expected a number, not false"),
+        (["loss.epsilon_low=0.1", "loss.options.epsilon_low=0.3"],
+         "loss: epsilon_low and options.epsilon_low are the same option of type grpo: set only options.epsilon_low"),
         (["loss.type=vespo", "loss.tis_cap=2", "loss.tis_mode=sequence_truncate"],
-         "loss.type vespo folds the per-token rollout correction into its sequence ratio W"),
-        (["loss.type=sapo", "loss.sapo_temperature_pos=0"], "loss.sapo_temperature_pos: Input should be greater than 0"),
+         "loss.type vespo folds the per-token rollout correction into its own ratio"),
+        (["loss.type=ppo"], "loss.type: unknown loss_type 'ppo'; expected one of ('grpo', "),
     ],
 )
 def test_an_option_the_loss_type_does_not_read_is_an_error(overrides, message):
@@ -34,10 +50,10 @@ def test_an_option_the_loss_type_does_not_read_is_an_error(overrides, message):
 
 
 def test_each_loss_type_accepts_its_own_options_and_a_resolved_config_reloads():
-    cfg = load_config(None, ["loss.type=sapo", "loss.sapo_temperature_pos=0.5", "loss.sapo_temperature_neg=2"])
-    assert (cfg.loss.soft_gate.temperature_pos, cfg.loss.soft_gate.temperature_neg) == (0.5, 2.0)
+    cfg = load_config(None, ["loss.type=sapo", "loss.options.temperature_pos=0.5", "loss.sapo_temperature_neg=2"])
+    assert (cfg.loss.options.temperature_pos, cfg.loss.options.temperature_neg) == (0.5, 2.0)
     cfg = load_config(None, ["loss.type=vespo", "loss.vespo_k_neg=4", "loss.tis_cap=2", "loss.tis_mode=token_mask"])
-    assert cfg.loss.gamma_shape.k_neg == 4.0
+    assert cfg.loss.options.k_neg == 4.0
     # A run writes its resolved config (every key, defaults included) and `eval` reads it back: that must load.
     import yaml
 

@@ -425,19 +425,21 @@ def test_importance_weight_scales_the_policy_term_and_not_the_kl():
 
 
 def test_the_variant_table_names_every_loss_type_and_drives_aggregation():
-    from grpo_trainer.config import LossConfig
-    from grpo_trainer.losses import LOSS_VARIANTS
+    from grpo_trainer.losses import LOSS_VARIANTS, ClipOptions, GammaShape, SoftGate, clipped_sequence_ratio
 
-    assert set(LOSS_VARIANTS) == set(LOSS_TYPES) == set(LossConfig.model_fields["type"].annotation.__args__)
+    assert tuple(LOSS_VARIANTS)[: len(LOSS_TYPES)] == LOSS_TYPES
     assert [v.name for v in LOSS_VARIANTS.values() if v.per_micro_batch] == ["bnpo"]
     assert [v.name for v in LOSS_VARIANTS.values() if not v.exact_zero_advantage_skip] == ["bnpo"]
     assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence"] == ["gspo", "luspo"]
+    assert [v.name for v in LOSS_VARIANTS.values() if v.surrogate is clipped_sequence_ratio] == ["gspo", "luspo"]
     assert [v.name for v in LOSS_VARIANTS.values() if v.ratio == "sequence_product"] == ["vespo"]
-    # What each reads: the options table drives the config's check (tests/test_loss_family_2026.py).
-    assert LOSS_VARIANTS["sapo"].options == ("sapo_temperature_pos", "sapo_temperature_neg")
-    assert LOSS_VARIANTS["vespo"].options == ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-    assert LOSS_VARIANTS["luspo"].options == LOSS_VARIANTS["gspo"].options == ("epsilon_low", "epsilon_high", "delta")
-    assert all(set(v.options) <= set(LossConfig.model_fields) for v in LOSS_VARIANTS.values())
+    assert [v.name for v in LOSS_VARIANTS.values() if v.sampler_weight_in_ratio] == ["vespo"]
+    # What each reads: its own options model drives the config's check (tests/test_loss_family_2026.py).
+    assert LOSS_VARIANTS["sapo"].options is SoftGate and LOSS_VARIANTS["vespo"].options is GammaShape
+    assert LOSS_VARIANTS["luspo"].options is LOSS_VARIANTS["gspo"].options is ClipOptions
+    assert list(LOSS_VARIANTS["cispo"].options.model_fields) == ["epsilon_high"]
+    assert dict(LOSS_VARIANTS["sapo"].legacy_keys) == {"sapo_temperature_pos": "temperature_pos",
+                                                       "sapo_temperature_neg": "temperature_neg"}
 
 
 def test_kl_k3_is_zero_only_at_equality_and_positive_elsewhere():

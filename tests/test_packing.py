@@ -278,8 +278,8 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
                  "train.mini_batches=2", "train.num_iterations=2", "rollout.max_completion_length=32",
                  f"loss.type={loss_type}", "loss.beta=0.04", "loss.top_entropy_quantile=0.5",
                  "loss.mask_truncated_completions=true"]
-    if "epsilon_low" in LOSS_VARIANTS[loss_type].options:  # a key its surrogate does not read is refused
-        overrides.append("loss.epsilon_low=0.005")
+    if "epsilon_low" in LOSS_VARIANTS[loss_type].options.model_fields:  # an option of another type is refused
+        overrides.append("loss.options.epsilon_low=0.005")
     if budget:
         overrides.append(f"train.micro_batch_tokens={budget}")
     if entropy_coef:

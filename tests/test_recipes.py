@@ -6,6 +6,7 @@ instead of in front of a user. The loss recipes also keep the settings that defi
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
 import pytest
@@ -31,20 +32,22 @@ def test_recipe_validates(path):
 @pytest.mark.parametrize(
     "name, loss_type, expected",
     [
-        ("dapo.yaml", "dapo", {"epsilon_low": 0.2, "epsilon_high_value": 0.28, "beta": 0.0, "mask_truncated_completions": True}),
+        ("dapo.yaml", "dapo", {"options.epsilon_low": 0.2, "options.epsilon_high_value": 0.28, "beta": 0.0,
+                               "mask_truncated_completions": True}),
         ("dr_grpo.yaml", "dr_grpo", {"scale_rewards": "none"}),
-        ("gspo.yaml", "gspo", {"epsilon_low": 3.0e-4, "epsilon_high_value": 4.0e-4}),
-        ("cispo.yaml", "cispo", {"epsilon_high_value": 0.28}),
-        ("sapo.yaml", "sapo", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}),
-        ("luspo.yaml", "luspo", {"epsilon_low": 2.0e-3, "epsilon_high_value": 2.5e-3}),
-        ("vespo.yaml", "vespo", {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}),
+        ("gspo.yaml", "gspo", {"options.epsilon_low": 3.0e-4, "options.epsilon_high_value": 4.0e-4}),
+        ("cispo.yaml", "cispo", {"options.epsilon_high": 0.28}),
+        ("sapo.yaml", "sapo", {"options.temperature_pos": 1.0, "options.temperature_neg": 1.05}),
+        ("luspo.yaml", "luspo", {"options.epsilon_low": 2.0e-3, "options.epsilon_high_value": 2.5e-3}),
+        ("vespo.yaml", "vespo", {"options.k_pos": 2.0, "options.lambda_pos": 3.0, "options.k_neg": 3.0,
+                                 "options.lambda_neg": 2.0}),
     ],
 )
 def test_loss_recipes_keep_their_defining_settings(name, loss_type, expected):
     cfg = load_config(CONFIGS / name)
     assert cfg.loss.type == loss_type
     for key, value in expected.items():
-        assert getattr(cfg.loss, key) == value, key
+        assert operator.attrgetter(key)(cfg.loss) == value, key
     # Runnable on a CPU: the embedded tiny model and task.
     assert cfg.model.name_or_path == "builtin:tiny" and cfg.data.source == "builtin:arithmetic"
 
