@@ -406,7 +406,8 @@ HARMLESS_PREFIXES = ("output_dir", "train.max_steps", "logging.", "checkpoint.",
 def check_resume_compatible(
     saved: dict[str, Any], current: dict[str, Any], saved_world: int | None, world: int, force: bool
 ) -> list[tuple[str, bool]]:
-    """Compare the checkpoint's resolved config with this run's.
+    """Compare the checkpoint's resolved config (`resolved_today`'s, for a checkpoint of an earlier version) with
+    this run's.
 
     Returns (note, harmless) for each allowed change, to be logged (a change that is neither
     harmless nor refused, e.g. the learning rate, deserves a warning); raises TrainingError listing
@@ -426,6 +427,18 @@ def check_resume_compatible(
         )
     notes = [(f"{k}: {old.get(k)!r} -> {new.get(k)!r}", k.startswith(HARMLESS_PREFIXES)) for k in changed if k not in refused]
     return notes + [(f"(forced) {p}", False) for p in problems]
+
+
+def resolved_today(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config as this version resolves it (an older version's keys, e.g. the flat loss options,
+    read into today's places), so that only real changes are reported; as saved where it no longer loads."""
+    from .config import config_from_dict
+    from .errors import UserError
+
+    try:
+        return config_from_dict(saved, source="the checkpoint's config").model_dump(mode="json")
+    except (UserError, ValueError, TypeError):
+        return saved
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -211,7 +211,7 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
         return None
     if cfg.checkpoint.save_final_model and not (Path(cfg.output_dir) / "model" / "config.json").is_file():
         return None  # stopped between its last checkpoint and its final model: resuming saves the model
-    ckpt.check_resume_compatible(saved.get("config", {}), cfg.model_dump(mode="json"), None, 1,
+    ckpt.check_resume_compatible(ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), None, 1,
                                  cfg.checkpoint.force_resume)
     setup_logging(cfg, is_main_process)
     logger.info("the run in %s is complete (checkpoint %s, step %d; train.max_steps=%d): nothing to train; raise "

@@ -221,7 +221,7 @@ def resume(run: Run) -> None:
     if found is not None:
         saved = ckpt.read_trainer_state(found)
         for note, harmless in ckpt.check_resume_compatible(
-            saved.get("config", {}), cfg.model_dump(mode="json"), saved.get("world_size"), run.geometry.world,
+            ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), saved.get("world_size"), run.geometry.world,
             cfg.checkpoint.force_resume,
         ):
             (logger.info if harmless else logger.warning)("changed on resume: %s", note)

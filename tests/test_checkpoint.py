@@ -180,3 +180,17 @@ def test_a_checkpoint_without_a_manifest_is_used_and_said_to_be_unverified(tmp_p
     (folder / MANIFEST).write_text(json.dumps({"files": {TRAINER_STATE: {
         "size": state.stat().st_size, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}}}))
     assert find_resume_checkpoint(tmp_path, "auto") == (folder, [])
+
+
+def test_a_checkpoint_of_an_earlier_version_reports_only_real_changes_on_resume():
+    """Its config's flat loss keys (loss.epsilon_low, ...) are read into today's loss.options before comparing,
+    so resuming it says nothing changed (it said 'loss.epsilon_low: 0.2 -> None' for every flat key)."""
+    from grpo_trainer.checkpoint import check_resume_compatible, resolved_today
+    from grpo_trainer.config import load_config
+
+    current = load_config("configs/demo_cpu.yaml").model_dump(mode="json")
+    saved = json.loads(json.dumps(current))
+    options = saved["loss"].pop("options")
+    saved["loss"].update(epsilon_low=options["epsilon_low"], epsilon_high=options["epsilon_high"])
+    assert any(note.startswith("loss.") for note, _ in check_resume_compatible(saved, current, 1, 1, force=False))
+    assert check_resume_compatible(resolved_today(saved), current, 1, 1, force=False) == []
