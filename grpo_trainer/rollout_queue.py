@@ -213,7 +213,7 @@ class RolloutQueue:
             busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
             self._busy, self._busy_since = 0.0, (now if self._busy_since is not None else None)
         out = self._step_metrics
-        if self.engine.samples_outside_process:
+        if self.engine.needs_weight_sync:  # docs/async.md: every engine that samples outside the training model
             out = {**out, "timing/rollout_wait": self._waited, "timing/server_idle": max(0.0, now - self._window - busy)}
         self._step_metrics, self._waited, self._window = {}, 0.0, now
         return out
@@ -416,7 +416,7 @@ def push_weights(engine: RolloutEngine, comm: Collectives, model: Callable[[], t
         return  # the hf engine samples from the training model: nothing to push, nothing to gather
     bare_lm = model()
     for _ in range(MAX_RECOVERIES + 1):
-        status, error = OK, None
+        status, error = OK, None  # type: tuple[int, Exception | None]
         try:
             engine.sync_weights(bare_lm, version=version, gather=gather)
         except WeightsLost as exc:

@@ -130,10 +130,14 @@ def build_run(cfg: Config) -> Run:
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
     comm = distributed.Collectives(accelerator)
+
+    def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
+        return distributed.unwrap(accelerator, policy).lm
+
     engine = build_engine(
         cfg,
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
-        get_model=lambda: distributed.unwrap(accelerator, policy).lm,
+        get_model=bare_lm,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
@@ -150,7 +154,7 @@ def build_run(cfg: Config) -> Run:
     settings = QueueSettings.of(cfg)
     rollouts = RolloutQueue(
         engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler,
-        push=weight_pusher(engine, comm, lambda: distributed.unwrap(accelerator, policy).lm, accelerator, settings.checkpoints),
+        push=weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints),
     )
     run = Run(
         cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,

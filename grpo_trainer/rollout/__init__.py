@@ -127,17 +127,25 @@ class RolloutEngine(Protocol):
     """What the loop asks of an engine. The capabilities (the attributes) are the engine class's own, the same
     for every instance, and match its entry in engines.py; a wrapper forwards every one (multi_turn.py)."""
 
-    needs_weight_sync: bool  # False when the engine samples from the training model itself
-    # Sampling runs in another process (a server), so it can overlap the update (rollout.max_staleness >= 1) and
-    # the main thread's wait for it is worth measuring.
-    samples_outside_process: bool
-    # The sampler is a process that can restart without the pushed weights: `generate` then raises WeightsLost,
-    # and a request can find it gone (ServerGone) until it is back (`reconnect`).
-    can_lose_weights: bool
-    # The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
-    # every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going). None
-    # elsewhere.
-    lockstep: Any
+    # Read-only properties here, so that a class attribute and a wrapper's forwarding property both satisfy them.
+    @property
+    def needs_weight_sync(self) -> bool:
+        """False when the engine samples from the training model itself: no push, and no ZeRO-3 gather for one."""
+
+    @property
+    def samples_outside_process(self) -> bool:
+        """Sampling runs in another process (a server), so it can overlap the update (rollout.max_staleness >= 1)."""
+
+    @property
+    def can_lose_weights(self) -> bool:
+        """The sampler is a process that can restart without the pushed weights: `generate` then raises
+        WeightsLost, and a request can find it gone (ServerGone) until it is back (`reconnect`)."""
+
+    @property
+    def lockstep(self) -> Any:
+        """The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
+        every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going).
+        None elsewhere."""
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  max_tokens: int | None = None) -> Rollout:
