@@ -28,6 +28,7 @@ from .checkpoint import find_resume_checkpoint, flatten, read_trainer_state
 from .config import Config, RewardConfig, config_from_dict, read_config_file, set_dotted, apply_override
 from .data import with_every_column
 from .errors import ConfigError
+from .rollout.engines import engine_kind
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -272,7 +273,7 @@ def _where_loaded_from(model: Any) -> str:
 
 def _check_objects_fit(cfg: Config, objects: dict[str, Any]) -> None:
     """What cannot work with objects stops here, before anything loads."""
-    if "model" in objects and cfg.rollout.engine != "hf":
+    if "model" in objects and not engine_kind(cfg.rollout.engine).samples_from_training_model:
         raise ConfigError(f"rollout.engine: {cfg.rollout.engine} loads the model from model.name_or_path; a model "
                           "given as an object samples with rollout.engine=hf (or pass its folder in the config)")
     if cfg.eval.every and in_memory.is_reference(cfg.data.source) and cfg.data.eval_source is None:

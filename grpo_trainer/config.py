@@ -25,10 +25,12 @@ from .errors import ConfigError, UserError
 from .geometry import geometry_of
 from .advantages import ESTIMATORS
 from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
+from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that
 
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
 ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
+EngineName = Literal[ENGINE_NAMES]  # rollout/engines.py: each engine's entry declares what it can do
 
 
 class _Section(BaseModel):
@@ -258,7 +260,7 @@ MOVED_KEYS = {f"rollout.vllm.{key}": f"rollout.vllm_server.{key}" for key in VLL
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm_colocate", "vllm_server"] = Field(
+    engine: EngineName = Field(
         "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
     )
     hf: HFEngineConfig = Field(default_factory=HFEngineConfig, description="The transformers decode loop (hf).")
@@ -324,9 +326,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _async_needs_a_server(self):
-        if self.max_staleness > 0 and self.engine != "vllm_server":
+        if self.max_staleness > 0 and not ENGINES[self.engine].samples_outside_process:
             raise ValueError(
-                f"rollout.max_staleness {self.max_staleness} needs rollout.engine vllm_server: the {self.engine} engine "
+                f"rollout.max_staleness {self.max_staleness} needs rollout.engine "
+                f"{' or '.join(engines_that('samples_outside_process'))}: the {self.engine} engine "
                 "samples in the training process, so sampling cannot overlap the update (use max_staleness 0)"
             )
         if self.max_staleness > 0 and self.tools:

@@ -4,7 +4,8 @@ The schema (`config.py`) judges what a config says on its own. This judges it ag
 resume path that must exist, a model the chosen engine can run here, trackers that can start here, and
 settings that are legal but rarely meant (returned as warnings). `validate` prints both; `train` runs the
 same checks first, so a run that cannot work stops in seconds with one line naming the key, not after
-loading a model. `train` also waits here for the vLLM servers of `rollout.engine: vllm_server` (up to
+loading a model. What depends on the engine is asked of its entry (rollout/engines.py), not its name.
+`train` also waits here for the vLLM servers of `rollout.engine: vllm_server` (up to
 `rollout.vllm_server.startup_timeout`: a server may still be starting) and refuses an address where
 something other than vLLM answers; `validate` does not (the servers may not be up while a config is written).
 """
@@ -18,6 +19,7 @@ from .checkpoint import require_complete
 from .config import Config
 from .errors import ConfigError
 from .geometry import geometry_of
+from .rollout.engines import engine_kind
 from .trackers import check_installed as check_trackers_installed
 from .trackers import check_ready as check_trackers_ready
 
@@ -33,7 +35,7 @@ def preflight(cfg: Config) -> list[str]:
     do what was meant."""
     if cfg.checkpoint.resume not in ("auto", "never"):
         require_complete(cfg.checkpoint.resume)
-    if cfg.rollout.engine == "vllm_colocate":
+    if engine_kind(cfg.rollout.engine).vllm_in_process:
         _check_vllm_can_run(cfg)
     check_trackers_installed(cfg)
     check_trackers_ready(cfg)
@@ -85,7 +87,7 @@ def run_preflight(cfg: Config) -> None:
     """`preflight`, with its warnings logged, then the servers (what `train` does before anything loads)."""
     for warning in preflight(cfg):
         logger.warning("%s", warning)
-    if cfg.rollout.engine == "vllm_server":
+    if engine_kind(cfg.rollout.engine).vllm_servers:
         from .rollout.vllm_server import check_servers
 
         check_servers(cfg.rollout.vllm_server, log=logger.info)

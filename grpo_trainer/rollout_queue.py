@@ -21,8 +21,9 @@ more than K versions older than the trainer's weights: such groups are left out,
 the current weights. (The schedule never produces them; a server that lost its weights, or a resumed run with a
 smaller K, can.)
 
-Faults (a `vllm_server` engine; the engine waits up to `rollout.vllm_server.reconnect_timeout` for a server that
-went away). A server that came back has lost the pushed weights (vLLM starts from its model folder): the engine's
+Faults (an engine that `can_lose_weights`, today `vllm_server`; the engine waits up to
+`rollout.vllm_server.reconnect_timeout` for a server that went away, and so does the queue, through
+`engine.reconnect`, for one found gone between requests). A server that came back has lost the pushed weights (vLLM starts from its model folder): the engine's
 `generate` raises `WeightsLost`. Every rank learns of it at the next point where all ranks meet (`take`,
 `sample_more`, before a push), the current weights are pushed again, and every batch not yet trained is sampled
 again: the restart happened at one moment for all ranks, and a batch that ended after it came from the wrong
@@ -34,6 +35,11 @@ rank.
 Checkpoints record the prompts drawn but not yet trained (`state_dict`); a resumed run samples them first, with
 the resumed weights, so no prompt is lost and none is trained twice. (Their completions are not saved: a resumed
 run samples them again, with newer weights than an uninterrupted run would have used.)
+
+The queue is given what it uses, not the run: the engine, its settings (`QueueSettings`, from the config), the
+batch geometry, the ranks' collectives, the task's prompts, the prompt sampler, and `push(version)`, which makes the
+engine sample with the trainer's current weights (`weight_pusher`: the trainer's model, gathered piecewise under
+ZeRO-3). What the engine can do it asks the engine (`can_lose_weights`, `samples_outside_process`, `reconnect`).
 
 Deliberately not here: dynamic sampling's decisions (collect.py asks for more with `sample_more`), rewards, and
 how an engine talks to its server (rollout/).
@@ -49,15 +55,21 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .errors import TrainingError
-from .rollout import Rollout, mix_seed
-
-from .rollout.vllm_server import ServerGone, WeightsLost
+from .rollout import Rollout, RolloutEngine, ServerGone, WeightsLost, mix_seed
 from .rollout.weight_sync import zero3_gather
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data import PromptSampler
+    from .distributed import Collectives
+    from .geometry import Geometry
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -67,6 +79,35 @@ MAX_RECOVERIES = 3  # weight losses in a row at one meeting point before giving 
 
 class ServerLostError(TrainingError):
     """The rollout server went away and did not come back in time."""
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """What the schedule reads from the config."""
+
+    max_staleness: int  # rollout.max_staleness, K
+    prompts_per_step: int  # train.prompts_per_step: drawn per batch (every rank's)
+    max_steps: int  # train.max_steps: nothing is queued past it
+    seed: int  # the run's seed: each group's seed with rollout.seed_per_prompt
+    seed_per_prompt: bool  # rollout.seed_per_prompt
+    reconnect_timeout: float  # rollout.vllm_server.reconnect_timeout: the wait for a sampler found gone
+    checkpoints: str  # where the run's checkpoints are (named when the server is lost for good)
+
+    @classmethod
+    def of(cls, cfg: Config) -> QueueSettings:
+        return cls(max_staleness=cfg.rollout.max_staleness, prompts_per_step=cfg.train.prompts_per_step,
+                   max_steps=cfg.train.max_steps, seed=cfg.seed, seed_per_prompt=cfg.rollout.seed_per_prompt,
+                   reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout, checkpoints=checkpoints_of(cfg))
+
+
+def checkpoints_of(cfg: Config) -> str:
+    return f"{cfg.output_dir}/checkpoints"
+
+
+class PromptSource(Protocol):
+    """The task's side of sampling: prompt indices to token ids (task.Task)."""
+
+    def prompt_ids(self, indices: list[int]) -> list[list[int]]: ...
 
 
 @dataclass
@@ -105,17 +146,19 @@ class _Worker:
 
 
 class RolloutQueue:
-    """The rollouts of the run's steps, sampled on schedule (module docstring). Reads `run.cfg`, `run.geometry`,
-    `run.comm`, `run.engine`, `run.task`, `run.sampler`, and (for pushes) `run.bare_lm`, `run.accelerator`.
+    """The rollouts of the run's steps, sampled on schedule (module docstring). `push(version)` makes the engine
+    sample with the trainer's current weights (every rank calls it; `weight_pusher`).
 
     Versions: during step t, before its update, the trainer holds version t-1; after it, version t."""
 
-    def __init__(self, run):
-        self.run = run
-        self.max_staleness = run.cfg.rollout.max_staleness
+    def __init__(self, engine: RolloutEngine, settings: QueueSettings, *, geometry: Geometry, comm: Collectives,
+                 task: PromptSource, sampler: PromptSampler, push: Callable[[int], None]):
+        self.engine, self.settings, self.push = engine, settings, push
+        self.geometry, self.comm, self.task, self.sampler = geometry, comm, task, sampler
+        self.max_staleness = settings.max_staleness
         self.version = 0  # the weights the sampler holds, as far as the trainer knows
         self.pending: deque[_Batch] = deque()  # drawn, not yet trained, in step order
-        self.can_lose_weights = run.cfg.rollout.engine == "vllm_server"  # a separate process can restart
+        self.can_lose_weights = engine.can_lose_weights  # a separate process can restart
         self._worker = _Worker() if self.max_staleness else None
         self._broken = False  # a queued generation failed: later ones must not run on a server in an unknown state
         self._lock = threading.Lock()
@@ -130,7 +173,7 @@ class RolloutQueue:
         """Before the first step of this process (`step` = the last one done): push the trainer's weights, since
         the sampler may hold others (a server that outlived an earlier run; a resumed run's engine, built from the
         model folder), then queue the first batches."""
-        push_weights(self.run, step)
+        self.push(step)
         self.version = step
         self._refill(step)
 
@@ -140,7 +183,7 @@ class RolloutQueue:
         if not self.pending:  # K = 0 draws here, at the same point as a loop without a queue
             self.pending.append(_Batch(step, self._draw()))
         batch = self.pending[0]
-        mine = self.run.geometry.my_prompts(batch.prompts)
+        mine = self.geometry.my_prompts(batch.prompts)
         rollout = self._sample_now(mine, step, 0, current=step - 1) if batch.future is None else self._settled(batch, step)
         self.pending.popleft()
         if self.max_staleness:
@@ -150,7 +193,7 @@ class RolloutQueue:
     def sample_more(self, step: int, draw: int) -> tuple[list[int], Rollout]:
         """Dynamic sampling's extra round `draw` of step `step`: the next prompts, sampled now with the current
         weights (after this rank's queued generations)."""
-        mine = self.run.geometry.my_prompts(self._draw())
+        mine = self.geometry.my_prompts(self._draw())
         return mine, self._sample_now(mine, step, draw, current=step - 1)
 
     def after_update(self, step: int) -> None:
@@ -158,7 +201,7 @@ class RolloutQueue:
         ended), and queue what keeps the pipeline K+1 batches deep."""
         recovered = self._worker is not None and self._meet(step, list(self._queued()), current=step)
         if not recovered:  # a recovery pushed these very weights already
-            push_weights(self.run, step)
+            self.push(step)
             self.version = step
         self._refill(step)
 
@@ -170,7 +213,7 @@ class RolloutQueue:
             busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
             self._busy, self._busy_since = 0.0, (now if self._busy_since is not None else None)
         out = self._step_metrics
-        if self.run.engine.needs_weight_sync:
+        if self.engine.needs_weight_sync:  # docs/async.md: every engine that samples outside the training model
             out = {**out, "timing/rollout_wait": self._waited, "timing/server_idle": max(0.0, now - self._window - busy)}
         self._step_metrics, self._waited, self._window = {}, 0.0, now
         return out
@@ -190,7 +233,7 @@ class RolloutQueue:
     # ------------------------------------------------------------------ schedule
     def _draw(self) -> list[int]:
         """The next train.prompts_per_step prompt indices (every rank advances the same sampler)."""
-        return self.run.sampler.next_indices(self.run.cfg.train.prompts_per_step)
+        return self.sampler.next_indices(self.settings.prompts_per_step)
 
     def _refill(self, current: int) -> None:
         """With the sampler at version `current`: queue the untrained batches not queued yet, then new ones up to
@@ -200,7 +243,7 @@ class RolloutQueue:
         for batch in self.pending:  # recorded by a checkpoint, or to sample again after a server lost its weights
             if batch.future is None:
                 batch.future = self._submit(batch)
-        last = min(current + self.max_staleness + 1, self.run.cfg.train.max_steps)
+        last = min(current + self.max_staleness + 1, self.settings.max_steps)
         while (self.pending[-1].step if self.pending else current) < last:
             batch = _Batch((self.pending[-1].step if self.pending else current) + 1, self._draw())
             batch.future = self._submit(batch)
@@ -210,15 +253,15 @@ class RolloutQueue:
         return (batch.future for batch in self.pending if batch.future is not None)
 
     def _submit(self, batch: _Batch) -> Future:
-        mine, version = self.run.geometry.my_prompts(batch.prompts), self.version
+        mine, version = self.geometry.my_prompts(batch.prompts), self.version
         return self._worker.submit(lambda: self._generate(mine, batch.step, 0, version, queued=True))
 
     def _within_staleness(self, mine: list[int], rollout: Rollout, step: int) -> Rollout:
         """Leave out and sample again every group with a completion more than K versions old; log the staleness."""
-        g = self.run.geometry.group_size
+        g = self.geometry.group_size
         age = [step - 1 - v for v in rollout.weight_versions]
         stale = [j for j in range(len(mine)) if max(age[j * g : (j + 1) * g]) > self.max_staleness]
-        if int(self.run.comm.max(torch.tensor([float(len(stale))]))[0]):  # every rank resamples together
+        if int(self.comm.max(torch.tensor([float(len(stale))]))[0]):  # every rank resamples together
             for j in stale:
                 logger.warning("step %d: prompt %d was sampled by weights %d versions old (rollout.max_staleness=%d): "
                                "left out and sampled again", step, mine[j], max(age[j * g : (j + 1) * g]), self.max_staleness)
@@ -227,11 +270,11 @@ class RolloutQueue:
             for n, j in enumerate(stale):
                 parts[j] = fresh.select(list(range(n * g, (n + 1) * g)))
             rollout = Rollout.concat(parts)
-        trained = self.run.comm.gather(torch.tensor([step - 1 - v for v in rollout.weight_versions], dtype=torch.float32))
+        trained = self.comm.gather(torch.tensor([step - 1 - v for v in rollout.weight_versions], dtype=torch.float32))
         self._step_metrics.update({
             "rollout/staleness_mean": float(trained.mean()),
             "rollout/staleness_max": float(trained.max()),
-            "rollout/stale_resampled": float(self.run.comm.sum(torch.tensor([float(len(stale))]))[0]),
+            "rollout/stale_resampled": float(self.comm.sum(torch.tensor([float(len(stale))]))[0]),
         })
         return rollout
 
@@ -275,10 +318,10 @@ class RolloutQueue:
             if error is not None:
                 raise error
             return False
-        agreed = int(self.run.comm.max(torch.tensor([float(status)]))[0])
+        agreed = int(self.comm.max(torch.tensor([float(status)]))[0])
         if agreed == FATAL:
             if isinstance(error, ConnectionError):
-                raise ServerLostError(f"{error}; stopping: the last checkpoint in {self.run.cfg.output_dir}/checkpoints "
+                raise ServerLostError(f"{error}; stopping: the last checkpoint in {self.settings.checkpoints} "
                                       "is intact (resume with checkpoint.resume=auto once the server is back)") from None
             raise error or ServerLostError(f"step {step}: another rank's rollouts failed (see its error); stopping")
         if agreed == OK:
@@ -287,7 +330,7 @@ class RolloutQueue:
             self._wait(list(self._queued()))
         logger.warning("step %d: the rollout server lost its weights (restarted?): pushing version %d again and "
                        "sampling the %d untrained batches again", step, current, len(self.pending))
-        push_weights(self.run, current)
+        self.push(current)
         self.version, self._broken = current, False
         for batch in self.pending:
             batch.future = None
@@ -308,15 +351,15 @@ class RolloutQueue:
         With rollout.seed_per_prompt, each group's seed is a function of (seed, step, round, position in the
         whole batch), so samples do not depend on the number of ranks."""
         if queued and self._broken:
-            raise WeightsLost("not sampled: an earlier queued generation failed")
-        run, g = self.run, self.run.geometry.group_size
+            raise WeightsLost([], version, "not sampled: an earlier queued generation failed")
+        g = self.geometry.group_size
         seeds = None
-        if run.cfg.rollout.seed_per_prompt:
-            first = run.geometry.rank * run.geometry.prompts_per_rank
-            seeds = [mix_seed(run.cfg.seed, step, draw, first + j) for j in (positions or range(len(mine)))]
+        if self.settings.seed_per_prompt:
+            first = self.geometry.rank * self.geometry.prompts_per_rank
+            seeds = [mix_seed(self.settings.seed, step, draw, first + j) for j in (positions or range(len(mine)))]
         with self._sampling():
             try:
-                rollout = run.engine.generate(run.task.prompt_ids(mine), g, seeds=seeds) if mine else Rollout([], [])
+                rollout = self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds) if mine else Rollout([], [])
             except BaseException:
                 self._broken = self._broken or queued
                 raise
@@ -342,8 +385,8 @@ class RolloutQueue:
         if isinstance(error, WeightsLost):
             return LOST, error
         if isinstance(error, ServerGone) and self.can_lose_weights:
-            timeout = self.run.cfg.rollout.vllm_server.reconnect_timeout
-            if wait_for_server(self.run.engine, timeout):
+            timeout = self.settings.reconnect_timeout
+            if self.engine.reconnect(timeout):
                 return LOST, error
             return FATAL, ConnectionError(f"{error} (it did not come back within {timeout:g}s)")
         return FATAL, error
@@ -352,38 +395,35 @@ class RolloutQueue:
 # ---------------------------------------------------------------------------------------------- weight pushes
 
 
-def wait_for_server(engine, timeout: float) -> bool:
-    """Whether the engine's server answers its health check within `timeout` seconds."""
-    wait = getattr(engine, "wait_until_healthy", None)
-    if wait is None:
-        return False
-    try:
-        wait(timeout)
-        return True
-    except ConnectionError:
-        return False
+def weight_pusher(engine: RolloutEngine, comm: Collectives, model: Callable[[], torch.nn.Module], accelerator: Any,
+                  checkpoints: str) -> Callable[[int], None]:
+    """The queue's `push`: `push_weights` of the trainer's `model()` (the bare causal LM), gathered piecewise under
+    the accelerator's ZeRO-3 (`weight_sync.zero3_gather`)."""
+    gather = zero3_gather(accelerator)
+    return lambda version: push_weights(engine, comm, model, version, gather=gather, checkpoints=checkpoints)
 
 
-def push_weights(run, version: int) -> None:
-    """Make the engine sample with the trainer's current weights, labelled `version`, if it keeps its own copy.
-    Every rank calls it: a server is pushed to by the main process, and under ZeRO-3 every rank takes part in
-    gathering the weights piece by piece (`weight_sync.zero3_gather`: one decoder layer whole at a time, never
-    the whole model). The engine waits for a server that went away; a push it could not finish (`WeightsLost`)
-    is made again by every rank. Every rank returns, or raises, together. (Under ZeRO-3 a rank that raises in
-    the middle of the gathers leaves the others inside one: only the engine can avoid that, and does for a
-    server that goes away, `VLLMServerEngine.sync_weights`.)"""
-    if not run.engine.needs_weight_sync:
+def push_weights(engine: RolloutEngine, comm: Collectives, model: Callable[[], torch.nn.Module], version: int, *,
+                 gather: Any = None, checkpoints: str = "the output folder") -> None:
+    """Make the engine sample with the trainer's current weights (`model()`, the bare causal LM, asked for only
+    here), labelled `version`, if it keeps its own copy. Every rank calls it: a server is pushed to by the main process, and under ZeRO-3 every rank takes part
+    in gathering the weights piece by piece (`gather`, weight_sync.zero3_gather's: one decoder layer whole at a
+    time, never the whole model). The engine waits for a server that went away; a push it could not finish
+    (`WeightsLost`) is made again by every rank. Every rank returns, or raises, together. (Under ZeRO-3 a rank that
+    raises in the middle of the gathers leaves the others inside one: only the engine can avoid that, and does for
+    a server that goes away, `VLLMServerEngine.sync_weights`.) `checkpoints`: named when the server is lost."""
+    if not engine.needs_weight_sync:
         return  # the hf engine samples from the training model: nothing to push, nothing to gather
-    bare_lm, gather = run.bare_lm(), zero3_gather(run.accelerator)
+    bare_lm = model()
     for _ in range(MAX_RECOVERIES + 1):
-        status, error = OK, None
+        status, error = OK, None  # type: tuple[int, Exception | None]
         try:
-            run.engine.sync_weights(bare_lm, version=version, gather=gather)
+            engine.sync_weights(bare_lm, version=version, gather=gather)
         except WeightsLost as exc:
             status, error = LOST, exc
         except Exception as exc:  # noqa: BLE001  every rank hears of it before any raises (none waits in the barrier)
             status, error = FATAL, exc  # a ConnectionError: the engine waited for the server, which did not come back
-        agreed = int(run.comm.max(torch.tensor([float(status)]))[0])  # also the barrier after a push
+        agreed = int(comm.max(torch.tensor([float(status)]))[0])  # also the barrier after a push
         if agreed == OK:
             return
         if agreed == FATAL:
@@ -391,7 +431,7 @@ def push_weights(run, version: int) -> None:
                 raise error  # not a server that went away: a bug or a misconfigured server, as is
             raise ServerLostError(
                 f"pushing weights version {version}: {error or 'failed on the main process (see its error)'}; stopping: "
-                f"the last checkpoint in {run.cfg.output_dir}/checkpoints is intact (resume with checkpoint.resume=auto "
+                f"the last checkpoint in {checkpoints} is intact (resume with checkpoint.resume=auto "
                 "once the server is back)"
             ) from None
         logger.warning("pushing weights version %d: %s; pushing again", version, error or "another rank's push failed")

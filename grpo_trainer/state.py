@@ -42,7 +42,8 @@ from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
 from .rollout.tools import build_toolbox
-from .rollout_queue import RolloutQueue
+from .rollout.engines import engine_kind
+from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
 from .trackers import start_trackers
 
@@ -65,13 +66,13 @@ class Run:
     sampler: PromptSampler
     metrics: MetricsWriter
     trackers: list[str]  # Accelerate trackers (tensorboard, wandb); jsonl is `metrics`, always on
+    rollouts: RolloutQueue  # what is sampled when, with which weights; the pushes
     eval_task: Task | None = None  # when eval.every > 0
     progress: ProgressBar | None = None
     start_step: int = 0
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
     unscored_in_a_row: int = 0  # steps in a row in which no reward scored any completion (update.check_scored)
     entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
-    rollouts: RolloutQueue | None = None  # what is sampled when, with which weights; the pushes (built with the run)
     # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything and
     # saved in every checkpoint: with the config and seed they name the run's samples (rollout/kernels.py).
     decode_kernels: dict[str, str] = field(default_factory=dict)
@@ -129,10 +130,14 @@ def build_run(cfg: Config) -> Run:
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
     comm = distributed.Collectives(accelerator)
+
+    def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
+        return distributed.unwrap(accelerator, policy).lm
+
     engine = build_engine(
         cfg,
         sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
-        get_model=lambda: distributed.unwrap(accelerator, policy).lm,
+        get_model=bare_lm,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
@@ -145,14 +150,19 @@ def build_run(cfg: Config) -> Run:
     eval_task = None
     if cfg.eval.every:  # every rank evaluates (see trainer.periodic_eval)
         eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
+    sampler = PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    settings = QueueSettings.of(cfg)
+    rollouts = RolloutQueue(
+        engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler,
+        push=weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints),
+    )
     run = Run(
         cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
         tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
-        engine=engine, task=task, sampler=PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle),
-        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, eval_task=eval_task,
-        entropy_control=EntropyControl(cfg.loss.entropy_coef),
+        engine=engine, task=task, sampler=sampler,
+        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, rollouts=rollouts,
+        eval_task=eval_task, entropy_control=EntropyControl(cfg.loss.entropy_coef),
     )
-    run.rollouts = RolloutQueue(run)
     run.heap_trimmer = _heap_trimmer(cfg, accelerator, lm)
     return run
 
@@ -290,7 +300,7 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
     process), as cached (measured where missing), and with `remeasure` timed again. Returns (before, after)."""
     from .rollout.decode import plan_decode_kernels
 
-    if cfg.rollout.engine != "hf" or not cfg.model.share_prompt:
+    if not engine_kind(cfg.rollout.engine).plans_kernels or not cfg.model.share_prompt:
         return {}, {}
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()

@@ -356,3 +356,18 @@ def assert_stopped_where_vllm_stops(decode, completion: list[int], truncated: bo
             return True
     assert (completion[-1] == eos) != truncated and (truncated == (len(completion) == max_length) or not truncated)
     return False
+
+
+def rollout_queue(run):
+    """A stand-in run's rollout queue, built as state.build_run builds the real one, from the run's parts (`cfg`,
+    `engine`, `geometry`, `comm`, `task`, `sampler`; `bare_lm` and `accelerator` where it pushes weights). The push
+    reads `run.bare_lm` when it pushes, so a test may set it afterwards."""
+    from types import SimpleNamespace
+
+    from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue, weight_pusher
+
+    settings = QueueSettings.of(run.cfg)
+    accelerator = getattr(run, "accelerator", None) or SimpleNamespace(state=SimpleNamespace())
+    push = weight_pusher(run.engine, run.comm, lambda: run.bare_lm(), accelerator, settings.checkpoints)
+    return RolloutQueue(run.engine, settings, geometry=run.geometry, comm=run.comm, task=run.task, sampler=run.sampler,
+                        push=push)

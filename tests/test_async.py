@@ -22,12 +22,11 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import importance_weight, off_policy_sequence_mask
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
-from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout.vllm_server import ServerGone, ServerUnreachable, WeightsLost
-from grpo_trainer.rollout_queue import RolloutQueue, ServerLostError
+from grpo_trainer.rollout import Rollout, ServerGone, ServerUnreachable, WeightsLost
+from grpo_trainer.rollout_queue import ServerLostError
 from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.update import micro_batch_loss
-from helpers import Exchange, ThreadCollectives, run_ranks
+from helpers import Exchange, ThreadCollectives, rollout_queue, run_ranks
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
 P, G = 2, 2  # prompts per step, completions per prompt
@@ -133,9 +132,13 @@ URL = "http://127.0.0.1:1"
 class FakeServer:
     """A server engine stand-in: completion k of prompt p is [p, k]; it records, per generate call, the prompts,
     the version it held and the thread; a push sets its version and fails the test if a generation is running.
-    `gate(call)` (optional) runs inside generate, e.g. to block until the test lets it go."""
+    `gate(call)` (optional) runs inside generate, e.g. to block until the test lets it go. Its server never comes
+    back once gone (`reconnect`)."""
 
     needs_weight_sync = True
+    samples_outside_process = True
+    can_lose_weights = True
+    lockstep = None
 
     def __init__(self, gate=None, fail=None, fail_push=None):
         self.version, self.running, self.calls, self.pushes, self.gathers = 0, 0, [], [], []
@@ -167,25 +170,38 @@ class FakeServer:
         self.version = version
         self.pushes.append(version)
 
-    def wait_until_healthy(self, timeout):
-        raise ServerUnreachable(f"no healthy vLLM server at {URL} after {timeout:g}s")
+    def reconnect(self, timeout):
+        self.reconnects = [*getattr(self, "reconnects", []), timeout]
+        return False
+
+    def plan_kernels(self, max_rows, max_context, recorded=None, decide=True):
+        return {}
+
+    def use_kernels(self, plan):
+        pass
 
     def sleep(self):
         pass
 
+    def wake_up(self):
+        pass
 
-def server_run(k: int, steps: int, engine=None, comm=None, overrides=()):
+    def close(self):
+        pass
+
+
+def server_run(k: int, steps: int, engine=None, comm=None, overrides=(), task=None):
     comm = comm or ThreadCollectives(Exchange(1), 0)
     cfg = load_config(None, [f"train.prompts_per_step={P * comm.world}", f"rollout.num_generations={G}",
                              "train.micro_batch_size=2", "rollout.engine=vllm_server", f"rollout.max_staleness={k}",
                              f"train.max_steps={steps}", "rollout.vllm_server.reconnect_timeout=1", *overrides])
     run = SimpleNamespace(
         cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=engine or FakeServer(),
-        task=SimpleNamespace(prompt_ids=lambda indices: [[i] for i in indices]),
+        task=task or SimpleNamespace(prompt_ids=lambda indices: [[i] for i in indices]),
         sampler=PromptSampler(size=1000, seed=0, shuffle=False), bare_lm=lambda: nn.Linear(1, 1),
         accelerator=SimpleNamespace(state=SimpleNamespace()), start_step=0,
     )
-    run.rollouts = RolloutQueue(run)
+    run.rollouts = rollout_queue(run)
     return run
 
 
@@ -299,6 +315,23 @@ def test_a_server_that_lost_its_weights_gets_them_again_and_every_untrained_batc
     assert [m["rollout/staleness_max"] for *_, m in out] == [0, 1, 0, 1, 1]
 
 
+def test_with_k2_the_batches_queued_behind_a_lost_one_are_sampled_again_not_failed():
+    """K = 2, 5 steps: batches 1-3 are queued with the initial weights; batch 2's generation raises WeightsLost, so
+    batch 3, queued behind it, is not sent (the server is in an unknown state) but marked lost too. At the meeting
+    before step 1's push, version 1 is pushed again and batches 2-4 are sampled with it. (The skipped batch once
+    raised a TypeError, which stopped the run as if the server were gone for good.)"""
+    step1 = threading.Event()  # the failure surfaces during step 1's update (a fixed meeting point for the test)
+    engine = FakeServer(gate=lambda call: call != 1 or step1.wait(WAIT), fail={1: WeightsLost([URL], 0)})
+    run = server_run(2, 5, engine=engine)
+    out = drive(run, train=lambda step: step == 1 and step1.set())
+    assert [mine for mine, *_ in out] == [batch_prompts(t) for t in range(1, 6)]
+    assert [(prompts, version) for prompts, version, _ in run.engine.calls] == [
+        (batch_prompts(1), 0), (batch_prompts(2), 0),  # this one failed; batch 3 was never sent
+        (batch_prompts(2), 1), (batch_prompts(3), 1), (batch_prompts(4), 1), (batch_prompts(5), 2)]
+    assert run.engine.pushes == [0, 1, 2, 3, 4, 5]
+    assert [m["rollout/staleness_max"] for *_, m in out] == [0, 0, 1, 2, 2]
+
+
 @pytest.mark.parametrize("gone", ["while sampling", "between calls"])
 def test_a_server_that_never_comes_back_stops_every_rank_with_one_line_naming_it(gone):
     """Two ranks; rank 1's generation of batch 2 finds the server gone and it does not come back within
@@ -408,8 +441,7 @@ def test_dynamic_sampling_with_k1_samples_its_extra_rounds_now_with_the_current_
     """P = 2 per step, G = 2; only prompts divisible by 3 are informative. Step 1's queued batch [0, 1] keeps
     prompt 0; the extra round [4, 5] (drawn after batch 2 = [2, 3] was queued) keeps none, [6, 7] keeps 6.
     Extra rounds run on the main thread with the trainer's weights (version 0 at step 1: staleness 0)."""
-    run = server_run(1, 2, overrides=["loss.dynamic_sampling=true", "loss.max_sampling_rounds=3"])
-    run.task = ParityTask()
+    run = server_run(1, 2, overrides=["loss.dynamic_sampling=true", "loss.max_sampling_rounds=3"], task=ParityTask())
     run.rollouts.start(0)
     scored = collect(run, 1, PhaseTimer())
     assert scored.prompt_indices == [0, 6]

@@ -21,7 +21,8 @@ from grpo_trainer import cli
 from grpo_trainer.config import ModelConfig, VLLMServerConfig, load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout import Rollout, SamplingSettings
-from grpo_trainer.rollout.vllm_server import NotAVLLMServer, ServerGone, VLLMServerEngine
+from grpo_trainer.rollout import ServerGone
+from grpo_trainer.rollout.vllm_server import NotAVLLMServer, VLLMServerEngine
 from grpo_trainer.serve import serve_command, shell_line
 from helpers import ROOT, free_port, run_cli, small_run_overrides
 
@@ -279,7 +280,8 @@ class Restarting:
     """A vllm_server engine stand-in whose server goes away just before generate call `gone_at` and is back by the
     time anyone waits for it; it records what it was asked."""
 
-    needs_weight_sync = True
+    needs_weight_sync = samples_outside_process = can_lose_weights = True
+    lockstep = None
 
     def __init__(self, gone_at: int):
         self.gone_at, self.calls, self.waits, self.pushes, self.slept = gone_at, [], [], [], []
@@ -292,15 +294,22 @@ class Restarting:
         ids = [[5, 6, 7, 8, 9, 10][: max_tokens or 6] for _ in prompt_ids for _ in range(num_generations)]
         return Rollout(ids, [False] * len(ids), sampling_logprobs=[[-1.0] * len(i) for i in ids])
 
-    def wait_until_healthy(self, seconds):
+    def reconnect(self, seconds):
         self.waits.append(seconds)
+        return True
+
+    def plan_kernels(self, max_rows, max_context, recorded=None, decide=True):
+        return {}
+
+    def use_kernels(self, plan):
+        pass
 
     def sync_weights(self, model, version=None, gather=None):
         self.pushes.append(version)
         self.weight_version = version
 
-    def sleep(self, level=1):
-        self.slept.append(level)
+    def sleep(self):
+        self.slept.append(True)
 
     def wake_up(self):
         pass
@@ -323,22 +332,23 @@ def tools_engine(inner, max_len=6):
 def test_the_tools_engine_has_what_the_engine_it_wraps_has(tiny_model_path):
     inner = Restarting(gone_at=-1)
     engine = tools_engine(inner)
-    assert engine.wait_until_healthy == inner.wait_until_healthy and engine.weight_version is None
+    assert engine.reconnect(7.0) and inner.waits == [7.0]
+    assert engine.can_lose_weights and engine.samples_outside_process and engine.needs_weight_sync
     engine.sync_weights(nn.Linear(1, 1), version=4)
-    assert engine.weight_version == 4 and inner.pushes == [4]
-    engine.sleep(2)
-    assert inner.slept == [2]
+    assert inner.weight_version == 4 and inner.pushes == [4]
+    engine.sleep()
+    assert inner.slept == [True]
     out = engine.generate([[1, 2]], 2, max_tokens=3)  # lowers the limit for this call
     assert inner.calls == [3] and [len(ids) for ids in out.completion_ids] == [3, 3]
     engine.generate([[1, 2]], 2, max_tokens=50)  # never above rollout.max_completion_length
     engine.generate([[1, 2]], 2)
     assert inner.calls == [3, 6, None]
-    assert getattr(tools_engine(Restarting(-1)), "lockstep", None) is None  # what the wrapped engine lacks, it lacks
+    assert not hasattr(engine, "weight_version")  # only the protocol is forwarded: what the loop may ask an engine
 
 
 def test_a_tools_run_whose_server_restarts_waits_for_it_and_pushes_again(tiny_model_path, caplog):
-    """The queue waits for a server that went away (wait_until_healthy) through the tools wrapper as it does without
-    tools; before, the wrapper had no wait_until_healthy and the run stopped at once, claiming a wait."""
+    """The queue waits for a server that went away (reconnect) through the tools wrapper as it does without
+    tools; before, the wrapper had no way to wait and the run stopped at once, claiming a wait."""
     from test_async import server_run
 
     inner = Restarting(gone_at=1)  # step 2's sampling finds the server gone

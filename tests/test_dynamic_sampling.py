@@ -14,15 +14,16 @@ from grpo_trainer.data import PromptSampler
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout_queue import RolloutQueue
 from grpo_trainer.geometry import batch_geometry
-from helpers import ThreadCollectives, Exchange, run_ranks
+from helpers import ThreadCollectives, Exchange, rollout_queue, run_ranks
 
 G = 4
 
 
 class FakeEngine:
     """Completion k of prompt p is [p, k]; the sampler's log-prob of each token is -(p + k / 10)."""
+
+    needs_weight_sync = samples_outside_process = can_lose_weights = False  # what the queue asks
 
     def __init__(self):
         self.calls: list[list[int]] = []
@@ -60,7 +61,7 @@ def fake_run(comm, informative_every: int, dynamic: bool = True, prompts_per_ste
         cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=FakeEngine(),
         task=FakeTask(informative_every), sampler=PromptSampler(size=1000, seed=0, shuffle=False),
     )
-    run.rollouts = RolloutQueue(run)  # the synchronous schedule (rollout.max_staleness 0): drawn and sampled when taken
+    run.rollouts = rollout_queue(run)  # the synchronous schedule (rollout.max_staleness 0): drawn and sampled when taken
     return run
 
 

@@ -154,12 +154,25 @@ def test_step_stats_reduce_over_ranks_sums_and_takes_the_max_gap():
 class RecordingEngine:
     """Wraps an engine and records which of the lifecycle calls the loop made, in order."""
 
+    samples_outside_process = can_lose_weights = False
+    lockstep = None
+
     def __init__(self, inner, needs_weight_sync: bool, calls: list):
         self.inner, self.needs_weight_sync, self.calls = inner, needs_weight_sync, calls
 
     def generate(self, *args, **kwargs):
         self.calls.append("generate")
         return self.inner.generate(*args, **kwargs)
+
+    def reconnect(self, timeout):
+        return False
+
+    def plan_kernels(self, *args, **kwargs):
+        return self.inner.plan_kernels(*args, **kwargs) if self.inner is not None else {}
+
+    def use_kernels(self, plan):
+        if self.inner is not None:
+            self.inner.use_kernels(plan)
 
     def sync_weights(self, model, version=None, gather=None):
         self.calls.append("sync_weights")
@@ -178,12 +191,9 @@ class RecordingEngine:
 def test_sync_weights_only_for_engines_that_keep_their_own_copy(needs_weight_sync):
     calls, barriers = [], []
     lm = nn.Linear(2, 2)
-    run = SimpleNamespace(
-        engine=RecordingEngine(None, needs_weight_sync, calls), bare_lm=lambda: lm,
-        accelerator=SimpleNamespace(state=SimpleNamespace()),
-        comm=SimpleNamespace(max=lambda t: barriers.append(1) or t),  # the ranks agree the push went through
-    )
-    push_weights(run, version=1)
+    engine = RecordingEngine(None, needs_weight_sync, calls)
+    comm = SimpleNamespace(max=lambda t: barriers.append(1) or t)  # the ranks agree the push went through
+    push_weights(engine, comm, lambda: lm, version=1)
     assert calls == (["sync_weights"] if needs_weight_sync else [])
     assert len(barriers) == int(needs_weight_sync)
 

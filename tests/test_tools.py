@@ -224,6 +224,7 @@ class ScriptedEngine:
     next turn of the script whose first turn it contains."""
 
     needs_weight_sync = False
+    lockstep = None  # MultiTurnEngine asks (the hf engine under FSDP has one)
 
     def __init__(self, tokenizer, scripts: list[list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.xdist_group("vllm_server")
 from grpo_trainer.config import VLLMServerConfig, load_config  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.gloo_transfer import plan_buckets  # noqa: E402
-from grpo_trainer.rollout.vllm_server import Server, ServerError, VLLMServerEngine, WeightsLost  # noqa: E402
+from grpo_trainer.rollout import WeightsLost  # noqa: E402
+from grpo_trainer.rollout.vllm_server import Server, ServerError, VLLMServerEngine  # noqa: E402
 from grpo_trainer.rollout.weight_sync import MergedWeights  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     EOS, MAX_LEN, PROMPTS, ROOT, TEMPERATURE, ServerProcess, assert_close, build_model, check_rollout, free_port,
@@ -445,7 +446,7 @@ def test_a_server_killed_mid_generation_and_restarted_raises_weights_lost_then_s
 def test_a_server_that_goes_away_for_good_stops_sampling_naming_it_with_tools_or_without(servers, model_dir):
     """With rollout.tools (the engine inside MultiTurnEngine), driven by the rollout queue: the server is found gone
     before sampling and waited for, through the wrapper, for the reconnect time the message names (the wrapper once
-    hid the engine's wait_until_healthy: the run stopped at once, saying it had waited)."""
+    hid the engine's wait: the run stopped at once, saying it had waited)."""
     from grpo_trainer.rollout_queue import ServerLostError
     from test_async import server_run
     from test_bad_input_servers import tools_engine

@@ -7,6 +7,13 @@ trainer's weights pushed after each update (`needs_weight_sync`: the `hf` engine
 samples from the training model, so the loop skips the push and, under ZeRO-3,
 the all-gather that would precede it), frees its memory while the policy is
 updated (`sleep`, `wake_up`) and releases what it holds at the end (`close`).
+What callers once asked by an engine's name they ask the engine: whether it samples outside the training
+process (`samples_outside_process`: sampling can overlap the update, rollout.max_staleness >= 1), whether its
+sampler can restart without the pushed weights (`can_lose_weights`; `reconnect(timeout)` waits for it to come
+back), whether its generate calls are collectives (`lockstep`). Its faults are this package's (`ServerGone`,
+`WeightsLost`), so the loop catches them without importing an engine. The same capabilities are declared, for
+the config's checks, by the engine's entry in `engines.py` (without importing the engine); a test checks
+that every engine class and the tools wrapper have every member of the protocol and agree with their entry.
 
 `registry.build_engine` picks and builds one: each engine reads the sampling
 settings common to all (`SamplingSettings`) and its own typed config section;
@@ -19,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import UserError
 from ..seeds import mix_seed  # noqa: F401 (the engines' seed rule, imported from here by them)
 
 if TYPE_CHECKING:
@@ -86,8 +94,58 @@ class SamplingSettings:
     batch_size: int = 0  # prompts per generate call (0: all at once)
 
 
+class ServerUnreachable(UserError, ConnectionError):
+    """A sampler in another process (a vLLM server) does not answer (in time, or at all)."""
+
+
+class ServerGone(ServerUnreachable):
+    """The connection was refused or dropped: the sampler's process went away (as opposed to a slow answer). An
+    engine that `can_lose_weights` may see it come back: `reconnect(timeout)` waits for it."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(message)
+        self.url = url
+
+
+class WeightsLost(RuntimeError):
+    """Samplers came back after going away (or restarted) and no longer hold the pushed weights.
+
+    Push the current weights (`engine.sync_weights(model, version)`) and sample again. `message` replaces the
+    default one (the rollout queue's generations skipped after an earlier one failed)."""
+
+    def __init__(self, urls: list[str], version: Any, message: str | None = None):
+        self.urls = list(urls)
+        self.version = version
+        super().__init__(message or (
+            f"vLLM server(s) {', '.join(self.urls)} restarted and lost the pushed weights (version {version}): "
+            "push the current weights before sampling again"
+        ))
+
+
+@runtime_checkable
 class RolloutEngine(Protocol):
-    needs_weight_sync: bool  # False when the engine samples from the training model itself
+    """What the loop asks of an engine. The capabilities (the attributes) are the engine class's own, the same
+    for every instance, and match its entry in engines.py; a wrapper forwards every one (multi_turn.py)."""
+
+    # Read-only properties here, so that a class attribute and a wrapper's forwarding property both satisfy them.
+    @property
+    def needs_weight_sync(self) -> bool:
+        """False when the engine samples from the training model itself: no push, and no ZeRO-3 gather for one."""
+
+    @property
+    def samples_outside_process(self) -> bool:
+        """Sampling runs in another process (a server), so it can overlap the update (rollout.max_staleness >= 1)."""
+
+    @property
+    def can_lose_weights(self) -> bool:
+        """The sampler is a process that can restart without the pushed weights: `generate` then raises
+        WeightsLost, and a request can find it gone (ServerGone) until it is back (`reconnect`)."""
+
+    @property
+    def lockstep(self) -> Any:
+        """The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
+        every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going).
+        None elsewhere."""
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  max_tokens: int | None = None) -> Rollout:
@@ -112,6 +170,10 @@ class RolloutEngine(Protocol):
     def use_kernels(self, plan: Mapping[str, str]) -> None:
         """Sample with `plan` (what plan_kernels returned, on this or the main process) from now on."""
 
+    def reconnect(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a sampler that went away (ServerGone); whether it answers again (it has
+        then lost the pushed weights). False at once for engines that cannot lose their weights."""
+
     def sleep(self) -> None:
         """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""
 
@@ -120,6 +182,16 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release processes and memory; the engine is not used afterwards."""
+
+
+class InProcess:
+    """For engines that sample inside the training process: nothing to overlap, nothing that restarts."""
+
+    samples_outside_process = False
+    can_lose_weights = False
+
+    def reconnect(self, timeout: float) -> bool:
+        return False
 
 
 class VendorKernels:

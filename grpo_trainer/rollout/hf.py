@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 import torch
 
 from ..models import left_padded, positions
-from . import Rollout, SamplingSettings
+from . import InProcess, Rollout, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
 from .draw import draw_torch
 from .static_decode import CompiledForward, StaticDecoder
@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from ..distributed import Collectives
 
 
-class HFEngine:
+class HFEngine(InProcess):
     needs_weight_sync = False  # it samples from the training model itself
+    lockstep: Collectives | None = None  # set per engine (__init__); declared here as the protocol's
 
     def __init__(
         self,

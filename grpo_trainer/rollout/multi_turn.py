@@ -1,9 +1,12 @@
 """Multi-turn rollouts with tool calls (`rollout.tools`), on top of any engine.
 
 `MultiTurnEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its
-interface, so the loop does not know tools exist: `generate` (with `max_tokens`), and everything else the
-wrapped engine has, which is its own, reached through the wrapper (`wait_until_healthy` of a server the
-trainer waits for after a restart, `weight_version`, `lockstep`, `sleep`'s level). A completion becomes a
+interface, so the loop does not know tools exist: `generate` (with `max_tokens`), and every other member of the
+`RolloutEngine` protocol forwarded explicitly to the wrapped engine (its capabilities `needs_weight_sync`,
+`samples_outside_process`, `can_lose_weights`, `lockstep`; `reconnect` to a server the trainer waits for after
+a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the loop may ask an engine
+is the protocol, and a capability the wrapper lacked would silently change what the loop does with tools
+(tests/test_rollout.py checks every member is here). A completion becomes a
 conversation, all of it one token sequence after the prompt:
 
     prompt | model turn 1 ... <tool_call>{...}</tool_call><EOS> | tool tokens | model turn 2 ... <EOS>
@@ -134,7 +137,6 @@ class MultiTurnEngine:
     def __init__(self, engine: RolloutEngine, toolbox: ToolBox, tokenizer, *, eos_token_ids: list[int],
                  max_completion_length: int, max_tool_turns: int, template_kwargs: dict[str, Any] | None = None):
         self.engine = engine
-        self.needs_weight_sync = engine.needs_weight_sync
         self.toolbox = toolbox
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -142,16 +144,28 @@ class MultiTurnEngine:
         self.max_tool_turns = max_tool_turns
         self.tool_tokens = ToolMessageTokens(tokenizer, template_kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        """What this class does not define is the wrapped engine's (module docstring): a caller asking whether the
-        engine can do something (`getattr(engine, "wait_until_healthy", None)`) gets the same answer with tools as
-        without. ("engine" itself is asked for before __init__ has set it by copy and pickle: not forwarded.)"""
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    # ------------------------------------------------------------------ the wrapped engine's, forwarded
+    @property
+    def needs_weight_sync(self) -> bool:
+        return self.engine.needs_weight_sync
 
-    def sync_weights(self, model: torch.nn.Module, *args, **push) -> None:
-        self.engine.sync_weights(model, *args, **push)  # version=, gather= for the engines that take them
+    @property
+    def samples_outside_process(self) -> bool:
+        return self.engine.samples_outside_process
+
+    @property
+    def can_lose_weights(self) -> bool:
+        return self.engine.can_lose_weights
+
+    @property
+    def lockstep(self) -> Any:
+        return self.engine.lockstep
+
+    def reconnect(self, timeout: float) -> bool:
+        return self.engine.reconnect(timeout)
+
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
+        self.engine.sync_weights(model, version=version, gather=gather)
 
     def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
                      decide: bool = True) -> dict[str, str]:
@@ -160,8 +174,8 @@ class MultiTurnEngine:
     def use_kernels(self, plan: Mapping[str, str]) -> None:
         self.engine.use_kernels(plan)
 
-    def sleep(self, *args, **kwargs) -> None:
-        self.engine.sleep(*args, **kwargs)
+    def sleep(self) -> None:
+        self.engine.sleep()
 
     def wake_up(self) -> None:
         self.engine.wake_up()
@@ -169,6 +183,7 @@ class MultiTurnEngine:
     def close(self) -> None:
         self.engine.close()
 
+    # ------------------------------------------------------------------ the multi-turn loop
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  max_tokens: int | None = None) -> Rollout:
         """`max_tokens` lowers rollout.max_completion_length for this call: it bounds each conversation's model and
@@ -182,9 +197,9 @@ class MultiTurnEngine:
             conv.add_model_turn(first.completion_ids[j], first.truncated[j], _row(first.sampling_logprobs, j),
                                 self.tokenizer, self.eos_token_ids)
         tool_seconds = 0.0
-        # An engine in lockstep (the hf engine under FSDP) needs every rank to make the same generate calls:
+        # With `lockstep` (the hf engine under FSDP) every rank must make the same generate calls:
         # then a round runs while any rank has a conversation going, the others calling with nothing.
-        lockstep = getattr(self.engine, "lockstep", None)
+        lockstep = self.engine.lockstep
         for round_ in range(1, self.max_tool_turns + 1):
             acting = [c for c in conversations if not c.done and c.calls and c.ended_with_eos]
             for conv in conversations:

@@ -1,5 +1,9 @@
 """The rollout engine registry: `build_engine(cfg, ...)` returns the engine `rollout.engine` names.
 
+What each engine can do is declared by its entry in `engines.py` (read by the config's checks without importing
+any engine); the built engine says the same as attributes (the `RolloutEngine` protocol). This is the one place
+that tells engines apart by name.
+
 Kept apart from the package's `__init__` (the types every engine imports), so that the engines, imported
 here lazily, never import the module that imports them.
 """
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from . import RolloutEngine, SamplingSettings
+from .engines import engine_kind
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -44,7 +49,7 @@ def build_engine(
 
 def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
              is_main_process, lockstep=None) -> RolloutEngine:
-    name = cfg.rollout.engine
+    name = engine_kind(cfg.rollout.engine).name  # an unknown name: one line listing the engines there are
     if name == "hf":
         from .hf import HFEngine
 
@@ -68,4 +73,4 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
         from .vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
-    raise ValueError(f"rollout.engine: unknown engine {name!r}")
+    raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Rollout, SamplingSettings, VendorKernels
+from . import InProcess, Rollout, SamplingSettings, VendorKernels
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
@@ -82,8 +82,9 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
     return completions, truncated, logprobs
 
 
-class VLLMColocateEngine(VendorKernels):
+class VLLMColocateEngine(InProcess, VendorKernels):
     needs_weight_sync = True  # vLLM holds its own copy of the weights
+    lockstep = None  # each rank's vLLM samples on its own
 
     def __init__(
         self,
@@ -197,7 +198,7 @@ class VLLMColocateEngine(VendorKernels):
         self.weight_version = self._pushes if version is None else version
 
     # ------------------------------------------------------------------ memory (GPU only)
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1) -> None:  # level: for scripts; the loop frees level 1
         """Free vLLM's GPU memory for the training phase (needs enable_sleep_mode). No-op on CPU."""
         if self.cpu or not self.enable_sleep_mode or self._sleeping:
             return

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UserError
-from . import Rollout, SamplingSettings, VendorKernels
+from . import Rollout, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
@@ -88,34 +88,8 @@ class ServerError(UserError, RuntimeError):
     """A vLLM server answered with an error, lacks an endpoint, or is started with the wrong flags."""
 
 
-class ServerUnreachable(UserError, ConnectionError):
-    """A vLLM server does not answer (in time, or at all)."""
-
-
 class NotAVLLMServer(ServerError):
     """An address that answers, but not as a vLLM server does: waiting would not help."""
-
-
-class ServerGone(ServerUnreachable):
-    """The connection was refused or dropped: the server process went away (as opposed to a slow answer)."""
-
-    def __init__(self, url: str, message: str):
-        super().__init__(message)
-        self.url = url
-
-
-class WeightsLost(RuntimeError):
-    """Servers came back after going away (or restarted) and no longer hold the pushed weights.
-
-    Push the current weights (`engine.sync_weights(model, version)`) and sample again."""
-
-    def __init__(self, urls: list[str], version: Any):
-        self.urls = list(urls)
-        self.version = version
-        super().__init__(
-            f"vLLM server(s) {', '.join(self.urls)} restarted and lost the pushed weights (version {version}): "
-            "push the current weights before sampling again"
-        )
 
 
 class Server:
@@ -299,6 +273,9 @@ class _Tracked:
 
 class VLLMServerEngine(VendorKernels):
     needs_weight_sync = True  # the servers hold their own copy of the weights
+    samples_outside_process = True  # the servers sample while the trainer updates (rollout.max_staleness >= 1)
+    can_lose_weights = True  # a server restarts from its model folder
+    lockstep = None  # each rank's requests are its own
 
     def __init__(
         self,
@@ -340,6 +317,15 @@ class VLLMServerEngine(VendorKernels):
     def wait_until_healthy(self, seconds: float) -> None:
         """Wait until every server answers its health check; ConnectionError naming the first that does not."""
         wait_for_servers(self.servers, seconds)
+
+    def reconnect(self, timeout: float) -> bool:
+        """Whether every server answers its health check within `timeout` seconds (NotAVLLMServer, for an address
+        where something else now answers, is raised: waiting would not help)."""
+        try:
+            self.wait_until_healthy(timeout)
+            return True
+        except ConnectionError:
+            return False
 
     @property
     def base_url(self) -> str:
