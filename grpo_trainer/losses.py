@@ -201,6 +201,9 @@ class LossVariant:
 # VESPO's log W is kept in [ln 1e-8, 20], as in the authors' code: phi stays finite at any drift (a sampler
 # correction of 0, i.e. a masked token, gives W ~ 1e-8 and phi ~ 0 instead of log 0).
 VESPO_LOG_W_RANGE = (math.log(1e-8), 20.0)
+# Each token's log ratio is clamped to this range before the sum that forms ln W, as the authors' code and TRL's
+# get_gamma_weights do: a token beyond +-20 counts as +-20, so log ratios +25 and -24.5 give W = 1, not e^0.5.
+VESPO_TOKEN_LOG_RATIO_RANGE = (-20.0, 20.0)
 
 
 
@@ -352,10 +355,12 @@ def _gamma(logp, log_ratio, advantages, mask, shape: GammaShape, sampler_weight)
     when given, so W = pi_theta / pi_sampler) and phi(W) = W^k exp(lambda (1 - W)), a gamma-shaped kernel that is
     1 at W = 1 and falls off on both sides, more steeply the larger k and lambda. The gradient is
     phi(W) A grad log pi: REINFORCE with a smooth, per-sequence weight, nothing clipped. phi is computed in log
-    space, k ln W + lambda (1 - W), from ln W kept in VESPO_LOG_W_RANGE."""
-    log_w = masked_sum(log_ratio, mask, dim=1)  # [B]
+    space, k ln W + lambda (1 - W), from ln W kept in VESPO_LOG_W_RANGE, summed from token log ratios each kept in
+    VESPO_TOKEN_LOG_RATIO_RANGE and sampler corrections each kept in VESPO_LOG_W_RANGE (the authors' code and
+    TRL's get_gamma_weights clamp at both levels)."""
+    log_w = masked_sum(log_ratio.detach().clamp(*VESPO_TOKEN_LOG_RATIO_RANGE), mask, dim=1)  # [B]
     if sampler_weight is not None:
-        log_w = log_w + masked_sum(torch.log(sampler_weight.clamp(min=math.exp(VESPO_LOG_W_RANGE[0]))), mask, dim=1)
+        log_w = log_w + masked_sum(torch.log(sampler_weight).clamp(*VESPO_LOG_W_RANGE), mask, dim=1)
     log_w = log_w.detach().clamp(*VESPO_LOG_W_RANGE)
     # advantages are per token [B, T]: phi for either sign of A over the completions [B] (detached), then each
     # token's by the sign of its A (the authors' code and TRL: A = 0 takes the positive branch; its loss is 0 anyway).

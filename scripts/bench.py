@@ -29,8 +29,11 @@ Columns:
                     `timing/rollout`; TRL: time inside `GRPOTrainer._generate_single_turn`, measured by
                     a subclass that only wraps it).
   train tok/s       (prompt + completion) tokens of the step's completions per second of step time.
-  peak RSS          max resident set size of the run's process (os.wait4), MiB; GPU peak allocated
-                    memory too when CUDA is present.
+  peak RSS          the run's process's own peak resident set, MiB: VmHWM from /proc/self/status, read by
+                    that process itself when its run ends (processes it starts are not in it); GPU peak
+                    allocated memory too when CUDA is present. Not ru_maxrss (os.wait4, or RUSAGE_SELF in the
+                    child): on Linux a child's starts at its parent's high-water mark, which exec carries
+                    over, and this driver's own (machine.describe's 512 MiB buffer) would be every run's floor.
 
 TRL is looked for in this interpreter, then in $TRL_PYTHON, then /tmp/trl-venv/bin/python. See
 docs/performance.md for how that venv is made.
@@ -43,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -280,11 +282,29 @@ def run_trl(spec: dict, out: Path) -> None:
     _write_result(out, steps)
 
 
-def _write_result(out: Path, steps: list[dict]) -> None:
-    import torch
+def own_peak_rss_mib() -> float | None:
+    """This process's own peak resident set in MiB (VmHWM in /proc/self/status), or None where there is no such file.
 
-    result = {"steps": steps, "self_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if torch.cuda.is_available():
+    Read in the process itself, because nothing else gives a child's own figure: on Linux the high-water mark of
+    the memory a process had before exec (its parent's, under vfork) is carried over into its rusage, so a
+    child's ru_maxrss, from os.wait4 in the parent or RUSAGE_SELF in the child, is at least its parent's peak at
+    spawn (a parent that had held 900 MiB makes `python -c pass` report 913 MiB; its VmHWM says 13). VmHWM
+    belongs to the process's own address space, which exec makes new."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _write_result(out: Path, steps: list[dict]) -> None:
+    """The run's rows and its own peak memory, written by the run's process as its last act (`run_child` reads it)."""
+    result = {"steps": steps, "peak_rss_mib": own_peak_rss_mib()}
+    torch = sys.modules.get("torch")  # a run that never imported torch has no GPU figure (and need not load it)
+    if torch is not None and torch.cuda.is_available():
         result["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     (out / "result.json").write_text(json.dumps(result))
 
@@ -303,7 +323,8 @@ def find_trl_python() -> str | None:
 
 
 def launch(trainer: str, python: str, spec: dict, out: Path, log, threads: int | None = None) -> dict:
-    """One run in a child process; returns its per-step rows and the child's peak RSS (os.wait4)."""
+    """One run in a child process; returns its per-step rows and its own peak RSS (`own_peak_rss_mib`, read in the
+    child)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -313,20 +334,24 @@ def launch(trainer: str, python: str, spec: dict, out: Path, log, threads: int |
     if spec.get("engine") == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache when vLLM runs on CPU (both trainers)
     cmd = [python, str(Path(__file__).resolve()), f"_run_{trainer}", str(out)]
+    result = run_child(cmd, out, env, trainer)
+    log(f"  {trainer:4s} rep done in {result['wall_s']:5.1f}s  step times "
+        + " ".join(f"{s['step_time']:.2f}" for s in result["steps"]))
+    return result
+
+
+def run_child(cmd: list[str], out: Path, env: dict, name: str) -> dict:
+    """Run `cmd` (its output in out/log.txt) and return the result.json it wrote (`_write_result`), with its wall
+    time. Its peak memory is the one it measured itself: none is taken from the wait here (see own_peak_rss_mib)."""
     with open(out / "log.txt", "w") as logfile:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        returncode = subprocess.run(cmd, cwd=REPO, env=env, stdout=logfile, stderr=subprocess.STDOUT).returncode
         wall = time.perf_counter() - start
-    if proc.returncode != 0:
+    if returncode != 0:
         tail = (out / "log.txt").read_text()[-3000:]
-        raise RuntimeError(f"{trainer} run failed (exit {proc.returncode}); log {out / 'log.txt'}:\n{tail}")
+        raise RuntimeError(f"{name} run failed (exit {returncode}); log {out / 'log.txt'}:\n{tail}")
     result = json.loads((out / "result.json").read_text())
-    result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
     result["wall_s"] = wall
-    log(f"  {trainer:4s} rep done in {wall:5.1f}s  step times "
-        + " ".join(f"{s['step_time']:.2f}" for s in result["steps"]))
     return result
 
 
@@ -344,7 +369,7 @@ def summarize(runs: list[dict], spec: dict, prompt_len: float, warmup: int) -> d
         "rollout_tokens_per_s": statistics.median(rollout) if rollout else None,
         "train_tokens_per_s": statistics.median(train),
         "mean_completion_length": statistics.mean(s["mean_length"] for s in rows),
-        "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
+        "peak_rss_mib": max((run["peak_rss_mib"] for run in runs if run["peak_rss_mib"] is not None), default=None),
         "steps_measured": len(rows),
         "reps": len(runs),
         "wall_s_per_run": statistics.median(run["wall_s"] for run in runs),
@@ -376,10 +401,10 @@ def rep_ratios(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
     per_rep = {
         "median_step_time_s": [median_of(a, "step_time") / median_of(b, "step_time") for a, b in pairs],
         "median_gen_time_s": [median_of(a, "gen_time") / median_of(b, "gen_time") for a, b in pairs],
-        "peak_rss_mib": [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs],
+        "peak_rss_mib": [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs if a["peak_rss_mib"] and b["peak_rss_mib"]],
     }
     return {key: {"per_rep": [round(r, 4) for r in values], "median": statistics.median(values), "min": min(values),
-                  "max": max(values)} for key, values in per_rep.items()}
+                  "max": max(values)} for key, values in per_rep.items() if values}
 
 
 def table(results: dict) -> str:
@@ -506,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         "per_run": {t: [{"wall_s": r["wall_s"], "peak_rss_mib": r["peak_rss_mib"], "steps": r["steps"]} for r in runs[t]]
                     for t in trainers},
         "notes": notes + ["rollout tok/s: completion tokens / generation time (ours timing/rollout; TRL time in "
-                          "_generate_single_turn); train tok/s: (prompt+completion) tokens / step time"],
+                          "_generate_single_turn); train tok/s: (prompt+completion) tokens / step time",
+                          "peak RSS: each run's own VmHWM, read by the run's process at its end (not ru_maxrss, "
+                          "which starts at this driver's high-water mark)"],
     }
     print(f"\nmodel={args.model} completions/step={n} (prompts {spec['prompts_per_step']} x G {spec['num_generations']}) "
           f"max_completion_length={spec['max_completion_length']} steps={spec['steps']} (first {preset['warmup']} dropped) "

@@ -7,6 +7,7 @@ docs/performance.md says how to make the separate TRL venv the benchmark uses).
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,25 @@ def test_the_ratio_is_reported_for_every_alternating_pair_of_reps():
     assert step["per_rep"] == [0.275, 0.4] and step["min"] == 0.275 and step["max"] == 0.4
     assert step["median"] == pytest.approx(0.3375)
     assert spread["peak_rss_mib"]["per_rep"] == [0.25, 0.275]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="VmHWM is read from Linux's /proc")
+def test_a_runs_peak_rss_is_its_own_not_the_drivers(tmp_path):
+    # The driver (here pytest) holds 400 MiB, written so that it is resident, while it runs a child that only
+    # reports, as every bench run does at its end. On Linux the child's ru_maxrss (os.wait4, as the bench read it
+    # before) starts at the driver's high-water mark, so it was >= 400 MiB; the child's own VmHWM, which the
+    # bench reads now, is one interpreter's (~15 MiB).
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+
+    held = b"\x01" * (400 * 2**20)
+    assert bench.own_peak_rss_mib() >= 400
+    child = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import bench; "
+             "bench._write_result(Path(sys.argv[2]), [])")
+    result = bench.run_child([sys.executable, "-c", child, str(REPO / "scripts"), str(tmp_path)], tmp_path,
+                             dict(os.environ), "probe")
+    del held
+    assert 0 < result["peak_rss_mib"] < 100 and result["steps"] == [] and result["wall_s"] > 0
 
 
 @pytest.mark.slow

@@ -108,8 +108,10 @@ def reference_batch_loss(
         if loss_type in ("gspo", "luspo"):  # GSPO (Zheng et al. 2025, eq. 7): one ratio per sequence; LUSPO keeps it
             mean_log_ratio = sum(logp[i, t] - old_logp[i, t] for t in range(length)) / length
             seq_objective = clipped_objective(torch.exp(mean_log_ratio), adv, eps_low, eps_high, delta)
-        if loss_type == "vespo":  # VESPO: W = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), a number (no gradient)
-            w = math.exp(sum((logp[i, t] - old_logp[i, t]).item() for t in range(length)))
+        if loss_type == "vespo":  # VESPO: W = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), a number (no gradient);
+            # each token's log ratio kept in [-20, 20] and ln W in [ln 1e-8, 20], as the authors' code clamps
+            log_w = sum(min(max((logp[i, t] - old_logp[i, t]).item(), -20.0), 20.0) for t in range(length))
+            w = math.exp(min(max(log_w, math.log(1e-8)), 20.0))
             k, lam = (GAMMA.k_pos, GAMMA.lambda_pos) if adv >= 0 else (GAMMA.k_neg, GAMMA.lambda_neg)
             phi = w**k * math.exp(lam * (1 - w))
         total = torch.zeros((), dtype=logp.dtype)
@@ -395,6 +397,18 @@ def test_vespo_takes_the_rollout_correction_into_w_instead_of_weighting_the_loss
     # A token the correction masks (weight 0, tis_mode token_mask) takes W to ~1e-8: phi ~ 0, no update at all.
     _, masked_grad, _, _ = project_loss(batch, "vespo", sampler_weight=torch.tensor([[0.0, 1.0]]))
     assert masked_grad.abs().max().item() < 1e-20
+
+
+def test_vespo_clamps_each_token_log_ratio_to_20_before_forming_w():
+    # The authors' code and TRL's get_gamma_weights clamp every token's log ratio to [-20, 20] before the sum:
+    # token log ratios +25 and -24.5 count as +20 and -20, so ln W = 0, W = 1 and phi = 1 (A = +1: k 2, lambda 3).
+    # Token losses -phi A logp = [1, 2], token mean 1.5; gradient -phi A / 2 = -0.5 on each token.
+    # Summed unclamped they would give ln W = 0.5: phi = e^(2 x 0.5 + 3 (1 - e^0.5)) = e^-0.946164 = 0.388, loss 0.582.
+    batch = make_batch(ratios=[[1.0, 1.0]], logp=[[-1.0, -2.0]], advantages=[1.0], width=2)
+    batch["old_logp"] = batch["logp"] - torch.tensor([[25.0, -24.5]])
+    loss, grad, _, _ = project_loss(batch, "vespo")
+    assert loss.item() == pytest.approx(1.5, abs=1e-6)
+    torch.testing.assert_close(grad, torch.full((1, 2), -0.5), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
