@@ -216,7 +216,9 @@ def manifest_problem(folder: Path, manifest: Any) -> str | None:
         size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if type(size) is not int or size < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
             return f"the entry of {name!r} is not {{\"size\": BYTES, \"sha256\": 64 hex digits}} (got {entry!r:.80})"
-    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
+    # Hidden files (.DS_Store, .ipynb_checkpoints/, an rsync's temporaries) are no file Accelerate loads: not damage.
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)} - {MANIFEST}
     unlisted = sorted(present - {PurePosixPath(name).as_posix() for name in files})
     if unlisted:
         return f"does not list {unlisted[0]}" + (f" (and {len(unlisted) - 1} more files)" if len(unlisted) > 1 else "") + \

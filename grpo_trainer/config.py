@@ -569,11 +569,15 @@ class LossConfig(_Section):
             hint = [] if key in cls.model_fields else difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
             if hint:  # a misspelt option, once a flat key of loss: point at where options live now
                 raise ValueError(f"{key}: unknown key; did you mean 'loss.options.{hint[0]}'?")
-        for name in options:
+        for name in list(options):
             if name not in fields:
-                readers = [v.name for v in LOSS_VARIANTS.values() if name in v.options.model_fields]
-                whose = f"; it is read by: {', '.join(readers)}" if readers else ""
-                raise ValueError(f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'}){whose}")
+                readers = [v for v in LOSS_VARIANTS.values() if name in v.options.model_fields]
+                if readers and all(options[name] == v.options.model_fields[name].default for v in readers):
+                    del options[name]  # another type's option at its default (a recipe's loss.type overridden): no-op
+                    continue
+                whose = f"; it is read by: {', '.join(v.name for v in readers)}" if readers else ""
+                raise ValueError(f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'})"
+                                 f"{whose}; set loss.options=null to start from type {spec}'s defaults")
         for name, value in options.items():  # as _Section: `true`/`false` is not a number
             if isinstance(value, bool) and _asks_a_number(fields[name].annotation):
                 written = next((k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}")

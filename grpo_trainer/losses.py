@@ -58,7 +58,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 class LossOptions(BaseModel):
     """A loss type's own options (`loss.options`), checked by its own model: an unknown key is an error (the
     config names the loss type that reads it), values are frozen once validated. A type without options uses
-    this model as it is; a user's type subclasses it (or any pydantic model with extra="forbid")."""
+    this model as it is; a user's type subclasses it (register_loss and loss_variant refuse other models)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -82,6 +82,8 @@ def claimed(output_dir: str | Path, is_main_process: bool = True,
             lock.acquire()
         except ConfigError as exc:
             verdict = str(exc)
+        except OSError as exc:  # a full disk or quota while writing the lock's record: one line, on every rank
+            verdict = f"output_dir: cannot write to {path}: {exc.strerror or exc}"
     verdict = share(verdict)
     if verdict is not None:
         if lock is not None:
@@ -193,6 +195,7 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     another run); `checkpoint.resume: never` starts over as always.
     """
     from . import checkpoint as ckpt
+    from .model_card import CARD
     from .metrics import read_metrics
     from .state import setup_logging
 
@@ -209,8 +212,10 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     step = int(saved["step"])
     if step < cfg.train.max_steps:
         return None
-    if cfg.checkpoint.save_final_model and not (Path(cfg.output_dir) / "model" / "config.json").is_file():
-        return None  # stopped between its last checkpoint and its final model: resuming saves the model
+    if cfg.checkpoint.save_final_model and not (Path(cfg.output_dir) / "model" / CARD).is_file():
+        # Stopped between its last checkpoint and the end of its final model (the card is written last, after every
+        # weight file): resuming saves the model.
+        return None
     ckpt.check_resume_compatible(ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), None, 1,
                                  cfg.checkpoint.force_resume)
     setup_logging(cfg, is_main_process)

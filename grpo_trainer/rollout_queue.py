@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .checkpoint import checkpoint_root
 from .errors import TrainingError
 from .rollout import Rollout, RolloutEngine, ServerGone, WeightsLost, mix_seed
 from .rollout.weight_sync import zero3_gather
@@ -97,11 +98,8 @@ class QueueSettings:
     def of(cls, cfg: Config) -> QueueSettings:
         return cls(max_staleness=cfg.rollout.max_staleness, prompts_per_step=cfg.train.prompts_per_step,
                    max_steps=cfg.train.max_steps, seed=cfg.seed, seed_per_prompt=cfg.rollout.seed_per_prompt,
-                   reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout, checkpoints=checkpoints_of(cfg))
-
-
-def checkpoints_of(cfg: Config) -> str:
-    return f"{cfg.output_dir}/checkpoints"
+                   reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout,
+                   checkpoints=str(checkpoint_root(cfg.output_dir)))
 
 
 class PromptSource(Protocol):
@@ -386,7 +384,11 @@ class RolloutQueue:
             return LOST, error
         if isinstance(error, ServerGone) and self.can_lose_weights:
             timeout = self.settings.reconnect_timeout
-            if self.engine.reconnect(timeout):
+            try:  # whatever waiting raises (a URL that now answers but is not vLLM) is this rank's state, not an escape
+                back = self.engine.reconnect(timeout)  # before the ranks agree (_resolve): they would wait for us forever
+            except Exception as exc:
+                return FATAL, exc
+            if back:
                 return LOST, error
             return FATAL, ConnectionError(f"{error} (it did not come back within {timeout:g}s)")
         return FATAL, error

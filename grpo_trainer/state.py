@@ -27,6 +27,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
+from .errors import TrainingError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
 from .host_memory import HeapTrimmer
@@ -279,8 +280,16 @@ def settle_decode_kernels(run: Run, recorded: dict[str, str] | None) -> dict[str
     """The run's kernel plan, made before it samples anything: the main process plans (from this machine's cache,
     measuring what is missing; a resumed run keeps its `recorded` choices) and every rank samples with its plan."""
     rows, context = decode_reach(run.cfg, run.geometry, run.task, run.eval_task)
-    plan = run.engine.plan_kernels(rows, context, recorded, decide=run.is_main_process)
-    plan = run.comm.gather_objects([plan])[0] if run.geometry.world > 1 else plan  # the main process's, everywhere
+    try:
+        plan, error = run.engine.plan_kernels(rows, context, recorded, decide=run.is_main_process), None
+    except Exception as exc:  # carried to every rank: the others wait for the main process's plan below
+        if run.geometry.world == 1:
+            raise
+        plan, error = {}, f"decode kernels: {exc}"
+    if run.geometry.world > 1:
+        plan, error = run.comm.gather_objects([(plan, error)])[0]  # the main process's, everywhere
+    if error is not None:
+        raise TrainingError(error)
     run.engine.use_kernels(plan)
     return plan
 

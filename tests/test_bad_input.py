@@ -146,12 +146,15 @@ def test_a_second_run_into_a_running_runs_folder_is_refused_and_the_first_finish
     thread = threading.Thread(target=lambda: first.append(run_cli(
         ["train", "configs/demo_cpu.yaml", *small_run_overrides(folder, steps=1), "seed=1",
          "checkpoint.save_final_model=false"],  # (the model card's plot costs seconds)
-        env={"GRPO_TRAINER_PAUSE_IN_SAVE": "2"})))  # the first run holds the folder 2 s more, in its last save
+        # The first run holds the folder 6 s more, in its last save: the second (forked from a warm server, it
+        # claims the folder before importing anything more) gets there first even on a loaded machine.
+        env={"GRPO_TRAINER_PAUSE_IN_SAVE": "6"})))
     thread.start()
     lock = folder / output_dir.LOCK_FILE
     deadline = time.time() + 300
     while not (lock.is_file() and lock.read_text()) and time.time() < deadline and thread.is_alive():
         time.sleep(0.05)
+    assert lock.is_file() and lock.read_text(), first[0].stderr[-3000:] if first else "the first run never took the lock"
     holder = json.loads(lock.read_text())["pid"]
     second = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(folder, steps=2), "seed=2"])
     thread.join()
@@ -248,6 +251,7 @@ def finished_checkpoint(folder: Path, cfg: Config, step: int, records: list[dict
     (folder / "checkpoints" / "latest").write_text(checkpoint.name)
     (folder / "model").mkdir()
     (folder / "model" / "config.json").write_text("{}")
+    (folder / "model" / "README.md").write_text("the model card, written last")
     return checkpoint
 
 
@@ -273,7 +277,7 @@ def test_a_finished_run_run_again_returns_its_final_metrics_without_loading_a_mo
     # A change resuming refuses is refused here too: those metrics are another run's.
     with pytest.raises(TrainingError, match="loss.type: 'grpo' -> 'dapo'"):
         trainer.train(load_config(None, [f"output_dir={tmp_path}", "train.max_steps=2", "loss.type=dapo"]))
-    (tmp_path / "model" / "config.json").unlink()
+    (tmp_path / "model" / "README.md").unlink()  # killed in the middle of saving the final model
     assert output_dir.finished_run(cfg) is None
 
 
@@ -333,6 +337,16 @@ def test_a_truncated_file_the_manifest_no_longer_lists_is_caught(two_checkpoints
     (checkpoint / MANIFEST).write_text('{"files": {}}')
     assert "does not list optimizer.bin" in verify(checkpoint)
     assert verify(run / "checkpoints" / "step-000001") is None
+
+
+def test_hidden_files_a_desktop_or_a_copy_leaves_do_not_make_a_checkpoint_damaged(two_checkpoints):
+    run, checkpoint = two_checkpoints
+    (checkpoint / ".DS_Store").write_bytes(b"finder")
+    (checkpoint / ".ipynb_checkpoints").mkdir()
+    (checkpoint / ".ipynb_checkpoints" / "trainer_state-checkpoint.json").write_text("{}")
+    assert verify(checkpoint) is None
+    (checkpoint / "optimizer.2.bin").write_bytes(b"x")  # a file Accelerate could load by name: still damage
+    assert "does not list optimizer.2.bin" in verify(checkpoint)
 
 
 def test_a_path_leading_out_through_a_link_is_not_hashed(two_checkpoints):

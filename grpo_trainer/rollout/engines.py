@@ -5,7 +5,7 @@ its name: a rule such as "asynchronous rollouts need an engine that samples outs
 written once, against the capability, and holds for an engine added later. Declaring the capabilities here,
 apart from the engine classes, keeps loading a config cheap: nothing from vLLM (or torch) is imported to
 validate one. The classes declare the same capabilities as attributes (the `RolloutEngine` protocol, what the
-loop asks at run time); tests/test_rollout.py checks that the two agree. `registry.build_engine` builds the
+loop asks at run time); tests/test_engines.py checks that the two agree. `registry.build_engine` builds the
 engine an entry names.
 
 Deliberately not here: the engines' settings (config.py, one section each) and how they are built (registry.py).

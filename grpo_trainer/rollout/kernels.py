@@ -51,6 +51,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 FORCE_ENV = "GRPO_TRAINER_DECODE_KERNELS"
@@ -147,7 +149,7 @@ class KernelTable:
         forced = forced_choices().get(decision)
         if forced is not None:
             if forced not in alternatives:
-                raise ValueError(f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}")
+                raise ConfigError(f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}")
             return forced
         if len(alternatives) == 1 or not worth_measuring:
             return alternatives[0]
@@ -218,6 +220,6 @@ def forced_choices() -> dict[str, str]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         decision, sep, name = item.partition("=")
         if not sep or not name.strip():
-            raise ValueError(f"{FORCE_ENV}: {item!r} is not decision=alternative (e.g. linear=weight_stationary)")
+            raise ConfigError(f"{FORCE_ENV}: {item!r} is not decision=alternative (e.g. linear=weight_stationary)")
         forced[decision.strip()] = name.strip()
     return forced

@@ -6,7 +6,7 @@ interface, so the loop does not know tools exist: `generate` (with `max_tokens`)
 `samples_outside_process`, `can_lose_weights`, `lockstep`; `reconnect` to a server the trainer waits for after
 a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the loop may ask an engine
 is the protocol, and a capability the wrapper lacked would silently change what the loop does with tools
-(tests/test_rollout.py checks every member is here). A completion becomes a
+(tests/test_engines.py checks every member is here). A completion becomes a
 conversation, all of it one token sequence after the prompt:
 
     prompt | model turn 1 ... <tool_call>{...}</tool_call><EOS> | tool tokens | model turn 2 ... <EOS>
