@@ -444,3 +444,20 @@ def test_text_or_a_wrong_shape_is_not_a_reward_whatever_holds_it(value, message)
     with pytest.raises(RewardError) as refused:
         rewarded(value)
     assert message in str(refused.value)
+
+
+def test_a_full_disk_while_taking_the_folders_lock_is_one_line(tmp_path, monkeypatch):
+    """Writing the lock's record can fail like any write (ENOSPC, a quota): one line naming output_dir, shared with
+    every rank (a raw OSError on the main process left the others waiting in the broadcast)."""
+    import errno as errnos
+
+    def full(*args):
+        raise OSError(errnos.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output_dir.os, "pwrite", full)
+    shared = []
+    with pytest.raises(ConfigError, match=f"output_dir: cannot write to {tmp_path / 'run'}: No space left on device"):
+        with output_dir.claimed(tmp_path / "run", share=lambda verdict: shared.append(verdict) or verdict):
+            pass
+    assert shared and shared[0].startswith("output_dir: cannot write to")
+    assert not (tmp_path / "run" / output_dir.LOCK_FILE).exists()  # released and removed

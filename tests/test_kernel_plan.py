@@ -156,3 +156,34 @@ def test_the_kernels_command_remeasures_only_when_asked_and_says_what_changed(tm
     out = capsys.readouterr().out
     assert "onednn_packed   (was linear)" in out or "weight_stationary   (was linear)" in out, out
     assert "choices changed: new runs on this machine sample differently" in out
+
+
+def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line(monkeypatch):
+    """Only the main process plans; the others wait for its plan in a gather. Whatever planning raises there is
+    carried through that gather, so every rank stops with the same line instead of waiting forever."""
+    from types import SimpleNamespace
+
+    from grpo_trainer import state
+    from grpo_trainer.errors import ConfigError, TrainingError
+
+    monkeypatch.setattr(state, "decode_reach", lambda *a: (4, 64))
+    carried = []
+
+    class Engine:
+        def plan_kernels(self, rows, context, recorded, decide):
+            if decide:
+                raise ConfigError("GRPO_TRAINER_DECODE_KERNELS: linear='x' is not available here")
+            return {}
+
+        def use_kernels(self, plan):
+            raise AssertionError("sampled with a plan after a failed planning")
+
+    def gather(items):
+        carried.extend(items) if not carried else None
+        return [carried[0], *items]
+
+    for is_main in (True, False):  # the main process first: its item is what the gather hands everyone
+        run = SimpleNamespace(cfg=None, geometry=SimpleNamespace(world=2), task=None, eval_task=None, engine=Engine(),
+                              comm=SimpleNamespace(gather_objects=gather), is_main_process=is_main)
+        with pytest.raises(TrainingError, match="decode kernels: GRPO_TRAINER_DECODE_KERNELS: linear='x'"):
+            state.settle_decode_kernels(run, None)
