@@ -74,6 +74,7 @@ def claimed(output_dir: str | Path, is_main_process: bool = True,
     path = Path(output_dir)
     lock: _FolderLock | None = None
     verdict = None
+    made = is_main_process and not path.exists()
     if is_main_process:
         try:
             check(path)
@@ -85,15 +86,16 @@ def claimed(output_dir: str | Path, is_main_process: bool = True,
         except OSError as exc:  # a full disk or quota while writing the lock's record: one line, on every rank
             verdict = f"output_dir: cannot write to {path}: {exc.strerror or exc}"
     verdict = share(verdict)
-    if verdict is not None:
-        if lock is not None:
-            lock.release()
-        raise ConfigError(verdict)
     try:
+        if verdict is not None:
+            raise ConfigError(verdict)
         yield path
     finally:
         if lock is not None:
             lock.release()
+        if made:  # a run that stopped before writing anything (a refusal in preflight) leaves no empty folder
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def _create(path: Path) -> None:
