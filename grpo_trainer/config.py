@@ -1,7 +1,7 @@
 """The one configuration tree: YAML maps 1:1 onto these pydantic models.
 
-Every key has a type, a default and a one-line description (the README's config
-reference is generated from them). Unknown keys, wrong types and impossible
+Every key has a type, a default and a one-line description (docs/config_reference.md
+is generated from them). Unknown keys, wrong types and impossible
 combinations fail at load time with the key's dotted path and, for a misspelt
 key, the nearest valid one.
 

@@ -12,7 +12,7 @@ beta 0, one iteration) with the recipe's real prompts, and completions of random
 spread, every completion with a nonzero advantage (all of them trained):
 
   end       the recipe at the end of its run: mean ~21 tokens against the 64 cap, ~2% cut off (README, "A real
-            model on a CPU": 0-3% over the last steps)
+            model on a CPU": 0-3% over the last steps; docs/performance.md, "Learning runs")
   start     the recipe's first steps: 88% cut off at 64, the rest 20-63 tokens (mean ~60)
   longtail  most completions short (mean ~20), four of the 32 at 512 tokens (max_completion_length 512)
 
