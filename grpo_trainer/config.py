@@ -108,6 +108,27 @@ class ModelConfig(_Section):
     )
 
 
+class TeacherConfig(_Section):
+    """A frozen model that scores every sampled token (on-policy distillation, `loss.teacher_kl`)."""
+
+    name_or_path: str = Field(
+        description="Hugging Face model id, local folder or builtin (as model.name_or_path); its tokenizer's "
+        "vocabulary must be the policy's.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Parameter dtype of the teacher (None: model.dtype)."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
+
+    def as_model(self, policy: ModelConfig) -> ModelConfig:
+        """The teacher as a model entry to load (models.load_causal_lm, load_tokenizer): frozen, no adapters, the
+        policy's log-prob chunking."""
+        return policy.model_copy(update={
+            "name_or_path": self.name_or_path, "dtype": self.dtype or policy.dtype, "tokenizer": None,
+            "trust_remote_code": self.trust_remote_code, "gradient_checkpointing": False, "lora": None,
+        })
+
+
 class DataConfig(_Section):
     source: str = Field(
         "builtin:arithmetic",
@@ -506,6 +527,16 @@ class LossConfig(_Section):
     mask_truncated_completions: bool = Field(
         False, description="Leave completions that hit max_completion_length out of the loss (DAPO)."
     )
+    teacher_kl: float = Field(
+        0.0, ge=0, json_schema_extra=CHANGES_MEANING,
+        description="On-policy distillation: each token's advantage gains teacher_kl * (log pi_teacher - log "
+        "pi_sampler) of the sampled token, the per-token reverse-KL reward (docs/distillation.md). Needs `teacher:`.",
+    )
+    teacher_only: bool = Field(
+        False, json_schema_extra=CHANGES_MEANING,
+        description="Pure distillation: the teacher term alone is the advantage (rewards are still computed and "
+        "logged); zero-advantage skipping is off. Needs teacher_kl > 0.",
+    )
 
     @property
     def variant(self) -> LossVariant:
@@ -521,6 +552,11 @@ class LossConfig(_Section):
     def correction_on(self) -> bool:
         """Rollout correction is configured (tis_cap): it weights the batches whose engine reports sampler log-probs."""
         return self.tis_cap is not None
+
+    @property
+    def teacher_on(self) -> bool:
+        """A teacher scores every sampled token and its per-token term joins the advantage (loss.teacher_kl > 0)."""
+        return self.teacher_kl > 0
 
     @property
     def entropy_term(self) -> bool:
@@ -752,6 +788,10 @@ class Config(_Section):
     output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.", json_schema_extra=HARMLESS_ON_RESUME)
     seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).", json_schema_extra=CHANGES_MEANING)
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    teacher: TeacherConfig | None = Field(
+        None, json_schema_extra=CHANGES_MEANING,
+        description="A frozen teacher model for on-policy distillation (used with loss.teacher_kl > 0).",
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Group sampling.")
     rewards: list[RewardConfig] = Field(
@@ -786,12 +826,33 @@ class Config(_Section):
                 f"loss.tis_min ({self.loss.tis_min}) is the lower end of [tis_min, tis_cap]: set loss.tis_cap above it "
                 f"(got tis_cap {self.loss.tis_cap})"
             )
+        self._check_teacher()
         if self.loss.variant.sampler_weight_in_ratio and self.loss.correction_on and self.loss.tis_mode.startswith("sequence"):
             raise ValueError(
                 f"loss.type {self.loss.type} folds the per-token rollout correction into its own ratio: set loss.tis_mode "
                 f"to token_truncate or token_mask (got {self.loss.tis_mode})"
             )
         return self
+
+    def _check_teacher(self) -> None:
+        """The teacher, loss.teacher_kl and loss.teacher_only come together, with a loss whose ratio is per token."""
+        loss = self.loss
+        if loss.teacher_on and self.teacher is None:
+            raise ValueError(f"loss.teacher_kl ({loss.teacher_kl}) needs a teacher: set teacher.name_or_path")
+        if self.teacher is not None and not loss.teacher_on:
+            raise ValueError("teacher is set but loss.teacher_kl is 0: it would be loaded and never used; set "
+                             "loss.teacher_kl > 0 (e.g. 1.0), or remove teacher")
+        if loss.teacher_only and not loss.teacher_on:
+            raise ValueError("loss.teacher_only needs loss.teacher_kl > 0 (the teacher term is then the whole advantage)")
+        if loss.teacher_on and loss.variant.ratio != "token":
+            raise ValueError(
+                f"loss.teacher_kl: loss.type {loss.type} has one ratio per sequence ({loss.variant.ratio}), which a "
+                "per-token advantage cannot weight token by token; use a token-level type: "
+                + ", ".join(name for name, v in LOSS_VARIANTS.items() if v.ratio == "token")
+            )
+        if loss.teacher_only and loss.dynamic_sampling:
+            raise ValueError("loss.teacher_only with loss.dynamic_sampling: without rewards in the advantage every group "
+                             "counts, and dynamic sampling would drop the groups whose rewards are equal; turn it off")
 
     @property
     def needs_reference(self) -> bool:

@@ -33,7 +33,7 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
     step_metrics = stats.metrics(
         batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.kl_on,
         with_sampler_gap=with_sampler_gap, tis_mode=run.cfg.loss.tis_mode if corrected else None,
-        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None,
+        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None, with_teacher=run.cfg.loss.teacher_on,
     )
     return {
         "step": step,

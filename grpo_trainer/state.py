@@ -34,8 +34,8 @@ from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
 from .optim import adamw_for
-from .models import (TokenLogprobs, base_model, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm,
-                     load_tokenizer)
+from .models import (TokenLogprobs, base_model, check_packing_support, check_same_vocabulary, context_length, eos_token_ids,
+                     is_lora, load_causal_lm, load_tokenizer)
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
@@ -58,6 +58,7 @@ class Run:
     tokenizer: Any
     policy: Any  # TokenLogprobs, as Accelerate prepared it (DDP / DeepSpeed engine / plain)
     reference: TokenLogprobs | None  # None with beta = 0, and for LoRA (the adapter-disabled policy serves)
+    teacher: TokenLogprobs | None  # loss.teacher_kl > 0: the frozen model that scores every sampled token
     optimizer: Any
     scheduler: Any  # stepped by us, not by Accelerate (its wrapper would step once per process)
     engine: RolloutEngine
@@ -120,6 +121,7 @@ def build_run(cfg: Config) -> Run:
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
+    teacher = _teacher(cfg, accelerator, tokenizer)
     comm = distributed.Collectives(accelerator)
 
     def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
@@ -149,8 +151,8 @@ def build_run(cfg: Config) -> Run:
     )
     return Run(
         cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
-        tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
-        engine=engine, task=task, sampler=sampler,
+        tokenizer=tokenizer, policy=policy, reference=reference, teacher=teacher, optimizer=optimizer,
+        scheduler=scheduler, engine=engine, task=task, sampler=sampler,
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, rollouts=rollouts,
         progress=ProgressBar(cfg, accelerator.is_main_process), heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
         eval_task=eval_task,
@@ -210,6 +212,18 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
                               cfg.model.share_prompt, chunk_agreement(accelerator))
     return reference.to(accelerator.device).eval().requires_grad_(False)
+
+
+def _teacher(cfg: Config, accelerator, tokenizer) -> TokenLogprobs | None:
+    """The frozen teacher (loss.teacher_kl), scored like the reference: a whole copy per rank, log-probs in chunks.
+    Its tokenizer must map every token as the policy's does: its log-prob of the sampled ids is the reward."""
+    if cfg.teacher is None:
+        return None
+    teacher_cfg = cfg.teacher.as_model(cfg.model)
+    check_same_vocabulary(tokenizer, load_tokenizer(teacher_cfg), f"teacher.name_or_path {cfg.teacher.name_or_path}")
+    teacher = TokenLogprobs(load_causal_lm(teacher_cfg), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                            cfg.model.share_prompt, chunk_agreement(accelerator))
+    return teacher.to(accelerator.device).eval().requires_grad_(False)
 
 
 def resume(run: Run) -> TrainState:

@@ -155,20 +155,22 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
 
 def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
-    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
+    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values. Under
+    `loss.teacher_only` the rewards are only reported: the teacher's per-token term (update.py) is the advantage."""
     loss = run.cfg.loss
     per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
-    return batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
-                            scale=loss.scale_rewards, per_function=per_function, weights=weights)
+    advantages, stats = batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
+                                         scale=loss.scale_rewards, per_function=per_function, weights=weights)
+    return (torch.zeros_like(advantages) if loss.teacher_only else advantages), stats
 
 
 def skips_zero_advantage(cfg: Config) -> bool:
-    """Leave zero-advantage completions out of the passes: exact only without a KL or entropy term (both have a
-    gradient at A = 0) and for losses whose normaliser does not count the tokens present in a micro-batch
-    (losses.LossVariant)."""
+    """Leave zero-advantage completions out of the passes: exact only without a KL, entropy or teacher term (each
+    has a gradient at a group advantage of 0) and for losses whose normaliser does not count the tokens present in a
+    micro-batch (losses.LossVariant)."""
     return (cfg.train.skip_zero_advantage and not cfg.loss.kl_on and not cfg.loss.entropy_term
-            and cfg.loss.variant.exact_zero_advantage_skip)
+            and not cfg.loss.teacher_on and cfg.loss.variant.exact_zero_advantage_skip)
 
 
 def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, float]:

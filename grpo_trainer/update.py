@@ -26,7 +26,8 @@ logger = logging.getLogger("grpo_trainer")
 def add_logprobs(run, batch: TrainBatch) -> None:
     """Per micro-batch, before any update: old log-probs (only when the sampling-time policy differs from the
     one being trained by some step, `train.policy_moves_within_step`: otherwise the old policy *is* the current
-    one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only when `loss.kl_on`)."""
+    one), token entropies (only for top_entropy_quantile < 1), reference log-probs (only when `loss.kl_on`) and
+    the teacher's (only when `loss.teacher_on`)."""
     cfg = run.cfg
     needs_old = cfg.train.policy_moves_within_step
     rho = cfg.loss.top_entropy_quantile
@@ -41,16 +42,22 @@ def add_logprobs(run, batch: TrainBatch) -> None:
             entropies.append(entropy)
         if cfg.loss.kl_on:
             mb.ref_logp = _reference_logprobs(run, mb.sequences)
+        if cfg.loss.teacher_on:
+            mb.teacher_logp = run.teacher(**mb.sequences)[0]
     if rho < 1:
-        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho))
+        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho,
+                                                        per_token_advantages=cfg.loss.teacher_on))
 
 
-def select_high_entropy_tokens(comm, batch: TrainBatch, entropies: list[torch.Tensor], rho: float) -> dict[str, float]:
+def select_high_entropy_tokens(
+    comm, batch: TrainBatch, entropies: list[torch.Tensor], rho: float, per_token_advantages: bool = False
+) -> dict[str, float]:
     """Set each micro-batch's `entropy_mask`: 1 on the top-rho highest-entropy tokens of the whole batch (all
     ranks), ranked among the tokens that can carry policy gradient (kept, of a completion with advantage != 0:
-    the same set whether or not zero-advantage completions skip the passes). One threshold for the batch, from
-    the sampling-time policy, so the selection does not depend on micro-batches, mini-batches or ranks."""
-    ranked = [(mb.mask > 0) & (mb.advantages[:, None] != 0) for mb in batch.micro_batches]
+    the same set whether or not zero-advantage completions skip the passes; every kept token where a per-token
+    term such as the teacher's joins the advantage). One threshold for the batch, from the sampling-time policy,
+    so the selection does not depend on micro-batches, mini-batches or ranks."""
+    ranked = [(mb.mask > 0) & ((mb.advantages[:, None] != 0) | per_token_advantages) for mb in batch.micro_batches]
     local = torch.cat([e[r].float().cpu() for e, r in zip(entropies, ranked)] + [torch.zeros(0)])
     everything = gather_ragged(comm, local).double()  # float32 -> float64 is exact: the same threshold as before
     threshold = losses.entropy_threshold(everything, rho)
@@ -99,6 +106,9 @@ class StepStats:
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
     is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio left [tis_min, tis_cap] (first iteration)
     off_policy_masked: torch.Tensor  # completions off-policy sequence masking left out (first iteration)
+    teacher_kl: torch.Tensor  # first iteration: sum over trained tokens of log mu - log pi_teacher (loss.teacher_kl)
+    teacher_term: torch.Tensor  # ... of |the teacher's advantage term|
+    group_term: torch.Tensor  # ... of |the group advantage| (the two sizes give the teacher's share)
     trained_tokens: torch.Tensor
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
@@ -119,10 +129,10 @@ class StepStats:
 
     def metrics(
         self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None,
-        off_policy_masking: bool = False,
+        off_policy_masking: bool = False, with_teacher: bool = False,
     ) -> dict:
         """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric),
-        `off_policy_masking` when loss.off_policy_mask_threshold is set."""
+        `off_policy_masking` when loss.off_policy_mask_threshold is set, `with_teacher` under loss.teacher_kl."""
         tokens, trained = max(total_tokens, 1), max(float(self.trained_tokens), 1)
         out = {
             "loss": float(self.loss),
@@ -145,6 +155,9 @@ class StepStats:
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
         if tis_mode is not None:
             out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = float(self.is_capped) / trained
+        if with_teacher:  # the sampled per-token reverse KL(mu || teacher), and the teacher term's part of |A|
+            out["teacher/reverse_kl"] = float(self.teacher_kl) / trained
+            out["teacher/advantage_share"] = float(self.teacher_term) / max(float(self.teacher_term + self.group_term), 1e-30)
         if off_policy_masking:
             out["sampling/off_policy_masked_fraction"] = float(self.off_policy_masked) / max(float(self.trained_completions), 1)
         return out
@@ -200,6 +213,9 @@ def update(run, batch: TrainBatch, state: TrainState) -> tuple[StepStats, TrainS
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
                 stats.off_policy_masked += parts.get("off_policy_masked", 0.0)
+                stats.teacher_kl += parts.get("teacher_kl", 0.0)
+                stats.teacher_term += parts.get("teacher_term", 0.0)
+                stats.group_term += parts.get("group_term", 0.0)
                 stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
                 if term is not None:
@@ -246,18 +262,31 @@ def micro_batch_loss(
     is the behaviour policy, K weight versions old (docs/async.md explains the choice)."""
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    behaviour = mb.sampling_logp if mb.sampling_logp is not None else old  # the policy that sampled: pi_old without one
+    advantages = mb.advantages[:, None].expand_as(logp)  # [mb, C]: the group's, the same on every token
+    sequence_advantages = mb.advantages
+    teacher_parts = {}
+    if cfg.loss.teacher_on:
+        teacher = losses.teacher_advantage(mb.teacher_logp, behaviour, mb.mask, cfg.loss.teacher_kl)
+        advantages = advantages + teacher
+        sequence_advantages = losses.masked_sum(advantages, mb.mask, dim=1) / mb.mask.sum(1).clamp(min=1)
+        teacher_parts = {  # first-pass statistics: the sampled reverse KL, and the two terms' sizes
+            "teacher_kl": losses.masked_sum(behaviour - mb.teacher_logp, mb.mask),
+            "teacher_term": losses.masked_sum(teacher.abs(), mb.mask),
+            "group_term": losses.masked_sum(mb.advantages[:, None].abs().expand_as(logp), mb.mask),
+        }
     correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
     if mb.sampling_logp is not None and cfg.loss.correction_on:
         correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
                                                       floor=cfg.loss.tis_min)
-    if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler, pi_old without one
-        behaviour = mb.sampling_logp if mb.sampling_logp is not None else old
-        keep = losses.off_policy_sequence_mask(logp, behaviour, mb.advantages, mb.mask, cfg.loss.off_policy_mask_threshold)
+    if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler
+        keep = losses.off_policy_sequence_mask(logp, behaviour, sequence_advantages, mb.mask,
+                                               cfg.loss.off_policy_mask_threshold)
         masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
         gate = keep if gate is None else gate * keep
     variant = cfg.loss.variant
     token_loss, parts = losses.per_token_loss(
-        variant, cfg.loss.options, logp, old, mb.advantages[:, None].expand_as(logp), mb.mask,
+        variant, cfg.loss.options, logp, old, advantages, mb.mask,
         ref_logp=mb.ref_logp, beta=cfg.loss.beta,
         policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
         sampler_weight=correction,
@@ -266,6 +295,7 @@ def micro_batch_loss(
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
     if masked_sequences is not None:
         parts["off_policy_masked"] = masked_sequences
+    parts.update(teacher_parts)
     share = losses.aggregate(
         token_loss, mb.mask, variant,
         total_sequences=geometry.total_completions // geometry.mini_batches,
