@@ -234,3 +234,20 @@ def exit_without_teardown(code: int):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def whole_parameters_on_load():
+    """Load a model outside DeepSpeed ZeRO-3's partitioned init: transformers partitions every model loaded while
+    a ZeRO-3 config is live, and a model Accelerate never prepares (the teacher, a reward model) then runs its
+    forward on empty shards. Frozen copies that every rank holds whole are loaded inside this."""
+    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config is live
+    if hf_deepspeed is None or not hf_deepspeed.is_deepspeed_zero3_enabled():
+        yield
+        return
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = live

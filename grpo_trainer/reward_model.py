@@ -35,15 +35,14 @@ anyway), `trust_remote_code` models.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .config import RewardModelConfig
+from .distributed import whole_parameters_on_load
 from .errors import RewardError
 
 logger = logging.getLogger("grpo_trainer")
@@ -166,7 +165,7 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
             "(a sequence-classification model with num_labels=1)"
         )
     try:
-        with _whole_parameters():
+        with whole_parameters_on_load():  # never prepared by Accelerate: each rank needs all of its weights
             model, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, output_loading_info=True)
     except Exception as exc:
         raise failed("weights", exc) from None
@@ -190,17 +189,3 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
     return model.to(device).eval().requires_grad_(False), tokenizer
 
 
-@contextlib.contextmanager
-def _whole_parameters():
-    """Load outside DeepSpeed ZeRO-3's partitioned init: the reward model is never prepared by Accelerate, so
-    each rank needs all of its weights (transformers partitions every model loaded while a ZeRO-3 config is live)."""
-    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config is live
-    if hf_deepspeed is None or not hf_deepspeed.is_deepspeed_zero3_enabled():
-        yield
-        return
-    live = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = live

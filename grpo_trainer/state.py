@@ -23,7 +23,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import Config
+from .config import Config, ModelConfig
 from .data import PromptSampler
 from .errors import TrainingError
 from .evaluate import load_eval_task
@@ -209,9 +209,7 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     """A frozen copy for the KL term; none with beta = 0, and none for LoRA (the adapter-disabled policy is it)."""
     if not cfg.needs_reference or is_lora(lm):  # is_lora: an in-memory model given with its adapters
         return None
-    reference = TokenLogprobs(load_causal_lm(cfg.model), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
-                              cfg.model.share_prompt, chunk_agreement(accelerator))
-    return reference.to(accelerator.device).eval().requires_grad_(False)
+    return _frozen_copy(cfg, cfg.model, accelerator)
 
 
 def _teacher(cfg: Config, accelerator, tokenizer) -> TokenLogprobs | None:
@@ -221,9 +219,17 @@ def _teacher(cfg: Config, accelerator, tokenizer) -> TokenLogprobs | None:
         return None
     teacher_cfg = cfg.teacher.as_model(cfg.model)
     check_same_vocabulary(tokenizer, load_tokenizer(teacher_cfg), f"teacher.name_or_path {cfg.teacher.name_or_path}")
-    teacher = TokenLogprobs(load_causal_lm(teacher_cfg), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
-                            cfg.model.share_prompt, chunk_agreement(accelerator))
-    return teacher.to(accelerator.device).eval().requires_grad_(False)
+    return _frozen_copy(cfg, teacher_cfg, accelerator)
+
+
+def _frozen_copy(cfg: Config, model: ModelConfig, accelerator) -> TokenLogprobs:
+    """A frozen model scored beside the policy (the reference, the teacher): whole on every rank, also under
+    ZeRO-3 (Accelerate never prepares it, so a partitioned load would leave it empty shards), so its forward is
+    no collective and each rank scores its own chunks."""
+    with distributed.whole_parameters_on_load():
+        lm = load_causal_lm(model)
+    scorer = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt)
+    return scorer.to(accelerator.device).eval().requires_grad_(False)
 
 
 def resume(run: Run) -> TrainState:

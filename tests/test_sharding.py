@@ -12,6 +12,7 @@ differently across ranks, and Adam magnifies that noise where a gradient is ~0).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import yaml
@@ -121,6 +122,22 @@ def test_lora_under_zero3_saves_the_adapter_and_merged_model_one_process_saves(t
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), sharded / "adapter")
     for name, weight in with_adapter.merge_and_unload().state_dict().items():
         torch.testing.assert_close(merged.state_dict()[name], weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xdist_group("sharding")
+def test_the_reference_and_the_teacher_are_whole_on_every_rank_under_zero3(tmp_path):
+    """Frozen models Accelerate never prepares (the KL reference, the distillation teacher) are loaded outside
+    ZeRO-3's partitioned init: each rank scores with whole weights (a partitioned load left them empty shards and
+    the first forward failed, "'weight' must be 2-D"). Packed passes, two ranks, one step."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    launcher = accelerate_launch(float32_launch_file("zero3", tmp_path), "--main_process_port", str(free_port()))
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=1), "loss.beta=0.05",
+                      "teacher={name_or_path: builtin:tiny-tools}", "loss.teacher_kl=1.0", "train.packing=true",
+                      "rollout.max_completion_length=8"], launcher=launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = read_metrics(out)
+    assert math.isfinite(record["kl"]) and record["teacher/reverse_kl"] > 0 and record["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
