@@ -30,13 +30,14 @@ from .data import PromptSampler
 from .errors import TrainingError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
-from .host_memory import HeapTrimmer
+from .cpu import paths as cpu_paths
+from .cpu.heap import HeapTrimmer
 from .losses import EntropyControl
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
-from .optim import adamw_for
+from .cpu.adamw import adamw_for
 from .models import (TokenLogprobs, base_model, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm,
                      load_tokenizer)
 from .report import ProgressBar, flat_hparams
@@ -77,7 +78,7 @@ class Run:
     # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything and
     # saved in every checkpoint: with the config and seed they name the run's samples (rollout/kernels.py).
     decode_kernels: dict[str, str] = field(default_factory=dict)
-    # called where a phase's peak begins (host_memory.py)
+    # called where a phase's peak begins (cpu/heap.py)
     heap_trimmer: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
 
     @property
@@ -245,6 +246,7 @@ def resume(run: Run) -> None:
         if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
             run.entropy_control = EntropyControl(**saved["entropy_control"])
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
+        cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
         logger.info("resumed from %s at step %d", found, run.start_step)
         recorded = saved.get("decode_kernels")
     else:
@@ -300,7 +302,7 @@ def record_decode_kernels(output_dir: Path, plan: dict[str, str], device_type: s
 
     from .rollout.kernels import machine_fingerprint
 
-    record = {"machine": machine_fingerprint(device_type), "choices": plan}
+    record = {"machine": machine_fingerprint(device_type), "choices": plan, "cpu_paths": cpu_paths.record()}
     (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
@@ -332,6 +334,7 @@ def save_checkpoint(run: Run, step: int, history: str) -> None:
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
         "decode_kernels": run.decode_kernels,
+        "cpu_paths": cpu_paths.record(),
     }
     if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
         state["rollout_queue"] = run.rollouts.state_dict()
