@@ -4,6 +4,7 @@ where a fast path cannot run the plain one does: warned once, recorded in the ru
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from types import SimpleNamespace
@@ -61,6 +62,18 @@ def _init_group_without_state(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "_init_group", lambda self, group, a, b, c, d, e, f: False)
 
 
+def _adam_arithmetic_changed(monkeypatch):
+    adam = importlib.import_module("torch.optim.adam")
+    real = adam._single_tensor_adam
+
+    def changed(params, *args, **kwargs):
+        real(params, *args, **kwargs)
+        for param in params:
+            param.mul_(1 + 2**-20)
+
+    monkeypatch.setattr(adam, "_single_tensor_adam", changed)
+
+
 def _new_global_hook_table(monkeypatch):
     from torch.nn.modules import module as module_globals
 
@@ -88,6 +101,7 @@ def _mkldnn_op_gone(monkeypatch):
     ("adamw_init_group", _init_group_gone, "torch.optim.AdamW has no _init_group"),
     ("adamw_init_group", _init_group_takes_more, "torch.optim.AdamW._init_group(group, params"),
     ("adamw_init_group", _init_group_without_state, "the lists it fills are not"),
+    ("adamw_step", _adam_arithmetic_changed, "_single_tensor_adam's arithmetic"),
     ("module_hook_tables", _new_global_hook_table, "_global_forward_hooks_on_error"),
     ("module_hook_tables", _global_hooks_elsewhere, "a registered hook is not in _global_forward_hooks"),
     ("log_softmax_backward_data", _log_softmax_backward_changed, "no longer autograd's gradient of log_softmax"),

@@ -30,7 +30,7 @@ SAME = "same numbers, slower or more memory"
 # name -> (what runs when it is usable, what runs otherwise and what that changes, the torch details it relies on)
 FAST_PATHS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "draw": ("the numpy and native multinomial draws (draw.py)", f"torch's own draw ({SAME})", ("generator_state",)),
-    "adamw": ("BlockwiseAdamW (adamw.py)", f"torch.optim.AdamW ({SAME})", ("adamw_init_group",)),
+    "adamw": ("BlockwiseAdamW (adamw.py)", f"torch.optim.AdamW ({SAME})", ("adamw_init_group", "adamw_step")),
     "tied_head": ("the tied output head's own backward (lm_head.py)", f"autograd's ({SAME})", ("module_hook_tables",)),
     "target_logprobs": ("the log-prob function's own backward (lm_head.py)", f"autograd's ({SAME})",
                         ("log_softmax_backward_data",)),

@@ -1,8 +1,8 @@
 """Every torch detail the CPU layer relies on that is not torch's public API, each with a check.
 
 The fast paths of this package reproduce torch's numbers by leaning on how torch does things inside: the byte
-layout of the CPU generator's state, the stream `exponential_` draws from it, AdamW's `_init_group`, the
-module hook tables, an ATen backward kernel, oneDNN's linear ops. A torch release may change any of them
+layout of the CPU generator's state, the stream `exponential_` draws from it, AdamW's `_init_group` and the
+arithmetic of its single-tensor step, the module hook tables, an ATen backward kernel, oneDNN's linear ops. A torch release may change any of them
 without notice. So each reliance is read here only, and has a `check_*()` that returns None where the detail
 is as this code expects, or one line naming the torch detail that changed:
 
@@ -10,8 +10,9 @@ is as this code expects, or one line naming the torch detail that changed:
   the plain path runs instead (warned once, recorded in the run);
 * tests/test_cpu_layer.py runs every check, so a torch upgrade that changes a detail fails there with that line.
 
-What is deliberately not checked here: that a fast path's numbers equal torch's (each path's own self-check
-and tests do that: draw.py, adamw.py, tests/test_decode_kernels.py, tests/test_optim.py, tests/test_rollout.py).
+What is deliberately not checked here: that a fast path's numbers equal torch's on real shapes and dtypes (each
+path's tests do that: tests/test_decode_kernels.py, tests/test_optim.py, tests/test_rollout.py); the checks are
+small enough to run at the start of every run.
 """
 
 from __future__ import annotations
@@ -122,6 +123,44 @@ def check_adamw_init_group() -> str | None:
             and torch.equal(exp_avgs[0], torch.zeros(3)) and torch.equal(exp_avg_sqs[0], torch.zeros(3))):
         return f"{INIT_GROUP}: the state it makes is not step=tensor(0.), exp_avg=zeros, exp_avg_sq=zeros"
     return None
+
+
+ADAM_STEP = "torch.optim.adam._single_tensor_adam's arithmetic (torch.optim.AdamW's step on CPU)"
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step_t, group: dict, blocks: Callable) -> None:
+    """torch.optim.adam._single_tensor_adam for one parameter (decoupled weight decay), with the denominator and the
+    parameter update made over `blocks(param, exp_avg, exp_avg_sq)`: matching views of the three (elementwise
+    operations give each element the same bits however a tensor is split)."""
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    step_t += 1
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = step_t.item()
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    for param_block, avg_block, sq_block in blocks(param, exp_avg, exp_avg_sq):
+        denom = (sq_block.sqrt() / bias_correction2_sqrt).add_(eps)
+        param_block.addcdiv_(avg_block, denom, value=-step_size)
+
+
+def check_adamw_step() -> str | None:
+    """Three steps of torch.optim.AdamW on CPU (its default there: the single-tensor implementation) and of
+    `adamw_step` on the same state give the same parameters bit for bit."""
+    theirs = nn.Parameter(torch.linspace(-1, 1, 7))
+    ours = nn.Parameter(theirs.detach().clone())
+    options = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    optimizers = torch.optim.AdamW([theirs], **options), torch.optim.AdamW([ours], **options)
+    for k in range(1, 4):
+        theirs.grad, ours.grad = torch.linspace(-k, 2.0, 7), torch.linspace(-k, 2.0, 7)
+        optimizers[0].step()
+        group = optimizers[1].param_groups[0]
+        params, grads, exp_avgs, exp_avg_sqs, steps = adamw_init_group(optimizers[1], group)
+        with torch.no_grad():
+            adamw_step(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], steps[0], group, lambda *tensors: [tensors])
+    return None if torch.equal(theirs, ours) else f"{ADAM_STEP}: no longer the arithmetic adamw_step reproduces"
 
 
 # ----------------------------------------------------------------------------- the module hook tables
@@ -251,6 +290,7 @@ def check_mkldnn_linear() -> str | None:
 CHECKS: dict[str, Callable[[], str | None]] = {
     "generator_state": check_generator_state,
     "adamw_init_group": check_adamw_init_group,
+    "adamw_step": check_adamw_step,
     "module_hook_tables": check_module_hook_tables,
     "log_softmax_backward_data": check_log_softmax_backward_data,
     "mkldnn_linear": check_mkldnn_linear,
