@@ -1,6 +1,6 @@
-"""The decode loop's measured kernel choices (rollout/kernels.py, decode.py, cpu/draw.py, cpu/linear.py): every alternative exact,
-the choice cached per machine and shape, forced choices honoured, measurement only where it can matter, and
-only while a run is planned: the loop looks its choices up and never times anything."""
+"""The decode loop's measured kernel choices (rollout/kernels.py, decode.py, cpu/draw.py, cpu/linear.py): every
+alternative exact, the choice cached per machine and shape, forced choices honoured, measurement only where it
+can matter, and only while a run is planned: the loop looks its choices up and never times anything."""
 
 from __future__ import annotations
 

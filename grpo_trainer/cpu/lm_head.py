@@ -9,8 +9,10 @@ why), and the plain expressions they replace, which run where the fast path cann
   (torch_internals.log_softmax_backward).
 
 Where a torch detail they rely on has changed, or `GRPO_TRAINER_CPU_PLAIN` names them, autograd's path runs
-(paths.py warns once; the run records it): the same numbers, more memory. tests/test_rollout.py holds both to
-autograd bit for bit; tests/test_cpu_layer.py holds the plain path to the fast one.
+(paths.py warns once; the run records it): the same numbers on the CPU, more memory. tests/test_rollout.py
+holds both to autograd bit for bit; tests/test_cpu_layer.py holds the plain path to the fast one. (On a GPU the
+blocks of rows a backward kernel is given may change its last bits; the entropy is reduced the same way on
+both paths.)
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     if not with_entropy:
         return logp, None
-    with torch.no_grad():
-        return logp, -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad():  # reduced as the fast path reduces it: the same bits on a GPU too
+        return logp, TargetLogprobs._entropy(logp_all)
 
 
 class TiedHead(torch.autograd.Function):
@@ -90,8 +92,8 @@ class TargetLogprobs(torch.autograd.Function):
     each at the start of every backward pass, which sets a pass's peak where the logits are large (long
     completions, large vocabularies; not the SmolLM2 bench's, docs/performance.md). Here the gradient is written
     over the saved log-softmax, a block of rows at a time, by the same ATen kernel autograd calls
-    (`_log_softmax_backward_data`: torch_internals.log_softmax_backward), then divided by T in place: bit for bit the gradients autograd computes
-    (tests/test_rollout.py), with no [B, c, V] tensor beyond the saved one. The saved tensor is consumed, so the
+    (`_log_softmax_backward_data`: torch_internals.log_softmax_backward), then divided by T in place: bit for bit
+    the gradients autograd computes (tests/test_rollout.py), with no [B, c, V] tensor beyond the saved one. The saved tensor is consumed, so the
     backward can run once (no `retain_graph`).
     The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so beside the
     logits it allocates the log-softmax (and logits / T where T != 1, freed at once) where the expression

@@ -2,8 +2,8 @@
 
 The fast paths of this package reproduce torch's numbers by leaning on how torch does things inside: the byte
 layout of the CPU generator's state, the stream `exponential_` draws from it, AdamW's `_init_group` and the
-arithmetic of its single-tensor step, the module hook tables, an ATen backward kernel, oneDNN's linear ops. A torch release may change any of them
-without notice. So each reliance is read here only, and has a `check_*()` that returns None where the detail
+arithmetic of its single-tensor step, the module hook tables, an ATen backward kernel, oneDNN's linear ops.
+A torch release may change any of them without notice. So each reliance is read here only, and has a `check_*()` that returns None where the detail
 is as this code expects, or one line naming the torch detail that changed:
 
 * `paths.usable` runs a fast path's checks once per process, before the path is first used; where one fails,
