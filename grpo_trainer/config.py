@@ -718,7 +718,7 @@ class TrainConfig(_Section):
     )
     trim_host_memory: bool | None = Field(
         None, description="Hand the C heap's free pages back to the system at the points where a step's phases peak "
-        "(glibc's malloc_trim; grpo_trainer/host_memory.py): a lower resident peak for a few percent of step time on "
+        "(glibc's malloc_trim; grpo_trainer/cpu/heap.py): a lower resident peak for a few percent of step time on "
         "the CPU (docs/performance.md). None: on where the policy trains on the CPU and its weights fill 64 MiB or more "
         "(below, the trims cost more than they save); no effect on GPU memory.",
     )

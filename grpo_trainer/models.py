@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from . import in_memory
+from .cpu import lm_head
 from .config import ModelConfig
 from .errors import ConfigError
 from .builtin import resolve_model_path
@@ -272,18 +272,16 @@ class TokenLogprobs(nn.Module):
         if with_entropy and entropy_grad and torch.is_grad_enabled():  # the entropy term: autograd through both
             logp_all = (logits / self.temperature).log_softmax(-1)
             return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-        return _TargetLogprobs.apply(logits, targets, self.temperature, with_entropy)
+        return lm_head.target_logprobs(logits, targets, self.temperature, with_entropy)
 
     def _logits(self, head, hidden):
-        """`head(hidden)`; for a head tied to the input embeddings, through `_TiedHead` (same numbers, the weight's
-        gradient summed in place) where nothing else wraps the head's calls (no hooks, no sharded weights) and
-        no autocast casts its operands (autograd's path then holds the casts' gradients as well)."""
-        if (self.agree_chunks is None and torch.is_grad_enabled() and _called_as_it_is(head)
-                and head.bias is None and head.weight.requires_grad and head.weight.device == hidden.device
+        """`head(hidden)`; for a head tied to the input embeddings, by lm_head.tied_head_logits (the same numbers,
+        less memory) where nothing else wraps the head's calls (no sharded weights, no autocast casting its
+        operands: autograd's path then holds the casts' gradients as well)."""
+        tied = (self.agree_chunks is None and torch.is_grad_enabled() and head.weight.device == hidden.device
                 and not torch.is_autocast_enabled(hidden.device.type)
-                and head.weight is base_model(self.lm).get_input_embeddings().weight):
-            return _TiedHead.apply(hidden, head.weight)
-        return head(hidden)
+                and head.weight is base_model(self.lm).get_input_embeddings().weight)
+        return lm_head.tied_head_logits(head, hidden) if tied else head(hidden)
 
     def _positions_per_chunk(self, rows: int) -> int:
         """`chunk_size` if given (`model.logprob_chunk_size`), else as many positions as keep a chunk's float32
@@ -292,115 +290,6 @@ class TokenLogprobs(nn.Module):
             return self.chunk_size
         vocab = getattr(getattr(self.lm, "config", None), "vocab_size", None) or 2**17
         return max(1, LOGITS_CHUNK_BYTES // (4 * vocab * max(1, rows)))
-
-
-def _called_as_it_is(module: nn.Module) -> bool:
-    """A plain `nn.Linear` that nothing wraps: no hooks of its own or global ones (ZeRO-3's weight gathers, full
-    backward hooks, ...), no `forward` replaced on the instance (accelerate's offloading hooks)."""
-    from torch.nn.modules import module as module_globals
-
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
-             module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
-             module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)
-    return type(module) is nn.Linear and "forward" not in vars(module) and not any(hooks)
-
-
-class _TiedHead(torch.autograd.Function):
-    """`F.linear(hidden, weight)` for an output head whose weight is also the input embeddings (tied), with the
-    gradients autograd computes, bit for bit, but the weight's as a tensor of its own.
-
-    The tied weight gets one gradient from the head and one from each embedding lookup (two in the shared-prompt
-    layout: prompts, then completions), and autograd sums them before accumulating. Left to autograd, the
-    head's contribution is a transposed view of its matmul's result (mm's backward for `W.t()`, then `t()`), which
-    the engine will not add into in place: the first sum is a third vocabulary-sized tensor beside the two it
-    adds (108 MiB each for SmolLM2, at the end of every backward, the peak of a training step there:
-    docs/performance.md). Here the weight's gradient is the same product, `grad^T @ hidden` by the same kernel,
-    returned as a plain contiguous tensor, so the lookups' gradients are added into it in place, in the same order.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight):
-        ctx.save_for_backward(hidden, weight)
-        return nn.functional.linear(hidden, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight = ctx.saved_tensors
-        # As autograd's mm backward computes them for `hidden.reshape(-1, H) @ weight.t()`.
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_hidden = rows.mm(weight).view(hidden.shape) if ctx.needs_input_grad[0] else None
-        grad_weight = rows.t().mm(hidden.reshape(-1, hidden.shape[-1])) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight
-
-
-class _TargetLogprobs(torch.autograd.Function):
-    """log softmax(logits / T)[target] for [B, c, V] logits (and, without a gradient, the entropy), with a backward
-    that needs no vocabulary-sized memory beyond what the forward saved.
-
-    Left to autograd, the backward of `(logits / T).log_softmax(-1).gather(-1, targets)` holds the saved log-softmax
-    and allocates a one-hot gradient (made by a scatter into zeros), the log-softmax's gradient and the division's
-    beside it, each [B, c, V] float32: for SmolLM2's 49152-token vocabulary and a 16 x 64 micro-batch, 192 MiB
-    each at the start of every backward pass, which sets a pass's peak where the logits are large (long
-    completions, large vocabularies; not the SmolLM2 bench's, docs/performance.md). Here the gradient is written
-    over the saved log-softmax, a block of rows at a time, by the same ATen kernel autograd calls
-    (`_log_softmax_backward_data`), then divided by T in place: bit for bit the gradients autograd computes
-    (tests/test_rollout.py), with no [B, c, V] tensor beyond the saved one. The saved tensor is consumed, so the
-    backward can run once (no `retain_graph`).
-    The forward skips dividing by T = 1 (exact) and reduces the entropy a block of rows at a time, so beside the
-    logits it allocates the log-softmax (and logits / T where T != 1, freed at once) where the expression
-    allocated four [B, c, V] tensors with the entropy. The entropy term of the loss (an entropy with a gradient)
-    keeps autograd's path (TokenLogprobs._score_chunk).
-    """
-
-    BLOCK_BYTES = 16 * 2**20  # one-hot rows built at a time in the backward
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
-        logp_all = (logits if temperature == 1 else logits / temperature).log_softmax(-1)  # x / 1 == x
-        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-        entropy = _TargetLogprobs._entropy(logp_all) if with_entropy else None
-        ctx.save_for_backward(logp_all, targets)
-        ctx.temperature, ctx.consumed = temperature, False
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    @once_differentiable  # a gradient of this gradient raises instead of silently having none
-    def backward(ctx, grad_logp, _grad_entropy):
-        if ctx.consumed:
-            raise RuntimeError("TokenLogprobs: a second backward through the same log-probs (retain_graph) is not "
-                               "supported: the first one computed its gradient in the saved log-softmax's memory")
-        ctx.consumed = True
-        logp_all, targets = ctx.saved_tensors
-        index, grad = targets.reshape(-1, 1), grad_logp.reshape(-1, 1).to(logp_all.dtype)
-        for rows, block in _TargetLogprobs._row_blocks(logp_all):
-            # scatter_add_ into zeros, as autograd's gather backward does: 0 + (-0.0) is +0.0, so even the sign of a
-            # zero gradient (masked positions give -0.0) comes out as autograd's
-            one_hot = torch.zeros_like(block).scatter_add_(-1, index[rows], grad[rows])
-            block.copy_(torch._log_softmax_backward_data(one_hot, block, -1, block.dtype))
-        return (logp_all if ctx.temperature == 1 else logp_all.div_(ctx.temperature)), None, None, None
-
-    @staticmethod
-    def _entropy(logp_all: torch.Tensor) -> torch.Tensor:
-        """-sum p log p per position, a block of rows at a time, without the whole-tensor expression's two [B, c, V]
-        temporaries: on CPU the same numbers (each row is reduced alone; tested). A GPU's reduction may split a row
-        by how many rows it is given, so there the last bits can differ from the whole-tensor expression's."""
-        entropy = logp_all.new_empty(logp_all.shape[:-1])
-        flat = entropy.view(-1)
-        for rows, block in _TargetLogprobs._row_blocks(logp_all):
-            flat[rows] = -(block.exp() * block).sum(-1)
-        return entropy
-
-    @staticmethod
-    def _row_blocks(logp_all: torch.Tensor):
-        """(slice of rows, those rows of `logp_all` as a [rows, V] view), BLOCK_BYTES of them at a time."""
-        vocab = logp_all.shape[-1]
-        flat = logp_all.view(-1, vocab)
-        step = max(1, _TargetLogprobs.BLOCK_BYTES // (logp_all.element_size() * vocab))
-        for start in range(0, flat.shape[0], step):
-            rows = slice(start, start + step)
-            yield rows, flat[rows]
 
 
 def _unflatten(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

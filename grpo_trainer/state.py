@@ -28,12 +28,13 @@ from .data import PromptSampler
 from .errors import TrainingError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
-from .host_memory import HeapTrimmer
+from .cpu import paths as cpu_paths
+from .cpu.heap import HeapTrimmer
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
-from .optim import adamw_for
+from .cpu.adamw import adamw_for
 from .models import (TokenLogprobs, base_model, check_packing_support, check_same_vocabulary, context_length, eos_token_ids,
                      is_lora, load_causal_lm, load_tokenizer)
 from .report import ProgressBar, flat_hparams
@@ -68,7 +69,7 @@ class Run:
     trackers: list[str]  # Accelerate trackers (tensorboard, wandb); jsonl is `metrics`, always on
     rollouts: RolloutQueue  # what is sampled when, with which weights; the pushes
     progress: ProgressBar  # started by `resume`, at the step the run continues from
-    heap_trimmer: HeapTrimmer  # called where a phase's peak begins (host_memory.py)
+    heap_trimmer: HeapTrimmer  # called where a phase's peak begins (cpu/heap.py)
     eval_task: Task | None = None  # when eval.every > 0
 
     @property
@@ -251,6 +252,7 @@ def resume(run: Run) -> TrainState:
         run.sampler.load_state_dict(saved["sampler"])
         run.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step)
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
+        cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
         logger.info("resumed from %s at step %d", found, state.step)
         recorded = saved.get("decode_kernels")
     else:
@@ -308,7 +310,7 @@ def record_decode_kernels(output_dir: Path, plan: dict[str, str], device_type: s
 
     from .rollout.kernels import machine_fingerprint
 
-    record = {"machine": machine_fingerprint(device_type), "choices": plan}
+    record = {"machine": machine_fingerprint(device_type), "choices": plan, "cpu_paths": cpu_paths.record()}
     (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
@@ -338,6 +340,7 @@ def save_checkpoint(run: Run, state: TrainState, history: str) -> None:
         "sampler": run.sampler.state_dict(),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
+        "cpu_paths": cpu_paths.record(),
     }
     if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
         trainer_state["rollout_queue"] = run.rollouts.state_dict()

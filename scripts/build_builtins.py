@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from grpo_trainer.builtin import tiny, tiny_tools  # noqa: E402
 from grpo_trainer.builtin.build import (MANIFEST, WEIGHTS_DIR, build_canonically, check_hashes,  # noqa: E402
                                          read_manifest, sha256_of)
-from grpo_trainer.rollout.kernels import cpu_info  # noqa: E402
+from grpo_trainer.cpu.machine import cpu_info  # noqa: E402
 
 # folder name -> (recipe module, steps of the short build the tests repeat: ~10 s of one core each)
 RECIPES = {tiny.FOLDER: (tiny, 30), tiny_tools.FOLDER: (tiny_tools, 10)}

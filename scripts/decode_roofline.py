@@ -160,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import machine
-    from grpo_trainer.rollout.decode import LINEAR, DecodeKernels, plan_decode_kernels
+    from grpo_trainer.cpu.linear import LINEAR, available_linears
+    from grpo_trainer.rollout.decode import DecodeKernels, plan_decode_kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpu_time:
         machine.CLOCK = time.process_time
-    from grpo_trainer.rollout.draw import DRAWS, available_draws
+    from grpo_trainer.cpu.draw import DRAWS, available_draws
     from grpo_trainer.rollout.hf import sample_next_token
     from grpo_trainer.builtin import resolve_model_path
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         # loop above ends, as they are after every batch in the engine; a batch's first step (above) pays it.
         **{f"lm_head_{form}_s": (lambda form=form: LINEAR[form](model.lm_head, hidden),
                                  lambda form=form: warmed(lambda: LINEAR[form](model.lm_head, hidden)))
-           for form in LINEAR},
+           for form in available_linears(torch.float32)},
         **{f"sampler_{name}_s": (lambda name=name: sample_next_token(logits, draw=DRAWS[name]), plain)
            for name in available_draws()},
         "sampler_s": (lambda: sample_next_token(logits, draw=kernels.draw), plain),  # the engine's choice

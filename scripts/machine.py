@@ -63,7 +63,7 @@ def describe(measure: bool = True, bandwidth_bytes: int = 512 * 2**20, reps: int
     """The machine as a dict (JSON-ready); with `measure`, its matmul peak and read bandwidth measured now."""
     import torch
 
-    from grpo_trainer.rollout.kernels import cpu_info
+    from grpo_trainer.cpu.machine import cpu_info
 
     cpu = cpu_info()
     info = {

@@ -79,7 +79,7 @@ def setup(model: str, spread: str, lr: float = 1e-5):
 
     from grpo_trainer.config import load_config
     from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer
-    from grpo_trainer.optim import adamw_for
+    from grpo_trainer.cpu.adamw import adamw_for
     from grpo_trainer.rollout import Rollout
     from grpo_trainer.task import load_task
 
@@ -111,7 +111,7 @@ def setup(model: str, spread: str, lr: float = 1e-5):
 def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budget: int | None):
     """What update.py reads of a `state.Run`, for one layout."""
     from grpo_trainer.geometry import geometry_of
-    from grpo_trainer.host_memory import HeapTrimmer
+    from grpo_trainer.cpu.heap import HeapTrimmer
 
     layout = cfg.model_copy(update={"train": cfg.train.model_copy(update={"packing": packing, "micro_batch_tokens": budget})})
     return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), accelerator=accelerator, policy=policy,

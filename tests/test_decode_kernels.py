@@ -1,6 +1,6 @@
-"""The decode loop's measured kernel choices (rollout/kernels.py, decode.py, draw.py): every alternative exact,
-the choice cached per machine and shape, forced choices honoured, measurement only where it can matter, and
-only while a run is planned: the loop looks its choices up and never times anything."""
+"""The decode loop's measured kernel choices (rollout/kernels.py, decode.py, cpu/draw.py, cpu/linear.py): every
+alternative exact, the choice cached per machine and shape, forced choices honoured, measurement only where it
+can matter, and only while a run is planned: the loop looks its choices up and never times anything."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import json
 import pytest
 import torch
 
-from grpo_trainer.rollout import draw as draws
+from grpo_trainer.cpu import draw as draws
+from grpo_trainer.cpu.linear import LINEAR, available_linears
+from grpo_trainer.cpu.machine import cpu_info
 from grpo_trainer.rollout import kernels
-from grpo_trainer.rollout.decode import ATTENTION, LINEAR, DecodeKernels
+from grpo_trainer.rollout.decode import ATTENTION, DecodeKernels
 
 
 def _stream_at(seed: int, offset: int) -> None:
@@ -86,7 +88,7 @@ def test_a_choice_is_measured_once_per_machine_and_shape_then_read_from_the_cach
     assert len(calls) == 1
     entry = next(iter(json.loads(path.read_text())["choices"].values()))
     assert entry["choice"] == "b" and entry["ms"] == fake and "loadavg" in entry
-    assert entry["machine"]["cpu"] == kernels.cpu_info()["model"] and entry["machine"]["torch"] == torch.__version__
+    assert entry["machine"]["cpu"] == cpu_info()["model"] and entry["machine"]["torch"] == torch.__version__
     # A new process (a fresh table on the same file) reuses it; another shape is measured on its own.
     fresh = kernels.KernelTable(path)
     assert fresh.decide("linear", (8, 4, 16), ["a", "b"], measure, worth_measuring=True) == "b"
@@ -156,13 +158,13 @@ def test_every_linear_form_computes_nn_linear(form):
         assert out.is_contiguous()  # a transposed output sent the next attention down SDPA's slow path
 
 
-@pytest.mark.skipif("onednn_packed" not in LINEAR, reason="this torch has no oneDNN")
+@pytest.mark.skipif("onednn_packed" not in available_linears(torch.float32), reason="this torch has no oneDNN")
 def test_the_packed_form_follows_the_weights_and_is_dropped_when_the_loop_ends(tiny_model_path, monkeypatch):
     """The reordered weights are reused while the weights are unchanged, made again after an in-place update
     (an optimizer step between two rollouts), and gone from every module when the decode loop ends."""
     from grpo_trainer.config import ModelConfig
     from grpo_trainer.models import load_causal_lm
-    from grpo_trainer.rollout.decode import PACKED
+    from grpo_trainer.cpu.linear import PACKED
 
     monkeypatch.setenv(kernels.FORCE_ENV, "linear=onednn_packed")
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()

@@ -1,4 +1,4 @@
-"""grpo_trainer.host_memory.HeapTrimmer: freed heap pages handed back, where the trainer's phases peak, with the
+"""grpo_trainer.cpu.heap.HeapTrimmer: freed heap pages handed back, where the trainer's phases peak, with the
 same numbers."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_trainer import host_memory
+from grpo_trainer.cpu import heap
 from grpo_trainer.config import ModelConfig
-from grpo_trainer.host_memory import HeapTrimmer
+from grpo_trainer.cpu.heap import HeapTrimmer
 from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer, make_sequence_batch
 from helpers import ROOT, run_in_fork, small_run_overrides
 from test_rollout import _chat_prompts
 
-glibc = pytest.mark.skipif(host_memory._malloc_trim() is None, reason="needs glibc's malloc_trim")
+glibc = pytest.mark.skipif(heap._malloc_trim() is None, reason="needs glibc's malloc_trim")
 
 
 FREED_IN_THE_MIDDLE = """
 import json, os
 import torch
-from grpo_trainer.host_memory import HeapTrimmer
+from grpo_trainer.cpu.heap import HeapTrimmer
 
 def resident_mib():
     with open("/proc/self/statm") as f:
@@ -62,7 +62,7 @@ def test_disabled_or_without_glibc_it_does_nothing(monkeypatch):
     off()
     off.watch_backward(torch.nn.Embedding(3, 2), [])
     assert not off.active and off.calls == 0 and not off._handles
-    monkeypatch.setattr(host_memory, "_malloc_trim", lambda: None)  # musl, macOS
+    monkeypatch.setattr(heap, "_malloc_trim", lambda: None)  # musl, macOS
     nowhere = HeapTrimmer(enabled=True)
     nowhere()
     assert not nowhere.active and nowhere.calls == 0

@@ -1,4 +1,4 @@
-"""grpo_trainer.optim.BlockwiseAdamW: torch's AdamW numbers bit for bit, without parameter-sized temporaries."""
+"""grpo_trainer.cpu.adamw.BlockwiseAdamW: torch's AdamW numbers bit for bit, without parameter-sized temporaries."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_trainer.optim import BlockwiseAdamW, adamw_for
+from grpo_trainer.cpu.adamw import BlockwiseAdamW, adamw_for
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.geometry import batch_geometry
-from grpo_trainer.host_memory import HeapTrimmer
+from grpo_trainer.cpu.heap import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
 from grpo_trainer.train_state import TrainState
 from grpo_trainer.update import StepStats, update

@@ -287,14 +287,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_vocabulary_sized_allocations(
         dtype, temperature, monkeypatch):
-    """models._TargetLogprobs against the plain autograd expression it replaces: the same log-probs and entropies,
+    """cpu/lm_head.TargetLogprobs against the plain autograd expression it replaces: the same log-probs and entropies,
     and bit for bit the same gradients (signs of zero included) for the logits, the hidden states and the output
     head, with the backward's one-hot rows built a few at a time (3 blocks here); the plain expression allocates
     [B, c, V] tensors in the forward (the division, the log-softmax, the entropy's two) and in the backward
     (one-hot, log-softmax gradient, the division's), this one the log-softmax only (and the division at T != 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpo_trainer import models
+    from grpo_trainer.cpu import lm_head
 
     class VocabularySizedAllocations(TorchDispatchMode):
         def __init__(self):
@@ -312,7 +312,7 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
         return {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
     rows, positions, vocab, width = 3, 7, 50, 16
-    monkeypatch.setattr(models._TargetLogprobs, "BLOCK_BYTES", 8 * vocab * 4)  # 8 of the 21 positions per block
+    monkeypatch.setattr(lm_head.TargetLogprobs, "BLOCK_BYTES", 8 * vocab * 4)  # 8 of the 21 positions per block
     torch.manual_seed(0)
     head = torch.nn.Linear(width, vocab, bias=False).to(dtype)
     hidden = torch.randn(rows, positions, width, dtype=dtype, requires_grad=True)
@@ -340,7 +340,7 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
         entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
         return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
 
-    ours = lambda logits: models._TargetLogprobs.apply(logits, targets, temperature, True)  # noqa: E731
+    ours = lambda logits: lm_head.TargetLogprobs.apply(logits, targets, temperature, True)  # noqa: E731
     *got, got_allocated = run(ours)
     *want, want_allocated = run(plain)
     assert all(same_bits(a, b) for a, b in zip(got, want) if a is not None)
@@ -355,13 +355,13 @@ def test_the_log_prob_backward_gives_autograds_gradients_bit_for_bit_without_voc
 @pytest.mark.parametrize("layout", ["shared_prompt", "full", "chunked", "packed"])
 def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny_model_path, dtype, layout,
                                                                             monkeypatch):
-    """models._TiedHead (the tiny model ties its head to the input embeddings): log-probs and every gradient bit for
+    """cpu/lm_head.TiedHead (the tiny model ties its head to the input embeddings): log-probs and every gradient bit for
     bit what the head module called through autograd gives, and the tied weight's gradient is the very tensor the
     head's backward made, the embedding lookups' gradients added into it in place (autograd's own head gradient
     is a view it adds out of place: a third vocabulary-sized tensor at the end of SmolLM2's backward). In every
     layout: the shared prompt's two decoder passes, full sequences, chunks of 2 positions (each recomputed in the
     backward: the head's later chunks add into the first's gradient) and packed rows."""
-    from grpo_trainer import models
+    from grpo_trainer.cpu import lm_head
 
     tokenizer = load_tokenizer(ModelConfig())
     prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+40?"])
@@ -371,14 +371,14 @@ def test_a_tied_heads_gradient_is_autograds_bit_for_bit_and_summed_in_place(tiny
     weight = lm.get_input_embeddings().weight
     assert lm.get_output_embeddings().weight is weight
     made = []  # where the head's backward put the weight's gradient (the address only: a reference would block
-    backward = models._TiedHead.backward  # autograd's in-place add, which needs the last one)
+    backward = lm_head.TiedHead.backward  # autograd's in-place add, which needs the last one)
 
     def recorded(ctx, grad):
         grads = backward(ctx, grad)
         made.append(grads[1].data_ptr())
         return grads
 
-    monkeypatch.setattr(models._TiedHead, "backward", staticmethod(recorded))
+    monkeypatch.setattr(lm_head.TiedHead, "backward", staticmethod(recorded))
 
     def scored(tied: bool):
         lm.zero_grad(set_to_none=True)

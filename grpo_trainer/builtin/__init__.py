@@ -12,7 +12,7 @@ Tasks (`data.source`), lists of records with `prompt` and `answer`: `builtin:ari
 
 The rest of the package reaches the built-ins only through `resolve_model_path` and `task_records` (and
 `cache_dir`, the per-machine cache, where the decode loop also keeps its measured kernel choices and its
-native draw: rollout/kernels.py, rollout/draw.py); the modules here import nothing from the rest of the
+native draw: rollout/kernels.py, cpu/draw.py); the modules here import nothing from the rest of the
 package but its errors and its DeepSpeed-free save (deepspeed_guard.py), two leaf modules.
 """
 

@@ -23,7 +23,10 @@ on the machine (issue 26). `DecodeKernels` picks one of each per shape by measur
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
   path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). Measured
   on CPUs; on GPUs `grouped`, the same on every rank.
-* the multinomial draw: draw.py.
+* the multinomial draw: cpu/draw.py.
+
+The CPU-specific alternatives (the linear forms, the draws) live in grpo_trainer/cpu/, with the torch
+internals they rely on and their checks; this module only chooses among them by the plan.
 
 Every alternative is tested against transformers' own decode (tests/test_rollout.py, forced through
 `GRPO_TRAINER_DECODE_KERNELS`). All of this is used only inside `HFEngine`'s decode loop; training forwards
@@ -44,7 +47,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .draw import DRAWS, available_draws, draw_torch
+from ..cpu.draw import DRAWS, available_draws, draw_torch
+from ..cpu.linear import LINEAR, available_linears, drop_packed_weights
 from . import kernels
 from .kernels import KernelTable, length_bucket, row_bucket
 
@@ -165,52 +169,6 @@ def repeated_attention(query, key, value, attention_mask, scaling):
 ATTENTION = {"grouped": grouped_attention, "repeated": repeated_attention, "grouped_matmul": grouped_matmul_attention}
 
 
-def weight_stationary_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward` as (W @ x^T)^T: the same products, the weights streamed as the stationary operand."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(self.weight, rows.t()).t().contiguous()
-    if self.bias is not None:
-        out = out + self.bias
-    return out.reshape(*x.shape[:-1], self.weight.shape[0])
-
-
-def plain_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
-PACKED = "_decode_packed_weight"  # where onednn_packed_linear keeps a module's reordered weights while they live
-
-
-def onednn_packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward` through oneDNN, the weights reordered once into its blocked layout (as inductor's
-    freezing does for CPU linears): the same products summed in another order (outputs within ~1e-6 of their
-    size of `nn.Linear`'s). Why: with a few rows a linear is bound by reading its weights, and MKL's `nn.Linear`
-    reads them well below the memory's rate on some CPUs, where the blocked layout reads them near it
-    (docs/performance.md, "oneDNN's packed linear").
-
-    The reordered copy is kept on the module while its weights are unchanged (same storage and version), and
-    dropped when the decode loop ends (DecodeKernels.__exit__): it doubles the linears' memory while it lives,
-    and the weights change at every optimizer step anyway."""
-    weight = self.weight
-    stamp = (weight.data_ptr(), weight._version)
-    packed = self.__dict__.get(PACKED)
-    if packed is None or packed[0] != stamp:
-        rows = max(1, x.numel() // x.shape[-1])
-        packed = self.__dict__[PACKED] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
-    return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
-
-
-def drop_packed_weights(modules) -> None:
-    for module in modules:
-        module.__dict__.pop(PACKED, None)
-
-
-LINEAR = {"weight_stationary": weight_stationary_linear, "linear": plain_linear}
-if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-    LINEAR["onednn_packed"] = onednn_packed_linear
-FLOAT32_ONLY = {"onednn_packed"}  # oneDNN's bfloat16/float16 linears depend on the CPU's instructions: not offered
-
-
 INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch"}
 
 
@@ -289,7 +247,7 @@ class DecodeKernels:
         if decision == "linear":
             same_shape = self.by_shape.get(shape[:2], [])
             dtype = same_shape[0].weight.dtype if same_shape else torch.float32
-            return [name for name in LINEAR if dtype == torch.float32 or name not in FLOAT32_ONLY]
+            return available_linears(dtype)
         return list(ATTENTION) if decision == "attention" else available_draws()
 
     def reachable(self, max_rows: int, max_context: int) -> list[tuple[str, tuple[int, ...]]]:

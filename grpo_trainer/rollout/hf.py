@@ -32,7 +32,7 @@ import torch
 from ..models import left_padded, positions
 from . import InProcess, Rollout, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
-from .draw import draw_torch
+from ..cpu.draw import draw_torch
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
 
@@ -287,7 +287,7 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature:
                       top_k: int | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                       occurred: torch.Tensor | None = None, draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch) -> torch.Tensor:
     """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
-    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of draw.py's,
+    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of cpu/draw.py's,
     which all give torch.multinomial's token). vLLM applies the same penalty and min-p (alone: config refuses
     min-p with top-k/top-p, where the two orders differ)."""
     scores = logits.float()

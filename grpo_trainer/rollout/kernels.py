@@ -1,7 +1,7 @@
 """Which of the decode loop's alternative kernels runs: measured once per machine, before a run samples anything.
 
 The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
-path; draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
+path; cpu/draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
 and the shapes: a form that wins clearly on one CPU can gain next to nothing on another (docs/performance.md,
 "Which machine a number holds for"). So each decision is timed where it runs, per shape: every alternative a few times,
 alternating, the best time of each kept (the least disturbed on a busy machine), and the fastest wins.
@@ -35,7 +35,6 @@ Two rules keep the measurement honest:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import fcntl
 import functools
@@ -43,7 +42,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..cpu.machine import cpu_info
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -87,20 +86,6 @@ def machine_fingerprint(device_type: str = "cpu") -> dict[str, Any]:
     fingerprint.update(cpu=cpu["model"], flags_sha256=hashlib.sha256(" ".join(cpu["flags"]).encode()).hexdigest()[:16],
                        capability=torch.backends.cpu.get_cpu_capability())
     return fingerprint
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_info() -> dict[str, Any]:
-    """CPU model name and flags from /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
-    model, flags = platform.processor() or platform.machine(), []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
-                model = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = sorted(value.split())
-    return {"model": model, "flags": flags, "logical_cpus": os.cpu_count()}
 
 
 def machine_key(device_type: str) -> str:

@@ -22,8 +22,9 @@ every alternative against torch, draw for draw):
   all roundings). Most of a vocabulary's probabilities are tiny, so almost every entry costs two twister
   outputs and a comparison, screened a block of the twister's state at a time.
 
-Which one runs is measured per machine (`kernels.py`); CUDA tensors and explicit generators always take
-`torch` (the others emulate the CPU generator only).
+Which one runs is measured per machine and recorded in the run's decode kernel plan (rollout/kernels.py); CUDA
+tensors always take `torch` (the others emulate the CPU generator only), and so does every draw where torch's
+generator is not as the emulations expect (torch_internals.check_generator_state; paths.py warns once).
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from . import paths
+from .machine import cpu_info
+from .torch_internals import set_twister_state, twister_state
 
-MT_WORDS = 624  # mt19937 state size, in 32-bit words
-# torch's CPU generator state (CPUGeneratorImplState, the "legacy" layout torch.get_rng_state() returns):
-# uint64 seed | int32 left | int32 seeded | uint64 next | uint64 state[624] | normal-sample cache...
-_LEFT, _NEXT, _KEY = 8, 16, 24
-STATE_BYTES = 5056
+logger = logging.getLogger(__name__)
 
 
 def draw_torch(probs: torch.Tensor) -> torch.Tensor:
@@ -56,32 +55,9 @@ def draw_torch(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
-# ----------------------------------------------------------------------------- the generator's state
-
-
-def _twister_state() -> tuple[np.ndarray, int, torch.Tensor]:
-    """The default CPU generator as (key uint32[624], pos, raw state): pos is the index of the next word,
-    624 meaning "twist first" (numpy's MT19937 convention). torch keeps a countdown `left` instead:
-    it twists when `left` reaches 1, and otherwise `next` is the index."""
-    raw = torch.get_rng_state()
-    view = raw.numpy()
-    left = int(view[_LEFT : _LEFT + 4].view(np.int32)[0])
-    nxt = int(view[_NEXT : _NEXT + 8].view(np.uint64)[0])
-    key = view[_KEY : _KEY + 8 * MT_WORDS].view(np.uint64).astype(np.uint32)
-    return key, MT_WORDS if left == 1 else nxt, raw
-
-
-def _set_twister_state(key: np.ndarray, pos: int, raw: torch.Tensor) -> None:
-    """Write an advanced (key, pos) back into the default generator, everything else of `raw` unchanged."""
-    view = raw.numpy()
-    view[_LEFT : _LEFT + 4].view(np.int32)[0] = 1 if pos >= MT_WORDS else MT_WORDS + 1 - pos
-    view[_NEXT : _NEXT + 8].view(np.uint64)[0] = pos
-    view[_KEY : _KEY + 8 * MT_WORDS].view(np.uint64)[:] = key
-    torch.set_rng_state(raw)
-
-
 def _emulable(probs: torch.Tensor) -> bool:
-    return probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+    return (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+            and paths.usable("draw"))
 
 
 # ----------------------------------------------------------------------------- numpy
@@ -92,12 +68,12 @@ def draw_numpy(probs: torch.Tensor) -> torch.Tensor:
     if not _emulable(probs):
         return draw_torch(probs)
     p = probs.contiguous().numpy()
-    key, pos, raw = _twister_state()
+    key, pos, raw = twister_state()
     twister = np.random.MT19937()
     twister.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
     words = twister.random_raw(2 * p.size).reshape(p.shape[0], p.shape[1], 2)  # [B, V, (high, low)]
     state = twister.state["state"]
-    _set_twister_state(state["key"], int(state["pos"]), raw)
+    set_twister_state(state["key"], int(state["pos"]), raw)
     # The low 53 bits of (high << 32 | low), times 2^-53: exact in float64 written as two terms.
     u = (words[..., 0] & 0x1FFFFF).astype(np.float64) * 2.0**-21 + words[..., 1].astype(np.float64) * 2.0**-53
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -231,12 +207,14 @@ def native_library() -> ctypes.CDLL | None:
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
+        logger.warning("the native draw is not offered here: no C compiler (CC, cc or gcc); the decode kernel plan "
+                       "chooses among the other draws (the same tokens)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         # Built for this CPU (-march=native): its flags are part of the name, so a cache shared by different
         # machines never loads another's build.
-        flags = " ".join(sorted(_cpu_flags()))
+        flags = " ".join(sorted(cpu_info()["flags"]))
         digest = hashlib.sha256((C_SOURCE + version + compiler + flags).encode()).hexdigest()[:16]
         target = cache_dir() / "native" / f"exponential_argmax-{digest}.so"
         if not target.is_file():
@@ -251,7 +229,8 @@ def native_library() -> ctypes.CDLL | None:
                 os.replace(built, target)  # atomic: a concurrent builder writes the same bytes
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.debug("no native sampler: %s", exc)
+        logger.warning("the native draw is not offered here: building or loading it failed (%s); the decode kernel "
+                       "plan chooses among the other draws (the same tokens)", exc)
         return None
     library.exponential_argmax.restype = None
     library.exponential_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -261,20 +240,14 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
-def _cpu_flags() -> list[str]:
-    from .kernels import cpu_info
-
-    return cpu_info()["flags"]
-
-
 def _native_draw(library: ctypes.CDLL, probs: torch.Tensor) -> torch.Tensor:
     p = probs.contiguous()
-    key, pos, raw = _twister_state()
+    key, pos, raw = twister_state()
     position = ctypes.c_int64(pos)
     out = torch.empty(p.shape[0], dtype=torch.long)
     library.exponential_argmax(key.ctypes.data, ctypes.addressof(position), p.data_ptr(), p.shape[0], p.shape[1],
                                out.data_ptr())
-    _set_twister_state(key, position.value, raw)
+    set_twister_state(key, position.value, raw)
     return out
 
 
@@ -285,10 +258,8 @@ def draw_native(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _agrees_with_torch(draw) -> bool:
-    """A self-check before an emulation is trusted: the same tokens and generator state as torch, on a few
-    draws (the generator's byte layout is torch's, not a public API)."""
-    if len(torch.get_rng_state()) != STATE_BYTES:
-        return False
+    """A self-check before the compiled draw is trusted: the same tokens and generator state as torch, on a few
+    draws (a compiler's rounding, not torch's layout: that is torch_internals.check_generator_state's)."""
     probs = torch.softmax(torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 3, -1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
@@ -303,5 +274,9 @@ DRAWS = {"torch": draw_torch, "numpy": draw_numpy, "native": draw_native}
 
 
 def available_draws() -> list[str]:
-    """The alternatives that can run here (the native one needs a working C compiler)."""
+    """The alternatives that can run here: torch's everywhere; the emulations where torch's generator is as they
+    expect (paths.py, "draw"); the native one where it also compiles. The decode kernel plan chooses among these and
+    records its choice, so a run that planned an emulation and resumes where it cannot run says so."""
+    if not paths.usable("draw"):
+        return ["torch"]
     return [name for name in DRAWS if name != "native" or native_library() is not None]

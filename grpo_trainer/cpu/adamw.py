@@ -13,19 +13,27 @@ It covers what the trainer asks of AdamW on CPU (`adamw_for` picks torch's class
 default there is the foreach implementation, and under DeepSpeed, which steps its own flat partitions): real
 CPU parameters, float hyperparameters, none of the amsgrad, maximize, capturable, differentiable, foreach or
 fused options; anything else is refused when it is made and when it steps (a loaded state dict brings its own
-options). The state is torch's (`_init_group` makes it), so checkpoints load in either class.
+options). The state is torch's (torch's private `_init_group` makes it: torch_internals.adamw_init_group), so
+checkpoints load in either class, and its arithmetic is that of torch's private `_single_tensor_adam`
+(torch_internals.adamw_step). Where either is not as expected, or `GRPO_TRAINER_CPU_PLAIN` names `adamw`,
+torch's class is built instead (paths.py warns once; the run records it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import paths
+from .torch_internals import adamw_init_group, adamw_step
+
 
 def adamw_for(accelerator) -> type[torch.optim.AdamW]:
-    """The AdamW class the trainer builds: BlockwiseAdamW where the policy trains on the CPU without DeepSpeed,
-    torch's own elsewhere."""
+    """The AdamW class the trainer builds: BlockwiseAdamW where the policy trains on the CPU without DeepSpeed and
+    the fast path is usable here, torch's own elsewhere."""
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
-    return BlockwiseAdamW if accelerator.device.type == "cpu" and not deepspeed else torch.optim.AdamW
+    if accelerator.device.type == "cpu" and not deepspeed and paths.usable("adamw"):
+        return BlockwiseAdamW
+    return torch.optim.AdamW
 
 
 class BlockwiseAdamW(torch.optim.AdamW):
@@ -57,30 +65,13 @@ class BlockwiseAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            params, grads, exp_avgs, exp_avg_sqs, steps = adamw_init_group(self, group)
             for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
                 if param.device.type != "cpu" or torch.is_complex(param):
                     raise ValueError(f"BlockwiseAdamW steps real CPU parameters only; got a {param.dtype} parameter "
                                      f"on {param.device}: use torch.optim.AdamW there")
-                self._update(param, grad, exp_avg, exp_avg_sq, step, group)
+                adamw_step(param, grad, exp_avg, exp_avg_sq, step, group, self._blocks)
         return loss
-
-    def _update(self, param, grad, exp_avg, exp_avg_sq, step_t, group) -> None:
-        """torch.optim.adam._single_tensor_adam for one parameter (decoupled weight decay), with the denominator
-        and the parameter update made BLOCK_ELEMENTS at a time."""
-        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        step_t += 1
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = step_t.item()
-        step_size = lr / (1 - beta1**step)
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        for param_block, avg_block, sq_block in self._blocks(param, exp_avg, exp_avg_sq):
-            denom = (sq_block.sqrt() / bias_correction2_sqrt).add_(eps)
-            param_block.addcdiv_(avg_block, denom, value=-step_size)
 
     def _blocks(self, *tensors: torch.Tensor):
         """The same BLOCK_ELEMENTS-element slice of each (flat views); all of each if one is not contiguous."""
