@@ -109,6 +109,7 @@ class EpisodeRecord:
     observations_cut: int = 0  # environment messages cut to environment.observation_chars
     env_seconds: float = 0.0  # time in this episode's environment calls
     state: Any = None  # a remote episode's state snapshot (picklable), else None
+    group: str = ""  # the group's EpisodeSpec.episode_id: episodes of one group share it (on_error skip_group)
 
     @property
     def failed(self) -> bool:
@@ -140,6 +141,23 @@ KINDS: dict[str, str] = {
 }
 
 
+MASK64 = 2**64 - 1
+ENV_PART = 2**20 + 1  # mixed into a group's seed for its environment seed: above any G, so never a completion's
+
+
+def environment_seed(group_seed: int) -> int:
+    """The environment seed of a group whose sampling seed would be `group_seed` (mix_seed(cfg.seed, step, draw,
+    position), computed whether or not rollout.seed_per_prompt is set), in [0, 2**31): the queue re-draws the same
+    (step, draw, position) on resume, so the episodes are the same. mix_seed is linear, so its low and high bits
+    alone collide for simple parts (0 and 2**62; 0 and 1): they are scrambled first (splitmix64's finalizer)."""
+    from ..seeds import mix_seed
+
+    z = (mix_seed(group_seed, ENV_PART) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 33
+
+
 def build_environment(cfg: Config) -> Environment | None:
     """The configured environment: `environment:`'s kind, else the built-in tools environment when
     `rollout.tools` is set, else None (single-turn rollouts)."""
@@ -157,5 +175,5 @@ def build_environment(cfg: Config) -> Environment | None:
 
 __all__ = [
     "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "ProtocolBreach", "Reply",
-    "build_environment",
+    "build_environment", "environment_seed",
 ]
