@@ -133,12 +133,13 @@ class Environment(Protocol):
 
 
 # The kinds, by the config key that selects them: "module:function" building an Environment from the Config,
-# imported only when chosen. The built-in tools environment is not here: `rollout.tools` alone selects it.
+# imported only when chosen (and never by this module at import time: the adapters import it).
 KINDS: dict[str, str] = {
     "factory": "grpo_trainer.environments.class_env:build",
     "openenv": "grpo_trainer.environments.openenv:build",
     "url": "grpo_trainer.environments.openenv_ws:build",
 }
+TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `rollout.tools` alone selects it
 
 
 MASK64 = 2**64 - 1
@@ -161,15 +162,10 @@ def environment_seed(group_seed: int) -> int:
 def build_environment(cfg: Config) -> Environment | None:
     """The configured environment: `environment:`'s kind, else the built-in tools environment when
     `rollout.tools` is set, else None (single-turn rollouts)."""
-    env = getattr(cfg, "environment", None)
-    kind = None if env is None else env.kind
-    if kind is None:
-        if not cfg.rollout.tools:
-            return None
-        from .tools_env import build as build_tools
-
-        return build_tools(cfg)
-    module, _, function = KINDS[kind].partition(":")
+    kind = cfg.environment.kind
+    if kind is None and not cfg.rollout.tools:
+        return None
+    module, _, function = (TOOLS if kind is None else KINDS[kind]).partition(":")
     return getattr(importlib.import_module(module), function)(cfg)
 
 
