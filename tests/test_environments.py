@@ -304,21 +304,34 @@ class Guess:
 '''
 
 
-@pytest.mark.slow
-def test_a_trl_style_class_trains_for_two_steps_from_the_cli(tmp_path):
-    """`environment.factory` on the tiny model (hf engine), the environment the only reward: runs, logs the
-    environment's metrics and reward."""
-    from grpo_trainer.metrics import read_metrics
+def train_guess(tmp_path, out, steps: int, resume: str = "never"):
     from helpers import run_cli, small_run_overrides
 
-    (tmp_path / "guess_env.py").write_text(GUESS_ENV)
-    run = tmp_path / "run"
-    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(run),
-                      f"environment.factory={tmp_path / 'guess_env.py'}:Guess", "environment.max_turns=2", "rewards=[]",
-                      "eval.every=0"])
+    env_file = tmp_path / "guess_env.py"
+    env_file.write_text(GUESS_ENV)
+    overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
+    result = run_cli(["train", "configs/demo_cpu.yaml", *overrides, f"environment.factory={env_file}:Guess",
+                      "environment.max_turns=2", "rewards=[]", "rollout.seed_per_prompt=true", "eval.every=2",
+                      "eval.num_samples=4", "checkpoint.save_every=1", f"checkpoint.resume={resume}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(run)
-    assert len(records) == 2
+    return result
+
+
+@pytest.mark.slow
+def test_a_trl_style_class_trains_from_the_cli_and_resumes_exactly(tmp_path):
+    """`environment.factory` on the tiny model (hf engine), the environment the only reward: 2 steps straight and
+    1 + 1 resumed are the same run (environment seeds re-drawn from (step, draw, position)); the environment's
+    metrics and reward are logged, evaluation runs the episodes too."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import assert_same_run
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_guess(tmp_path, straight, 2)
+    train_guess(tmp_path, resumed, 1)
+    assert "resumed from" in train_guess(tmp_path, resumed, 2, resume="auto").stderr
+    assert_same_run(straight, resumed)
+    records = read_metrics(straight)
+    assert len(records) == 2 and any(k.startswith("eval/") for k in records[-1])
     for r in records:
         assert 1 <= r["environment/turns_per_episode"] <= 2 and r["environment/errors"] == 0
         assert 0 <= r["rewards/environment/mean"] <= 1 and r["timing/environment"] >= 0
