@@ -414,8 +414,11 @@ class EnvironmentConfig(_Section):
     @property
     def kind(self) -> str | None:
         """Which key chose the environment (factory, openenv or url), None without one."""
-        chosen = [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
+        chosen = self._chosen()
         return chosen[0] if chosen else None
+
+    def _chosen(self) -> list[str]:
+        return [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
 
     @property
     def spec(self) -> str | None:
@@ -431,7 +434,7 @@ class EnvironmentConfig(_Section):
 
     @model_validator(mode="after")
     def _one_kind(self):
-        chosen = [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
+        chosen = self._chosen()
         if len(chosen) > 1:
             raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):

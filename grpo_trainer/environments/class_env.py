@@ -161,7 +161,6 @@ class ClassEnvironment:
         self.tools = [t.schema for t in method_tools(sample) + extra_tools]
         self.scorer = next((m for m in ("get_reward", "reward") if callable(getattr(sample, m, None))), None)
         self.has_reward = self.scorer is not None
-        self.takes_seed = _takes(sample.reset, "seed")
         close = getattr(sample, "close", None)
         if callable(close):
             close()
