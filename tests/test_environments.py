@@ -260,6 +260,49 @@ def test_environment_seeds_are_the_groups_and_fit_31_bits():
     assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
 
 
+class RecordingEngine:
+    """Records what the rollout queue asks of an engine that needs episodes."""
+
+    needs_episodes = True
+    needs_weight_sync = samples_outside_process = can_lose_weights = False
+    lockstep = None
+
+    def __init__(self):
+        self.asked = []
+
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+        self.asked.append((seeds, episodes))
+        n = len(prompt_ids) * num_generations
+        return Rollout([[1]] * n, [False] * n)
+
+
+def test_the_queue_gives_each_group_its_environment_seed_whatever_seed_per_prompt():
+    """Rank 1 of 2, its prompts at batch positions 2 and 3: each group's spec carries its row, the environment seed
+    of (seed, step, draw, position) and an id naming them; the same with and without rollout.seed_per_prompt."""
+    from grpo_trainer.data import PromptSet
+    from grpo_trainer.geometry import Geometry
+    from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
+    from grpo_trainer.seeds import mix_seed
+    from grpo_trainer.task import Task
+
+    records = [{"prompt": f"p{i}"} for i in range(8)]
+    task = Task(PromptSet(records, [""] * 8, [[1, i] for i in range(8)]), [], None, "prompt", "answer", False)
+    specs = {}
+    for per_prompt in (False, True):
+        engine = RecordingEngine()
+        settings = QueueSettings(max_staleness=0, prompts_per_step=4, max_steps=4, seed=5, seed_per_prompt=per_prompt,
+                                 reconnect_timeout=1.0, checkpoints="x")
+        queue = RolloutQueue(engine, settings, geometry=Geometry(world=2, rank=1, prompts_per_rank=2, group_size=2),
+                             comm=None, task=task, sampler=None, push=None)
+        queue._generate([7, 3], step=3, draw=1, version=0)
+        seeds, specs[per_prompt] = engine.asked[0]
+        assert (seeds is not None) == per_prompt
+    for spec, row, position in zip(specs[True], [7, 3], [2, 3]):
+        assert spec.record is records[row] and spec.episode_id == f"s3-d1-p{position}"
+        assert spec.seed == environment_seed(mix_seed(5, 3, 1, position))
+    assert [(s.seed, s.episode_id) for s in specs[True]] == [(s.seed, s.episode_id) for s in specs[False]]
+
+
 @pytest.mark.parametrize("config, says", [
     ({"environment": {"factory": "a.py:B", "url": "openenv+ws://h:1"}}, "environment: set one of factory, openenv or url"),
     ({"environment": {"url": "http://h:1"}}, "environment.url: expected openenv+ws://HOST:PORT"),
