@@ -151,6 +151,19 @@ def test_a_class_environment_answers_tools_and_plain_replies_token_faithfully(ti
     assert model_text == call + END + "1" + END + "3" + END
 
 
+def test_a_tool_method_that_raises_is_a_message_to_the_model_not_a_failure(tiny_model_path):
+    tokenizer = _tokenizer()
+    calls = ('<tool_call>{"name": "above", "arguments": {"n": 200}}</tool_call>'
+             '<tool_call>{"name": "above", "arguments": {"m": 1}}</tool_call><tool_call>{oops}</tool_call>')
+    engine, _ = _engine(tokenizer, {"t": [calls + END, "3" + END]})
+    out = engine.generate([_prompt(tokenizer, "t")], 2, episodes=[_spec(tokenizer, "t")])
+    told = [m["content"] for m in out.conversations[0] if m["role"] == "tool"]
+    assert told[0] == "error: ValueError: too big" and told[1].startswith("error: bad arguments for above")
+    assert "not valid JSON" in told[2]
+    assert out.tool_calls[0] == 3 and out.tool_errors[0] == 3 and out.episodes[0].invalid_actions == 1
+    assert out.episodes[0].ended_by == "environment" and out.episodes[0].env_reward == 1.0
+
+
 def test_hostile_environments_end_their_own_episode_and_say_why(tiny_model_path):
     """One batch, one misbehaving environment per group: each ends its own episodes, recorded and one line; the
     fair group plays on; a hang is abandoned at step_timeout; a huge message is cut and counted."""
