@@ -87,7 +87,8 @@ class Guess:
         if mode == "slow":
             time.sleep(0.15)
             return "again", False
-        guess = int(reply.strip()) if reply.strip().isdigit() else 0
+        answer = reply.split("</think>")[-1].strip()  # what follows the model's thinking, if any
+        guess = int(answer) if answer.isdigit() else 0
         self.won = guess == self.secret
         return ("yes" if self.won else ("higher" if guess < self.secret else "lower")), self.won or self.guesses >= 3
 
@@ -149,6 +150,34 @@ def test_a_class_environment_answers_tools_and_plain_replies_token_faithfully(ti
     assert tokenizer.decode(out.prompt_ids[0] + ids) + "\n" == rendered  # the template ends the last turn with \n
     model_text = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert model_text == call + END + "1" + END + "3" + END
+
+
+# A Qwen3-like template: assistant turns before the last user message lose their <think>...</think>.
+DROPS_THINKING = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_a_template_that_rewrites_history_differs_from_what_is_trained_by_exactly_the_earlier_thinking(tiny_model_path):
+    """What is trained is what the model was conditioned on while sampling: with a template that drops earlier
+    <think> spans, rendering the finished conversation differs from the trained tokens by exactly those spans."""
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = DROPS_THINKING
+    engine, _ = _engine(tokenizer, {"k": ["<think>low</think>1" + END, "<think>up</think>3" + END]})
+    out = engine.generate([_prompt(tokenizer, "k")], 2, episodes=[_spec(tokenizer, "k")])
+    messages = out.conversations[0]
+    assert [m["content"] for m in messages] == ["<think>low</think>1", "higher", "<think>up</think>3", "yes"]
+    trained = tokenizer.decode(out.prompt_ids[0] + out.completion_ids[0])
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Guess [k]. Range 1-4, seed 2."}, *messages[:-1]], tokenize=False)
+    assert "<think>low</think>" not in rendered and "<think>up</think>" in rendered
+    assert trained + "\n" == rendered.replace("assistant\n1<|im_end|>", "assistant\n<think>low</think>1<|im_end|>")
 
 
 def test_a_tool_method_that_raises_is_a_message_to_the_model_not_a_failure(tiny_model_path):
