@@ -124,6 +124,16 @@ def test_checking_leaves_the_global_random_stream_alone():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_check_asked_first_inside_a_no_grad_pass_still_passes(context):
+    """The fast paths are decided where first used, which may be a log-prob pass under no_grad or inference mode
+    (update.add_logprobs): a check that differentiates must not fail there and turn its path off."""
+    paths.why_not.cache_clear()
+    with context():
+        assert paths.record() == dict.fromkeys(paths.FAST_PATHS, "fast")
+    paths.why_not.cache_clear()
+
+
 # ----------------------------------------------------------------------------- the fallbacks
 
 

@@ -60,7 +60,9 @@ def why_not(name: str) -> str | None:
     if name in plain_paths():
         reason = f"{PLAIN_ENV} names it"
     else:
-        with torch.random.fork_rng(devices=[]):  # a check may make a module: the run's random stream stays put
+        # A check may make a module (the run's random stream stays put) and differentiate (it may first be asked
+        # from inside a no-grad or inference-mode pass: a check must not fail for where it is asked from).
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
             reason = next(filter(None, (torch_internals.CHECKS[detail]() for detail in details)), None)
     if reason is not None:
         logger.warning("CPU fast path off: %s does not run, %s instead: %s", what, plain, reason)
