@@ -134,6 +134,24 @@ def test_a_check_asked_first_inside_a_no_grad_pass_still_passes(context):
     paths.why_not.cache_clear()
 
 
+def test_a_check_asked_first_inside_a_checkpointed_forward_leaves_its_recomputation_alone():
+    """Asked first inside a checkpointed chunk (the log-prob passes recompute chunks in the backward), a check
+    that differentiated saved tensors in the forward that the recomputation (the answer cached) did not: the
+    backward failed. The checks run in their own thread, out of reach of the checkpoint's hooks."""
+    from torch.utils.checkpoint import checkpoint
+
+    paths.why_not.cache_clear()
+    x = torch.ones(3, requires_grad=True)
+
+    def chunk(t):
+        assert paths.record() == dict.fromkeys(paths.FAST_PATHS, "fast")
+        return (t * t).sum()
+
+    checkpoint(chunk, x, use_reentrant=False).backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+    paths.why_not.cache_clear()
+
+
 # ----------------------------------------------------------------------------- the fallbacks
 
 

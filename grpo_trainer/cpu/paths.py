@@ -60,13 +60,26 @@ def why_not(name: str) -> str | None:
     if name in plain_paths():
         reason = f"{PLAIN_ENV} names it"
     else:
-        # A check may make a module (the run's random stream stays put) and differentiate (it may first be asked
-        # from inside a no-grad or inference-mode pass: a check must not fail for where it is asked from).
-        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
-            reason = next(filter(None, (torch_internals.CHECKS[detail]() for detail in details)), None)
+        reason = _run_checks(details)
     if reason is not None:
         logger.warning("CPU fast path off: %s does not run, %s instead: %s", what, plain, reason)
     return reason
+
+
+def _run_checks(details) -> str | None:
+    """The first failing check's reason, or None. In a thread of their own: a path is decided where first used,
+    which may be inside a no-grad or inference-mode pass or a checkpointed forward, and autograd's modes and a
+    checkpoint's saved-tensor hooks are per thread, so none of them reaches the checks (a check that
+    differentiated inside a checkpointed chunk changed what that chunk saved, and its recomputation failed).
+    Under fork_rng: a check may make a module, and the run's random stream (process-wide) stays put."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def first_failure() -> str | None:
+        with torch.random.fork_rng(devices=[]):
+            return next(filter(None, (torch_internals.CHECKS[detail]() for detail in details)), None)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-path-checks") as pool:
+        return pool.submit(first_failure).result()
 
 
 def usable(name: str) -> bool:
