@@ -33,8 +33,8 @@ completions padded to the longest (`SequenceBatch`), or packed with `train.packi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
 
 import torch
 

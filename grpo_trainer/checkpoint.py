@@ -209,7 +209,7 @@ def manifest_problem(folder: Path, manifest: Any) -> str | None:
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
-        return f"not a checkpoint manifest (expected {{\"files\": {{path: {{\"size\": ..., \"sha256\": ...}}}}}})"
+        return "not a checkpoint manifest (expected {\"files\": {path: {\"size\": ..., \"sha256\": ...}}})"
     for name, entry in files.items():
         if not _inside(folder, name):
             return f"lists {name!r}, which is not a path inside the checkpoint"

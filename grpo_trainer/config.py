@@ -21,9 +21,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from .advantages import ESTIMATORS
 from .errors import ConfigError, UserError
 from .geometry import geometry_of
-from .advantages import ESTIMATORS
 from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
 from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that
 
@@ -437,7 +437,7 @@ class RewardConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _reward_model_entry(self) -> "RewardConfig":
+    def _reward_model_entry(self) -> RewardConfig:
         if self.model is not None and self.name != REWARD_MODEL_NAME:
             raise ValueError(
                 f"`model` makes this entry a reward model (name `{REWARD_MODEL_NAME}`); remove `name: {self.name}` "
@@ -632,7 +632,7 @@ class LossConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check_loss_options(self) -> "LossConfig":
+    def _check_loss_options(self) -> LossConfig:
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
@@ -812,7 +812,7 @@ class Config(_Section):
         return value
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Config":
+    def _check_combinations(self) -> Config:
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)

@@ -183,7 +183,7 @@ def type_name(annotation: Any, field: FieldInfo | None = None) -> str:
     optional = _is_optional(annotation)
     if optional:
         rest = tuple(a for a in typing.get_args(annotation) if a is not type(None))
-        annotation = rest[0] if len(rest) == 1 else Union[rest]
+        annotation = rest[0] if len(rest) == 1 else Union[rest]  # noqa: UP007 (`|` cannot join a tuple of types)
     text = _type(annotation)
     if field is not None:
         bounds = []

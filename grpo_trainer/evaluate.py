@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, ContextManager
 
 import torch
 
@@ -162,7 +162,7 @@ def evaluate_model(
     task: Task | None = None,
     num_prompts: int | None = None,
     progress: bool = True,
-    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    full_parameters: Callable[[torch.nn.Module], AbstractContextManager] | None = None,
     lockstep=None,
     kernel_plan: Mapping[str, str] | None = None,
 ) -> dict[str, float]:

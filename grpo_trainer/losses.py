@@ -29,8 +29,9 @@ feeds totals for); a new loss type picks one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -221,8 +222,8 @@ def token_loss(
     beta: float = 0.0,
     policy_weight: torch.Tensor | None = None,
     sampler_weight: torch.Tensor | None = None,
-    soft_gate: SoftGate = SoftGate(),
-    gamma: GammaShape = GammaShape(),
+    soft_gate: SoftGate = SoftGate(),  # noqa: B008 (frozen: one shared default is safe)
+    gamma: GammaShape = GammaShape(),  # noqa: B008
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`per_token_loss` of a built-in type with its options as plain arguments and one advantage per completion
     ([B]): the form of the hand-derived tests and scripts/length_bias.py. The clip arguments go to the types that

@@ -30,9 +30,9 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from . import in_memory
+from .builtin import resolve_model_path
 from .config import ModelConfig
 from .errors import ConfigError
-from .builtin import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

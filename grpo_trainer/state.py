@@ -27,24 +27,33 @@ from .config import Config
 from .data import PromptSampler
 from .errors import TrainingError
 from .evaluate import load_eval_task
+from .export import save_model
 from .geometry import Geometry, batch_geometry
 from .host_memory import HeapTrimmer
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
-from .preflight import run_preflight
-from .export import save_model
+from .models import (
+    TokenLogprobs,
+    base_model,
+    check_packing_support,
+    check_same_vocabulary,
+    context_length,
+    eos_token_ids,
+    is_lora,
+    load_causal_lm,
+    load_tokenizer,
+)
 from .optim import adamw_for
-from .models import (TokenLogprobs, base_model, check_packing_support, check_same_vocabulary, context_length, eos_token_ids,
-                     is_lora, load_causal_lm, load_tokenizer)
+from .preflight import run_preflight
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
+from .rollout.engines import engine_kind
 from .rollout.registry import build_engine
 from .rollout.tools import build_toolbox
-from .rollout.engines import engine_kind
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
-from .train_state import TrainState
 from .trackers import start_trackers
+from .train_state import TrainState
 
 logger = logging.getLogger("grpo_trainer")
 

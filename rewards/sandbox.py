@@ -84,7 +84,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Limits:
     """Per-run limits. ``cpu_seconds`` defaults to the wall time rounded up, plus one."""
 
     wall_seconds: float = 10.0
-    cpu_seconds: Optional[int] = None
+    cpu_seconds: int | None = None
     memory_bytes: int = 1 << 30
     file_size_bytes: int = 16 << 20
     disk_bytes: int = 64 << 20  # the tmpfs work directory (namespaces modes only)
@@ -110,7 +109,7 @@ class Limits:
 
 @dataclass
 class RunResult:
-    returncode: Optional[int]
+    returncode: int | None
     stdout: bytes  # the program's output, without the harness's nonce line
     stderr: bytes
     completed: bool  # exit status 0 and the harness ran past the code and the tests
@@ -159,11 +158,11 @@ _report()
 # ---------------------------------------------------------------- mode
 
 
-_mode: Optional[str] = None
+_mode: str | None = None
 _mode_lock = threading.Lock()
 
 
-def _nobody() -> tuple[Optional[int], Optional[int]]:
+def _nobody() -> tuple[int | None, int | None]:
     try:
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
@@ -220,7 +219,7 @@ def _world_usable(path: str) -> bool:
         return False
 
 
-_interpreter: Optional[str] = None
+_interpreter: str | None = None
 
 
 def sandbox_python() -> str:
@@ -282,7 +281,7 @@ def _launcher_config(mode: str, workdir: str, limits: Limits) -> dict:
     }
 
 
-def _write_files(workdir: str, files: dict[str, str], owner: Optional[int], group: Optional[int]) -> None:
+def _write_files(workdir: str, files: dict[str, str], owner: int | None, group: int | None) -> None:
     for name, text in files.items():
         path = os.path.join(workdir, name)
         with open(path, "w", encoding="utf-8") as f:
@@ -313,7 +312,7 @@ def run_python(
     *,
     stdin: bytes = b"",
     limits: Limits = Limits(),
-    mode: Optional[str] = None,
+    mode: str | None = None,
 ) -> RunResult:
     """Run ``code`` then ``tests`` as one ``__main__`` module in a fresh sandbox.
 
@@ -441,7 +440,7 @@ class _ForkServerPool:
     def __init__(self):
         self._idle: list[_ForkServer] = []
         self._lock = threading.Lock()
-        self._workdir: Optional[str] = None
+        self._workdir: str | None = None
         self.started = 0  # for tests: how many servers this process has started
 
     def acquire(self) -> _ForkServer:

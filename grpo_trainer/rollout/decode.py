@@ -35,8 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import AttentionInterface
@@ -44,8 +43,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .draw import DRAWS, available_draws, draw_torch
 from . import kernels
+from .draw import DRAWS, available_draws, draw_torch
 from .kernels import KernelTable, length_bucket, row_bucket
 
 DECODE_ATTENTION = "grpo_trainer_decode_sdpa"

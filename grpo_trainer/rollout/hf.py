@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,7 @@ class HFEngine(InProcess):
         get_model: Callable[[], torch.nn.Module],
         pad_token_id: int,
         share_prompt: bool = True,
-        full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+        full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
         tokenizer=None,
         lockstep: Collectives | None = None,
         compile: str | None = None,

@@ -11,7 +11,8 @@ here lazily, never import the module that imports them.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, ContextManager
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,7 @@ def build_engine(
     get_model: Callable[[], torch.nn.Module],
     pad_token_id: int,
     tokenizer=None,
-    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
     rank: int = 0,
     is_main_process: bool = True,
     toolbox: ToolBox | None = None,

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager
 
 import torch
 
@@ -41,7 +41,7 @@ from ..models import is_lora
 
 PEFT_PREFIX = "base_model.model."
 
-Gather = Callable[[list[torch.nn.Parameter]], ContextManager]  # makes the given parameters whole while open
+Gather = Callable[[list[torch.nn.Parameter]], AbstractContextManager]  # makes the given parameters whole while open
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
