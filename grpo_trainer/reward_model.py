@@ -195,7 +195,7 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
 def _whole_parameters():
     """Load outside DeepSpeed ZeRO-3's partitioned init: the reward model is never prepared by Accelerate, so
     each rank needs all of its weights (transformers partitions every model loaded while a ZeRO-3 config is live)."""
-    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config is live
+    hf_deepspeed: Any = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config is live
     if hf_deepspeed is None or not hf_deepspeed.is_deepspeed_zero3_enabled():
         yield
         return
