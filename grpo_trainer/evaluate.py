@@ -44,7 +44,7 @@ from .config import Config
 from .data import LOCAL_FORMATS
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
-from .rollout import sampling_settings
+from .rollout import RolloutEngine, sampling_settings
 from .rollout.hf import HFEngine
 from .rollout.multi_turn import with_tools
 from .rollout.tools import build_toolbox
@@ -145,7 +145,7 @@ def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_p
     try:
         toolbox = build_toolbox(cfg.rollout)
         return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split, policy_dtype=cfg.model.dtype,
-                         tools=toolbox and toolbox.schemas)
+                         tools=toolbox.schemas if toolbox else None)
     except DataError as exc:
         raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
 
@@ -182,7 +182,7 @@ def evaluate_model(
     if task is None:
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
-    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+    engine: RolloutEngine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                       share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
                       kernel_plan=kernel_plan)
     engine = with_tools(engine, build_toolbox(cfg.rollout), tokenizer, cfg, sampling)  # evaluated as trained

@@ -57,7 +57,13 @@ class BlockwiseAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            # Filled by torch's _init_group: the parameters with a gradient, and their state.
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
                 if param.device.type != "cpu" or torch.is_complex(param):

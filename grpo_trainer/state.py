@@ -14,7 +14,7 @@ the engine exists does each rank switch to its own random stream for sampling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,7 @@ def build_run(cfg: Config) -> Run:
 
     # The world size is needed before the Accelerator exists (it fixes gradient accumulation).
     geometry = batch_geometry(cfg, distributed.partial_state().num_processes)
-    trackers = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
+    trackers: list[str] = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         # Fixed by train.micro_batch_size; under a token budget update.py sets it per optimizer step.
@@ -126,7 +126,7 @@ def build_run(cfg: Config) -> Run:
         check_packing_support(lm)
     toolbox = build_toolbox(cfg.rollout)
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=toolbox.schemas if toolbox else None)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
@@ -305,13 +305,13 @@ def settle_decode_kernels(run: Run, recorded: dict[str, str] | None) -> dict[str
     return plan
 
 
-def record_decode_kernels(output_dir: Path, plan: dict[str, str], device_type: str) -> None:
+def record_decode_kernels(output_dir: Path, plan: Mapping[str, str], device_type: str) -> None:
     """The plan beside config.yaml, with the machine it was made for (what a reader comparing runs needs)."""
     import json
 
     from .rollout.kernels import machine_fingerprint
 
-    record = {"machine": machine_fingerprint(device_type), "choices": plan}
+    record = {"machine": machine_fingerprint(device_type), "choices": dict(plan)}
     (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
@@ -326,7 +326,7 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
     toolbox = build_toolbox(cfg.rollout)
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=toolbox.schemas if toolbox else None)
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)

@@ -42,7 +42,7 @@ class Task:
 
         A multi-turn completion (rollout.tools) reaches the rewards as its messages, whatever the prompt's form,
         with its tool-call count as `tool_calls`."""
-        columns = self.prompts.reward_columns(prompt_rows, self.answer_column)
+        columns: dict[str, Any] = self.prompts.reward_columns(prompt_rows, self.answer_column)
         if rollout.conversations is not None:
             completions: list[Any] = rollout.conversations
             columns = {**columns, "tool_calls": rollout.tool_calls}
