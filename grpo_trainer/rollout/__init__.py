@@ -62,13 +62,13 @@ class Rollout:
 
     def select(self, rows: list[int]) -> Rollout:
         """The given completions, every per-completion field alike (tool seconds are not split)."""
-        picked = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
+        picked: dict[str, Any] = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
                   for name in self.PER_COMPLETION}
         return Rollout(**picked)
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
-        joined = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
+        joined: dict[str, Any] = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
                   for name in cls.PER_COMPLETION}
         return cls(**joined, tool_seconds=sum(p.tool_seconds for p in parts))
 

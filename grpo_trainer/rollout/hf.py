@@ -74,7 +74,7 @@ class HFEngine(InProcess):
         self.kernel_plan: dict[str, str] | None = dict(kernel_plan) if kernel_plan is not None else None
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
-        self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+        self.sampling: dict[str, Any] = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
                              min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty)
         self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
@@ -152,6 +152,8 @@ class HFEngine(InProcess):
         return Rollout(completion_ids=completions, truncated=truncated)
 
     def _max_over_ranks(self, value: int) -> int:
+        if self.lockstep is None:  # this rank alone
+            return value
         return int(self.lockstep.max(torch.tensor([value]))[0])
 
     def _idle_forward(self, model) -> None:
@@ -185,8 +187,8 @@ class HFEngine(InProcess):
         kernels = decode_kernels(model, self.kernel_plan)
         if self.compile is not None:  # plain modules under torch.compile; only the (exact) draw is chosen here
             cache.reorder_cache(rows)
-            decoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
-            context = contextlib.nullcontext()
+            decoder: StaticDecoder | EagerDecoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
+            context: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
             reserve_room(cache, limit)  # new tokens are written in place, not concatenated
             cache.reorder_cache(rows)

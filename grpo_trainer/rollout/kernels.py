@@ -93,7 +93,8 @@ def machine_fingerprint(device_type: str = "cpu") -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def cpu_info() -> dict[str, Any]:
     """CPU model name and flags from /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
-    model, flags = platform.processor() or platform.machine(), []
+    model = platform.processor() or platform.machine()
+    flags: list[str] = []
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -162,7 +163,7 @@ class KernelTable:
         with torch.random.fork_rng(devices=[]):
             ms = time_alternatives(measure(), device_type=device_type)
         incumbent = alternatives[0]
-        fastest = min(ms, key=ms.get)
+        fastest = min(ms, key=ms.__getitem__)
         choice = fastest if ms[fastest] < (1 - MARGIN) * ms[incumbent] else incumbent
         self._store(key, {"choice": choice, "ms": {k: round(v, 4) for k, v in ms.items()},
                           "loadavg": round(os.getloadavg()[0], 2),

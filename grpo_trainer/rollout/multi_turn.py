@@ -239,7 +239,7 @@ class MultiTurnEngine:
         contexts = [conv.prompt + conv.ids for conv, _ in going]
         seeds = None
         if going and going[0][0].seed is not None:
-            seeds = [mix_seed(conv.seed, round_) for conv, _ in going]
+            seeds = [mix_seed(conv.seed, round_) for conv, _ in going if conv.seed is not None]  # all have one
         out = self.engine.generate(contexts, 1, seeds=seeds, max_tokens=max((room for _, room in going), default=1))
         for j, (conv, room) in enumerate(going):
             tokens, truncated, logprobs = out.completion_ids[j], out.truncated[j], _row(out.sampling_logprobs, j)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -257,7 +258,7 @@ def retie(groups) -> None:
             if getattr(module, attr) is not shared:
                 setattr(module, attr, shared)
             method = getattr(module, "quant_method", None)
-            if type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
+            if method is not None and type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(module)
 
 
@@ -277,6 +278,11 @@ class WorkerWeightSync:
     an option: on CPU the linear layers' weights are repacked after loading and lose
     their `weight_loader`.
     """
+
+    if TYPE_CHECKING:  # the vLLM worker's, which this class is mixed into (vLLM refuses a name the worker has)
+        model_runner: Any
+
+        def reload_weights(self, *, weights_iterator: Iterator[Any] | None, weights_path: str | None) -> None: ...
 
     def grpo_reload_weights(self, weights_path: str | None = None, weights=None) -> bool:
         model = self.model_runner.get_model()
