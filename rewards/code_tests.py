@@ -91,7 +91,7 @@ def _same_output(actual: str, expected: str) -> bool:
 
 
 def _run_test(code: str, test: _Test, limits: sandbox.Limits) -> sandbox.RunResult:
-    if test.expected is None:
+    if test.stdin is None or test.expected is None:  # a snippet test (a stdin/stdout test has both)
         return sandbox.run_python(code, test.snippet, limits=limits)
     return sandbox.run_python(code, stdin=test.stdin.encode(), limits=limits)
 

@@ -156,7 +156,9 @@ class _Worker:
             stderr=subprocess.DEVNULL,
             close_fds=True,
         )
-        os.set_blocking(self.process.stdout.fileno(), False)
+        assert self.process.stdin is not None and self.process.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+        os.set_blocking(self.stdout.fileno(), False)
         self.started_at = time.monotonic()
         self.ready = False
         self.job: int | None = None  # index of the pair it is judging
@@ -165,13 +167,13 @@ class _Worker:
 
     def send(self, job: int, gold: str, pred: str, timeout: float) -> None:
         self.job, self.deadline = job, time.monotonic() + timeout
-        self.process.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
-        self.process.stdin.flush()
+        self.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+        self.stdin.flush()
 
     def read_lines(self) -> list[dict] | None:
         """Complete protocol lines available now; None if the worker has exited."""
         try:
-            chunk = os.read(self.process.stdout.fileno(), 1 << 16)
+            chunk = os.read(self.stdout.fileno(), 1 << 16)
         except BlockingIOError:
             return []
         if not chunk:
@@ -184,7 +186,7 @@ class _Worker:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
+        for stream in (self.stdin, self.stdout):
             try:
                 stream.close()
             except OSError:
@@ -239,11 +241,11 @@ class _WorkerPool:
             wait_s = max(0.0, min(deadlines, default=now + 1.0) - now)
             with selectors.DefaultSelector() as selector:
                 for worker in self.workers:
-                    selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
+                    selector.register(worker.stdout, selectors.EVENT_READ, worker)
                 events = selector.select(timeout=wait_s)
 
             for key, _ in events:
-                worker: _Worker = key.data
+                worker = key.data  # a _Worker
                 lines = worker.read_lines()
                 if lines is None:  # exited: killed by its memory limit, or a bug
                     if worker.job is not None:

@@ -84,6 +84,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +287,9 @@ def _write_files(workdir: str, files: dict[str, str], owner: int | None, group: 
         path = os.path.join(workdir, name)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        if owner is not None:
+        if owner is not None and group is not None:  # both, or neither (mode setuid)
             os.chown(path, owner, group)
-    if owner is not None:
+    if owner is not None and group is not None:
         os.chown(workdir, owner, group)
 
 
@@ -500,8 +501,10 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
         server.start(theirs)
         _close(theirs)
         _write_all(ours.pop("request"), request)
-        files = [open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))]
-        out = _communicate(*files, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
+        stdin_file, stdout_file, stderr_file = (
+            open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))
+        )
+        out = _communicate(stdin_file, stdout_file, stderr_file, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
         returncode = server.result(timeout=limits.wall_seconds + 10.0)
         healthy = True
         return (returncode, *out)
@@ -556,7 +559,7 @@ def _communicate(stdin_file, stdout_file, stderr_file, stdin: bytes, limits: Lim
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    chunks = {stdout_file: [], stderr_file: []}
+    chunks: dict[Any, list[bytes]] = {stdout_file: [], stderr_file: []}
     sizes = {stdout_file: 0, stderr_file: 0}
     # The launcher enforces wall_seconds itself; this is the backstop if it cannot.
     deadline = time.monotonic() + limits.wall_seconds + 10.0
