@@ -75,3 +75,17 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
 
         return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
+
+
+if TYPE_CHECKING:
+    # mypy checks that every engine class and the tools wrapper satisfy RolloutEngine, members and signatures
+    # (`make lint`); tests/test_engines.py checks the same at run time.
+    from .hf import HFEngine
+    from .multi_turn import MultiTurnEngine
+    from .vllm_colocate import VLLMColocateEngine
+    from .vllm_server import VLLMServerEngine
+
+    _hf: type[RolloutEngine] = HFEngine
+    _vllm_colocate: type[RolloutEngine] = VLLMColocateEngine
+    _vllm_server: type[RolloutEngine] = VLLMServerEngine
+    _tools_wrapper: type[RolloutEngine] = MultiTurnEngine
