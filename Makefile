@@ -20,7 +20,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # Test processes in parallel: most tests wait on process start-up and imports, not on the CPU.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast test-vllm bench venv clean
+.PHONY: demo lint test test-fast test-vllm bench venv clean
 
 venv: $(STAMP)
 
@@ -47,12 +47,18 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	@touch $@
 
-test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
+# ruff's lint rules and mypy over grpo_trainer/ and rewards/ (configured in pyproject.toml). mypy reads torch,
+# transformers, vLLM, ... as Any and keeps its cache in .mypy_cache/: seconds on a fresh clone, ~1 s after.
+lint: $(STAMP)
+	$(PY) -m ruff check grpo_trainer rewards
+	$(PY) -m mypy
+
+test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP)) lint
 	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
 
 # The tests that run in this process (no CLI runs, launches, sandboxes, vLLM): the developer's loop.
 # `make test` runs them too, with the ones marked slow (tests/conftest.py says what is marked and why).
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
@@ -63,4 +69,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs .mypy_cache .ruff_cache

@@ -20,12 +20,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from . import in_memory
 from .checkpoint import find_resume_checkpoint, flatten, read_trainer_state
-from .config import Config, RewardConfig, config_from_dict, read_config_file, set_dotted, apply_override
+from .config import Config, RewardConfig, apply_override, config_from_dict, read_config_file, set_dotted
 from .data import with_every_column
 from .errors import ConfigError
 from .rollout.engines import engine_kind

@@ -33,8 +33,8 @@ completions padded to the longest (`SequenceBatch`), or packed with `train.packi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
 
 import torch
 
@@ -127,6 +127,8 @@ def build_train_batch(
     windows = mini_batch_rows(local_n, group_size, mini_batches)
     wanted = set(range(local_n) if trainable is None else trainable)
     if micro_batch_tokens is None:
+        if micro_batch_size is None:
+            raise ValueError("build_train_batch: give micro_batch_size or micro_batch_tokens")
         plans = [_micro_batches_of(rows, micro_batch_size, trainable, lengths) for rows in windows]
         needed = [len(plan) if wanted.intersection(rows) else 0 for rows, plan in zip(windows, plans)]
     else:
@@ -288,5 +290,5 @@ def budget_micro_batches(pieces: list[list[int]], count: int, cost: Cost, budget
     return [sorted(b) for b in bins]
 
 
-def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
+def _pad(rows: list[list[float]] | list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r[:width] + [0.0] * (width - len(r[:width])) for r in rows], dtype=torch.float32)

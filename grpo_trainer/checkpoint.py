@@ -69,9 +69,13 @@ def save_checkpoint(
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
     staging = root / f".tmp-step-{step:06d}"
+    def fresh_staging() -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+
     error = None
     if accelerator.is_main_process:
-        error = _attempt(lambda: (shutil.rmtree(staging, ignore_errors=True), staging.mkdir(parents=True)))
+        error = _attempt(fresh_staging)
     error = _first_error(accelerator, error)
     if error is None:
         error = _first_error(accelerator, _attempt(lambda: _save_state(accelerator, staging)))
@@ -124,7 +128,7 @@ def _publish(staging: Path, final: Path, root: Path, trainer_state: dict, files:
     for name, text in files.items():
         (staging / name).write_text(text)
     (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
-    manifest = {"files": {}}
+    manifest: dict[str, dict[str, Any]] = {"files": {}}
     for path in sorted(p for p in staging.rglob("*") if p.is_file()):
         _fsync(path)
         manifest["files"][path.relative_to(staging).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
@@ -209,7 +213,7 @@ def manifest_problem(folder: Path, manifest: Any) -> str | None:
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
-        return f"not a checkpoint manifest (expected {{\"files\": {{path: {{\"size\": ..., \"sha256\": ...}}}}}})"
+        return "not a checkpoint manifest (expected {\"files\": {path: {\"size\": ..., \"sha256\": ...}}})"
     for name, entry in files.items():
         if not _inside(folder, name):
             return f"lists {name!r}, which is not a path inside the checkpoint"
@@ -248,8 +252,11 @@ def unverified_note(folder: str | Path) -> str | None:
 
 
 def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest is 3.11+
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -322,7 +329,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
         if pointed in candidates:
             candidates.remove(pointed)
             candidates.insert(0, pointed)
-    notes = []
+    notes: list[str] = []
     for candidate in candidates:
         problem = verify(candidate)
         if problem is None:

@@ -154,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_results(evaluate(cfg, args.checkpoint, args.k)))
             return 0
         if args.command == "train":
-            from .trainer import train
-
             from .distributed import exit_without_teardown, launched_ranks
+            from .trainer import train
 
             result = train(cfg)
             code = 0

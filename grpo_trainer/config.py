@@ -17,21 +17,28 @@ import difflib
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
+from .advantages import ESTIMATORS
 from .errors import ConfigError, UserError
 from .geometry import geometry_of
-from .advantages import ESTIMATORS
 from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
 from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that
 
 ScaleRewards = Literal["group", "batch", "none"]
-AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
-ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
-EngineName = Literal[ENGINE_NAMES]  # rollout/engines.py: each engine's entry declares what it can do
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]
+if TYPE_CHECKING:  # a Literal built from a registry's names at run time is a plain str to a type checker
+    AdvantageEstimator = str
+    ImportanceSamplingMode = str
+    EngineName = str
+else:
+    AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
+    ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
+    EngineName = Literal[ENGINE_NAMES]  # rollout/engines.py: each engine's entry declares what it can do
 
 
 # What changing a field on resume means (`resume_effect`), flagged on the field or on a whole section:
@@ -532,7 +539,7 @@ class RewardConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _reward_model_entry(self) -> "RewardConfig":
+    def _reward_model_entry(self) -> RewardConfig:
         if self.model is not None and self.name != REWARD_MODEL_NAME:
             raise ValueError(
                 f"`model` makes this entry a reward model (name `{REWARD_MODEL_NAME}`); remove `name: {self.name}` "
@@ -727,7 +734,7 @@ class LossConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check_loss_options(self) -> "LossConfig":
+    def _check_loss_options(self) -> LossConfig:
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})"
@@ -750,7 +757,7 @@ def _is_flat_default(key: str, value: Any) -> bool:
     )
 
 
-def _option_error(err: dict, variant: LossVariant, flat: dict[str, Any]) -> str:
+def _option_error(err: ErrorDetails, variant: LossVariant, flat: dict[str, Any]) -> str:
     """One error of the type's options model, naming the key as the user wrote it."""
     name = ".".join(str(p) for p in err["loc"])
     written = next((key for key, option in variant.legacy_keys.items() if option == name and key in flat), None)
@@ -863,8 +870,8 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write metrics every N steps.")
-    report_to: list[Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]] = Field(
-        default_factory=lambda: ["jsonl"],
+    report_to: list[TrackerName] = Field(
+        default_factory=lambda: list[TrackerName](["jsonl"]),
         description="Metric sinks: `jsonl` (OUTPUT_DIR/metrics.jsonl, always on), `tensorboard`, `wandb`, `trackio`, "
         "`mlflow` (main process only; each tracker is an extra, e.g. `pip install 'grpo-trainer[wandb]'`; where each "
         "writes: docs/python_api.md#trackers). Sample tables (logging.completions_every) go to wandb, trackio and mlflow.",
@@ -911,7 +918,7 @@ class Config(_Section):
         return value
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Config":
+    def _check_combinations(self) -> Config:
         if not self.rewards and self.environment.kind is None:
             raise ValueError("rewards: at least one reward is needed (or an environment that scores its episodes)")
         if self.environment.kind is not None:
@@ -1034,9 +1041,9 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         node = _child(node, part, parts[: i + 1], create=not parts[i + 1].isdigit())
-    last = parts[-1]
+    last: str | int = parts[-1]
     if isinstance(node, list):
-        last = _index(node, last, parts)
+        last = _index(node, parts[-1], parts)
     elif last not in node:
         node[last] = None
     node[last] = merged(node[last], value)
@@ -1096,16 +1103,15 @@ def _explain(exc: ValidationError) -> str:
 
 def _valid_keys(loc: list[str]) -> list[str]:
     """The field names of the section at `loc` (list indices are skipped)."""
-    model: type[BaseModel] | None = Config
+    model: type[BaseModel] = Config
     for part in loc:
         if part.isdigit():
             continue
         field = model.model_fields.get(part)
-        if field is None:
+        section = _section_of(field.annotation) if field is not None else None
+        if section is None:
             return []
-        model = _section_of(field.annotation)
-        if model is None:
-            return []
+        model = section
     return list(model.model_fields)
 
 
@@ -1124,8 +1130,9 @@ def resume_effect(key: str) -> str | None:
         field = model.model_fields.get(part) if model is not None else None
         if field is None:
             return None
-        effect = (field.json_schema_extra or {}).get("resume")
-        if effect is not None:
+        extra = field.json_schema_extra  # a dict here (CHANGES_MEANING, ...); pydantic also allows a callable
+        effect = extra.get("resume") if isinstance(extra, dict) else None
+        if isinstance(effect, str):
             return effect
         model = _section_of(field.annotation)
     return None

@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from .config import Config
-from .losses import AGGREGATION_DOCS, LOSS_VARIANTS, LossOptions
+from .losses import AGGREGATION_DOCS, LOSS_VARIANTS, LossOptions, LossVariant
 
 REGENERATE = "python -m grpo_trainer.config_reference > docs/config_reference.md"
 REGENERATE_LOSS_FAMILY = "python -m grpo_trainer.config_reference --loss-family"  # rewrites docs/loss_family.md's table
@@ -142,7 +142,7 @@ def loss_options_table() -> list[str]:
         "| option | type | default | read by | flat key | description |",
         "|---|---|---|---|---|---|",
     ]
-    models: dict[type, list] = {}
+    models: dict[type[LossOptions], list[LossVariant]] = {}
     for v in LOSS_VARIANTS.values():
         models.setdefault(v.options, []).append(v)
     for model, variants in models.items():
@@ -183,7 +183,7 @@ def type_name(annotation: Any, field: FieldInfo | None = None) -> str:
     optional = _is_optional(annotation)
     if optional:
         rest = tuple(a for a in typing.get_args(annotation) if a is not type(None))
-        annotation = rest[0] if len(rest) == 1 else Union[rest]
+        annotation = rest[0] if len(rest) == 1 else Union[rest]  # noqa: UP007 (`|` cannot join a tuple of types)
     text = _type(annotation)
     if field is not None:
         bounds = []
@@ -227,7 +227,7 @@ def _literal(value: Any) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.get_default(call_default_factory=True)
     elif field.default is PydanticUndefined:
         return REQUIRED
     else:

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, ContextManager
 
 import torch
 
@@ -45,7 +45,7 @@ from .data import LOCAL_FORMATS
 from .environments import build_environment
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
-from .rollout import sampling_settings
+from .rollout import RolloutEngine, sampling_settings
 from .rollout.hf import HFEngine
 from .rollout.multi_turn import with_environment
 from .seeds import mix_seed
@@ -164,7 +164,7 @@ def evaluate_model(
     task: Task | None = None,
     num_prompts: int | None = None,
     progress: bool = True,
-    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    full_parameters: Callable[[torch.nn.Module], AbstractContextManager] | None = None,
     lockstep=None,
     kernel_plan: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
@@ -184,7 +184,7 @@ def evaluate_model(
     if task is None:
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
-    engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+    engine: RolloutEngine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                       share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
                       kernel_plan=kernel_plan)
     engine = with_environment(engine, tokenizer, cfg, sampling)  # evaluated as trained

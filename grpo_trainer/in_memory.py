@@ -26,8 +26,9 @@ import contextlib
 import copy
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import ConfigError, UserError
 

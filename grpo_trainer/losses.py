@@ -29,14 +29,15 @@ feeds totals for); a new loss type picks one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping
+from typing import Any, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Aggregation = Literal["sequence_mean", "micro_batch_token_mean", "max_length", "batch_token_mean", "sequence_sum"]
-AGGREGATIONS: tuple[str, ...] = Aggregation.__args__
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -144,7 +145,9 @@ class TokenInputs:
 
 
 # A surrogate: (inputs, options) -> (per-token loss [B, T], clipped-below [B, T] bool, clipped-above [B, T] bool).
-Surrogate = Callable[[TokenInputs, LossOptions], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# Its options are its variant's own model (`LossVariant.options`, a LossOptions subclass), which a Callable type
+# cannot tie to the variant: hence Any.
+Surrogate = Callable[[TokenInputs, Any], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ class LossVariant:
     name: str
     surrogate: Surrogate
     aggregation: Aggregation
-    options: type[BaseModel] = LossOptions
+    options: type[LossOptions] = LossOptions
     paper: str = ""
     exact_zero_advantage_skip: bool = False
     sampler_weight_in_ratio: bool = False
@@ -195,7 +198,7 @@ class LossVariant:
         """The loss is normalised within each micro-batch, so it depends on how the batch is cut."""
         return self.aggregation == "micro_batch_token_mean"
 
-    def __call__(self, inputs: TokenInputs, options: BaseModel):
+    def __call__(self, inputs: TokenInputs, options: LossOptions):
         """The surrogate (a variant is callable so that `file.py:NAME` resolves it like a reward function)."""
         return self.surrogate(inputs, options)
 # VESPO's log W is kept in [ln 1e-8, 20], as in the authors' code: phi stays finite at any drift (a sampler
@@ -221,20 +224,21 @@ def token_loss(
     beta: float = 0.0,
     policy_weight: torch.Tensor | None = None,
     sampler_weight: torch.Tensor | None = None,
-    soft_gate: SoftGate = SoftGate(),
-    gamma: GammaShape = GammaShape(),
+    soft_gate: SoftGate = SoftGate(),  # noqa: B008 (frozen: one shared default is safe)
+    gamma: GammaShape = GammaShape(),  # noqa: B008
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`per_token_loss` of a built-in type with its options as plain arguments and one advantage per completion
     ([B]): the form of the hand-derived tests and scripts/length_bias.py. The clip arguments go to the types that
     read them, `soft_gate` to sapo, `gamma` to vespo; the others are ignored, as the options are not checked here
     (the config does that)."""
     variant = loss_variant(loss_type)
+    options: LossOptions
     if variant.options is SoftGate:
         options = soft_gate
     elif variant.options is GammaShape:
         options = gamma
     else:
-        given = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
+        given: dict[str, Any] = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
         options = variant.options.model_construct(**{k: v for k, v in given.items() if k in variant.options.model_fields})
     return per_token_loss(
         variant, options, logp, old_logp, advantages[:, None].expand_as(logp), mask, ref_logp=ref_logp, beta=beta,
@@ -244,7 +248,7 @@ def token_loss(
 
 def per_token_loss(
     variant: LossVariant,
-    options: BaseModel,
+    options: LossOptions,
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,

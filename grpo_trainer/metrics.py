@@ -11,8 +11,9 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, TextIO
 
 import torch
 
@@ -41,7 +42,7 @@ class MetricsWriter:
     def __init__(self, output_dir: str | Path, enabled: bool):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._file = None
+        self._file: TextIO | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
@@ -50,7 +51,8 @@ class MetricsWriter:
         """On resume: the metrics file becomes the checkpoint's copy (steps after it will be logged again)."""
         if not self.enabled:
             return
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         self.path.write_text(history)
         self._file = self.path.open("a")
 

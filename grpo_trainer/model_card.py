@@ -117,15 +117,15 @@ def base_model(cfg: Config) -> tuple[str | None, str | None]:
     name = cfg.model.name_or_path
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
-    if in_memory.is_reference(name):  # a model object: where it was loaded from, if it says
-        name = in_memory.model_source(name)
-    if not name:
+    # a model object: where it was loaded from, if it says
+    source = in_memory.model_source(name) if in_memory.is_reference(name) else name
+    if not source:
         return None, None
-    local = Path(name)
+    local = Path(source)
     if local.is_dir():
         return None, _license_in(local / CARD)
-    if HUB_ID.match(name):
-        return name, _license_in(_cached_card(name))
+    if HUB_ID.match(source):
+        return source, _license_in(_cached_card(source))
     return None, None
 
 

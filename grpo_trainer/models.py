@@ -20,7 +20,7 @@ eager) and full attention in every layer (`check_packing_support`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +29,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import in_memory
-from .cpu import lm_head
-from .config import ModelConfig
-from .errors import ConfigError
 from .builtin import resolve_model_path
+from .config import ModelConfig
+from .cpu import lm_head
+from .errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -320,7 +320,7 @@ class SequenceBatch:
         return {name: getattr(self, name).to(device) for name in self.__dataclass_fields__}
 
 
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts right-aligned in one [N, P] tensor, and its attention mask: the layout `generate` uses."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
@@ -410,8 +410,8 @@ def packed_tokens(sizes: list[int]) -> int:
 def make_packed_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedBatch:
     """Row b of the outputs is completions[b], continuing prompts[b]; completions of the same prompt form one piece."""
     pieces: dict[tuple[int, ...], list[int]] = {}
-    for b, prompt in enumerate(prompts):
-        pieces.setdefault(tuple(prompt), []).append(b)
+    for b, prompt_ids in enumerate(prompts):
+        pieces.setdefault(tuple(prompt_ids), []).append(b)
     keys = list(pieces)
     if not all(keys):
         raise ValueError("an empty prompt cannot be packed: no state would predict its completions' first tokens")

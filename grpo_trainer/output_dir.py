@@ -29,8 +29,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .errors import ConfigError
 
@@ -197,8 +198,8 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     another run); `checkpoint.resume: never` starts over as always.
     """
     from . import checkpoint as ckpt
-    from .model_card import CARD
     from .metrics import read_metrics
+    from .model_card import CARD
     from .state import setup_logging
 
     resume = cfg.checkpoint.resume

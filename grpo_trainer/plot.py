@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import DataError, UserError
 
@@ -154,7 +155,7 @@ def panel_length(ax, run: RunMetrics) -> str | None:
     if not present:
         return "no `completions/*length*` metrics"
     for key, label in present:
-        style = {"linestyle": ":", "linewidth": 1} if key.endswith("max_length") else {}
+        style: dict[str, Any] = {"linestyle": ":", "linewidth": 1} if key.endswith("max_length") else {}
         _line(ax, run, key, label, **style)
     ax.set_title("Completion length")
     ax.set_ylabel("tokens")

@@ -26,7 +26,7 @@ class StopRequests:
     def __init__(self, names: list[str]):
         self.signals = [getattr(signal, name) for name in names]
         self.received: signal.Signals | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}  # what each signal's handler was before
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is not threading.main_thread():

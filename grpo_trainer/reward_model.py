@@ -36,8 +36,9 @@ anyway), `trust_remote_code` models.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -22,6 +22,7 @@ not block, for their timeout to act.
 from __future__ import annotations
 
 import asyncio
+import enum
 import importlib
 import importlib.util
 import inspect
@@ -29,9 +30,10 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import torch
 
@@ -99,10 +101,11 @@ def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", dev
         if cfg.model is not None:
             from .reward_model import load_reward_model
 
-            fn = load_reward_model(cfg.model, where=f"rewards.{i}.model", policy_dtype=policy_dtype, device=device)
+            fn: Callable[..., Any] = load_reward_model(cfg.model, where=f"rewards.{i}.model", policy_dtype=policy_dtype, device=device)
         else:
             fn = resolve_reward(cfg.name, where=f"rewards.{i}.name")
-        name = cfg.alias or (cfg.name if cfg.name in BUILTIN_REWARDS or cfg.model else getattr(fn, "__name__", cfg.name))
+        own_name: str = cfg.name if cfg.name in BUILTIN_REWARDS or cfg.model else getattr(fn, "__name__", cfg.name)
+        name = cfg.alias or own_name
         params = inspect.signature(fn).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         for key in cfg.kwargs:
@@ -124,6 +127,8 @@ def builtin_module(name: str):
         spec = importlib.util.spec_from_file_location(
             BUILTIN_PACKAGE, BUILTIN_FOLDER / "__init__.py", submodule_search_locations=[str(BUILTIN_FOLDER)]
         )
+        if spec is None or spec.loader is None:
+            raise ImportError(f"the built-in rewards folder {BUILTIN_FOLDER} cannot be imported")
         package = importlib.util.module_from_spec(spec)
         sys.modules[BUILTIN_PACKAGE] = package
         try:
@@ -183,7 +188,7 @@ def compute_rewards(
         def log_metric(key: str, value: float) -> None:
             metrics[f"rewards/{reward.name}/{key}"] = metrics.get(f"rewards/{reward.name}/{key}", 0.0) + float(value)
 
-        offered = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        offered: dict[str, Any] = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
         if rows is not None:
             offered = {k: [v[i] for i in rows] for k, v in offered.items()}
         offered.update(reward.kwargs)
@@ -296,6 +301,7 @@ def _hung_sync(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
     threads = [threading.Thread(target=lambda i=i: _ignore_errors(lambda: call(reward, rows=[i])), daemon=True) for i in range(n)]
     for thread in threads:
         thread.start()
+    assert reward.timeout is not None, "only a reward with a timeout times out"
     deadline = time.monotonic() + reward.timeout
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -379,7 +385,11 @@ def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float |
 # or bool (TRL reads True as 1.0), a NumPy scalar, a Decimal or Fraction (what has `__float__`), or a 0-d array or
 # tensor of one. A string is not a number, whatever it spells ("1.0" as much as "yes"): a reward that returns text
 # has a bug, and today's "1.0" is tomorrow's "1.0 (correct)".
-_NOT_A_NUMBER = object()
+class _Sentinel(enum.Enum):
+    NOT_A_NUMBER = "not a number"
+
+
+_NOT_A_NUMBER = _Sentinel.NOT_A_NUMBER
 
 
 def _as_sequence(out: Any) -> list[Any] | None:
@@ -391,7 +401,7 @@ def _as_sequence(out: Any) -> list[Any] | None:
     return None
 
 
-def reward_value(value: Any) -> float | None | object:
+def reward_value(value: Any) -> float | None | Literal[_Sentinel.NOT_A_NUMBER]:
     """One value a reward returned, as a float (NaN kept), None, or `_NOT_A_NUMBER`."""
     if _is_array(value):
         if value.ndim != 0:

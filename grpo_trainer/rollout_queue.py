@@ -53,9 +53,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -238,27 +238,29 @@ class RolloutQueue:
     def _refill(self, current: int) -> None:
         """With the sampler at version `current`: queue the untrained batches not queued yet, then new ones up to
         step current+K+1 (none past train.max_steps), all to be sampled with version `current`."""
-        if self._worker is None:
+        worker = self._worker
+        if worker is None:
             return
         for batch in self.pending:  # recorded by a checkpoint, or to sample again after a server lost its weights
             if batch.future is None:
-                batch.future = self._submit(batch)
+                batch.future = self._submit(worker, batch)
         last = min(current + self.max_staleness + 1, self.settings.max_steps)
         while (self.pending[-1].step if self.pending else current) < last:
             batch = _Batch((self.pending[-1].step if self.pending else current) + 1, self._draw())
-            batch.future = self._submit(batch)
+            batch.future = self._submit(worker, batch)
             self.pending.append(batch)
 
     def _queued(self):
         return (batch.future for batch in self.pending if batch.future is not None)
 
-    def _submit(self, batch: _Batch) -> Future:
+    def _submit(self, worker: _Worker, batch: _Batch) -> Future:
         mine, version = self.geometry.my_prompts(batch.prompts), self.version
-        return self._worker.submit(lambda: self._generate(mine, batch.step, 0, version, queued=True))
+        return worker.submit(lambda: self._generate(mine, batch.step, 0, version, queued=True))
 
     def _within_staleness(self, mine: list[int], rollout: Rollout, step: int) -> Rollout:
         """Leave out and sample again every group with a completion more than K versions old; log the staleness."""
         g = self.geometry.group_size
+        assert rollout.weight_versions is not None  # _generate sets it on every rollout
         age = [step - 1 - v for v in rollout.weight_versions]
         stale = [j for j in range(len(mine)) if max(age[j * g : (j + 1) * g]) > self.max_staleness]
         if int(self.comm.max(torch.tensor([float(len(stale))]))[0]):  # every rank resamples together
@@ -270,6 +272,7 @@ class RolloutQueue:
             for n, j in enumerate(stale):
                 parts[j] = fresh.select(list(range(n * g, (n + 1) * g)))
             rollout = Rollout.concat(parts)
+        assert rollout.weight_versions is not None
         trained = self.comm.gather(torch.tensor([step - 1 - v for v in rollout.weight_versions], dtype=torch.float32))
         self._step_metrics.update({
             "rollout/staleness_mean": float(trained.mean()),
@@ -291,12 +294,14 @@ class RolloutQueue:
                 (status, error), rollout = self._classify(exc), None
             self._waited += time.perf_counter() - tick
             if not self._resolve(step, status, error, current):
+                assert rollout is not None  # every rank is OK, this one too
                 return rollout
         raise self._too_many_losses(step)
 
     def _settled(self, batch: _Batch, step: int) -> Rollout:
         """The queued rollout of `batch`, once every rank's is in (recovering from a lost server on the way)."""
         for _ in range(MAX_RECOVERIES + 1):
+            assert batch.future is not None  # queued by _refill (again, after a recovery)
             if not self._meet(step, [batch.future], current=step - 1):
                 return batch.future.result()
         raise self._too_many_losses(step)

@@ -31,6 +31,7 @@ import os
 import shlex
 import sys
 import urllib.parse
+from collections.abc import Sequence
 
 from .config import Config
 from .errors import ConfigError
@@ -58,17 +59,16 @@ FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
 
 
 def serve_command(cfg: Config, *, host: str | None = None, port: int | None = None,
-                  tensor_parallel_size: int | None = None, vllm_args: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+                  tensor_parallel_size: int | None = None, vllm_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """(command line, environment variables to add) for a server the config's vllm_server engine can use."""
     from .builtin import resolve_model_path
 
     server, engine = cfg.rollout.vllm_server, cfg.rollout.vllm
     url = urllib.parse.urlparse(server.server_urls()[0])  # checked when the config loaded: host and port are valid
-    loopback = url.hostname in ("127.0.0.1", "localhost", "::1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", resolve_model_path(cfg.model.name_or_path),
-        "--host", host or (url.hostname if loopback else "0.0.0.0"),  # a remote trainer must reach it
+        "--host", host or (url.hostname if url.hostname in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"),  # a remote trainer must reach it
         "--port", str(port if port is not None else url.port or DEFAULT_PORTS[url.scheme]),  # where the trainer connects
         "--dtype", cfg.model.dtype if engine.dtype == "auto" else engine.dtype,
         "--logprobs-mode", "processed_logprobs",
@@ -112,7 +112,7 @@ def check_extra_args(command: list[str], vllm_args: list[str]) -> None:
     own = {flag_name(arg): i for i, arg in enumerate(command) if arg.startswith("--")}
     for arg in vllm_args:
         name = flag_name(arg)
-        if name not in own:
+        if name is None or name not in own:
             continue
         value = command[own[name] + 1 : own[name] + 2]
         given = " ".join([name, *(v for v in value if not v.startswith("--"))])

@@ -14,7 +14,7 @@ the engine exists does each rank switch to its own random stream for sampling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,28 +24,37 @@ import torch
 from . import checkpoint as ckpt
 from . import distributed
 from .config import Config, ModelConfig
+from .cpu import paths as cpu_paths
+from .cpu.adamw import adamw_for
+from .cpu.heap import HeapTrimmer
 from .data import PromptSampler
 from .environments import build_environment
 from .errors import TrainingError
 from .evaluate import load_eval_task
+from .export import save_model
 from .geometry import Geometry, batch_geometry
-from .cpu import paths as cpu_paths
-from .cpu.heap import HeapTrimmer
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
+from .models import (
+    TokenLogprobs,
+    base_model,
+    check_packing_support,
+    check_same_vocabulary,
+    context_length,
+    eos_token_ids,
+    is_lora,
+    load_causal_lm,
+    load_tokenizer,
+)
 from .preflight import run_preflight
-from .export import save_model
-from .cpu.adamw import adamw_for
-from .models import (TokenLogprobs, base_model, check_packing_support, check_same_vocabulary, context_length, eos_token_ids,
-                     is_lora, load_causal_lm, load_tokenizer)
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
-from .rollout.registry import build_engine
 from .rollout.engines import engine_kind
+from .rollout.registry import build_engine
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
-from .train_state import TrainState
 from .trackers import start_trackers
+from .train_state import TrainState
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -92,7 +101,7 @@ def build_run(cfg: Config) -> Run:
 
     # The world size is needed before the Accelerator exists (it fixes gradient accumulation).
     geometry = batch_geometry(cfg, distributed.partial_state().num_processes)
-    trackers = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
+    trackers: list[str] = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         # Fixed by train.micro_batch_size; under a token budget update.py sets it per optimizer step.
@@ -305,13 +314,13 @@ def settle_decode_kernels(run: Run, recorded: dict[str, str] | None) -> dict[str
     return plan
 
 
-def record_decode_kernels(output_dir: Path, plan: dict[str, str], device_type: str) -> None:
+def record_decode_kernels(output_dir: Path, plan: Mapping[str, str], device_type: str) -> None:
     """The plan beside config.yaml, with the machine it was made for (what a reader comparing runs needs)."""
     import json
 
     from .rollout.kernels import machine_fingerprint
 
-    record = {"machine": machine_fingerprint(device_type), "choices": plan, "cpu_paths": cpu_paths.record()}
+    record = {"machine": machine_fingerprint(device_type), "choices": dict(plan), "cpu_paths": cpu_paths.record()}
     (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 

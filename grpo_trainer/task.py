@@ -72,7 +72,7 @@ class Task:
         prompt's form, with its tool-call count as `tool_calls`; an episode also as `environments` (what its
         environment's snapshot() gave: TRL's objects) and `episodes` (its EpisodeRecord). Episodes the environment
         failed are then scored by environment.on_error (environments/scoring.py)."""
-        columns = self.prompts.reward_columns(prompt_rows, self.answer_column)
+        columns: dict[str, Any] = self.prompts.reward_columns(prompt_rows, self.answer_column)
         if rollout.conversations is not None:
             completions: list[Any] = rollout.conversations
             columns = {**columns, "tool_calls": rollout.tool_calls}

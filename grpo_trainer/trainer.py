@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -49,8 +49,8 @@ from .collect import collect
 from .config import Config
 from .evaluate import evaluate_model
 from .metrics import PhaseTimer
-from .report import report, step_record
 from .preemption import StopRequests
+from .report import report, step_record
 from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
 from .train_state import TrainState
 from .update import add_logprobs, check_scored, update

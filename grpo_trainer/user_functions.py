@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import UserError
 
 _FILE_MODULES: dict[Path, Any] = {}
 
 
-def resolve_function(spec: str, where: str, kind: str, error: type[UserError], builtins: list[str] = ()) -> Callable[..., Any]:
+def resolve_function(spec: str, where: str, kind: str, error: type[UserError], builtins: Sequence[str] = ()) -> Callable[..., Any]:
     """`path/to/file.py:fn` | `package.module:fn` -> the function; `error(message)` naming `where` otherwise.
     `builtins`: the names the caller resolves itself, listed in the message for a spec of neither form."""
     module_part, sep, attr = spec.rpartition(":")
@@ -46,6 +47,8 @@ def _file_module(path: Path, where: str, kind: str, error: type[UserError]):
     key = path.resolve()
     if key not in _FILE_MODULES:
         module_spec = importlib.util.spec_from_file_location(f"grpo_user_{path.stem}", key)
+        if module_spec is None or module_spec.loader is None:  # not a file Python can import
+            raise error(f"{where}: {kind} file {path} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
         _FILE_MODULES[key] = module

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
-MetricLogger = Optional[Callable[[str, float], None]]
+MetricLogger = Callable[[str, float], None] | None
 
 
 def completion_text(completion: Any) -> str:

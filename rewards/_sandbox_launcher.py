@@ -103,7 +103,7 @@ def _start_program(cfg: dict) -> int:
 
 
 def _children(pid: int) -> list[int]:
-    pids = []
+    pids: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -376,7 +376,7 @@ def _harness(token: bytes) -> int:
     if "random" in sys.modules:  # preloaded (statistics imports it): reseed, as a fresh interpreter would
         sys.modules["random"].seed()
     main = types.ModuleType("__main__")
-    main.__builtins__ = __builtins__
+    main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     sys.argv = ["solution.py"]
     try:

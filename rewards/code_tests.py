@@ -30,7 +30,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from . import sandbox
 from ._completions import MetricLogger, completion_text, report
@@ -44,8 +44,8 @@ _CALLS_CHECK = re.compile(r"^check\s*\(", re.MULTILINE)
 @dataclass(frozen=True)
 class _Test:
     snippet: str = ""  # Python run after the code (snippet format)
-    stdin: Optional[str] = None  # stdin/stdout format: the input ...
-    expected: Optional[str] = None  # ... and the expected output
+    stdin: str | None = None  # stdin/stdout format: the input ...
+    expected: str | None = None  # ... and the expected output
 
 
 def extract_code(text: str) -> str:
@@ -58,7 +58,7 @@ def _as_text(value: Any) -> str:
     return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def parse_tests(tests: Any, entry_point: Optional[str] = None) -> Optional[list[_Test]]:
+def parse_tests(tests: Any, entry_point: str | None = None) -> list[_Test] | None:
     """The sample's tests in either format, or None if there are none we can run."""
     if isinstance(tests, str) and tests.lstrip()[:1] in ("{", "["):
         try:
@@ -91,7 +91,7 @@ def _same_output(actual: str, expected: str) -> bool:
 
 
 def _run_test(code: str, test: _Test, limits: sandbox.Limits) -> sandbox.RunResult:
-    if test.expected is None:
+    if test.stdin is None or test.expected is None:  # a snippet test (a stdin/stdout test has both)
         return sandbox.run_python(code, test.snippet, limits=limits)
     return sandbox.run_python(code, stdin=test.stdin.encode(), limits=limits)
 
@@ -112,11 +112,11 @@ def code_tests(
     tests_column: str = "tests",
     timeout: float = 10.0,
     binary: bool = False,
-    max_workers: Optional[int] = None,
+    max_workers: int | None = None,
     memory_limit_mb: int = 1024,
     log_metric: MetricLogger = None,
     **kwargs: Any,
-) -> list[Optional[float]]:
+) -> list[float | None]:
     """Fraction of tests passed per completion (1.0/0.0 with ``binary=True``).
 
     Args:
@@ -136,7 +136,7 @@ def code_tests(
     limits = sandbox.Limits(wall_seconds=float(timeout), memory_bytes=memory_limit_mb * 2**20)
 
     jobs: list[tuple[int, str, _Test]] = []
-    per_sample: list[Optional[list[_Test]]] = []
+    per_sample: list[list[_Test] | None] = []
     for i, (completion, tests, entry_point) in enumerate(zip(completions, kwargs[tests_column], entry_points)):
         parsed = parse_tests(tests, entry_point)
         per_sample.append(parsed)
@@ -150,7 +150,7 @@ def code_tests(
     for (i, _, test), result in zip(jobs, results):
         passed[i] += _passed(test, result)
 
-    rewards: list[Optional[float]] = []
+    rewards: list[float | None] = []
     for i, tests in enumerate(per_sample):
         if tests is None:
             rewards.append(None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 from ._completions import completion_text
 
@@ -19,7 +19,7 @@ def think_format(
     *,
     think_opened_in_prompt: bool = False,
     **kwargs: Any,
-) -> list[Optional[float]]:
+) -> list[float | None]:
     """1.0 if the completion is ``<think>THOUGHT</think>ANSWER``, else 0.0.
 
     Precisely: after optional leading whitespace the completion starts with
@@ -32,7 +32,7 @@ def think_format(
             prompt with ``<think>`` (e.g. DeepSeek-R1, Qwen3 thinking): the
             completion then starts with the thought and contains no ``<think>``.
     """
-    rewards: list[Optional[float]] = []
+    rewards: list[float | None] = []
     for completion in completions:
         text = completion_text(completion)
         if think_opened_in_prompt:
@@ -70,10 +70,10 @@ def overlong_penalty(
     completions: list,
     completion_ids: Any = None,
     *,
-    max_length: Optional[int] = None,
-    buffer: Optional[int] = None,
+    max_length: int | None = None,
+    buffer: int | None = None,
     **kwargs: Any,
-) -> list[Optional[float]]:
+) -> list[float | None]:
     """DAPO soft overlong punishment of each completion's length in tokens, in [-1, 0].
 
     Args:

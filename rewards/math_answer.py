@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from decimal import Decimal
-from typing import Any, Optional
+from typing import Any
 
 from ._completions import MetricLogger, completion_text, report, shorten
 
@@ -67,7 +67,7 @@ _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\boxed|\\fbox|\\\(|\\\[")  # an unesca
 # ---------------------------------------------------------------- extraction
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (braces balanced), or None.
 
     Also accepts ``\\boxed 5`` (a space and one token), which models write.
@@ -105,7 +105,7 @@ def _normalize_thousands(answer: str) -> str:
     return _LATEX_THOUSANDS.sub(",", answer)
 
 
-def plain_number(answer: str) -> Optional[Decimal]:
+def plain_number(answer: str) -> Decimal | None:
     """The value of an answer that is just a number (``-3.5``, ``1,000``, ``$8$``), else None."""
     answer = _normalize_thousands(_strip_math_delimiters(answer)).rstrip(".").strip()
     if not _PLAIN_NUMBER.fullmatch(answer):
@@ -113,7 +113,7 @@ def plain_number(answer: str) -> Optional[Decimal]:
     return Decimal(answer.replace(",", ""))
 
 
-def _fast_verdict(gold: str, prediction: str) -> Optional[str]:
+def _fast_verdict(gold: str, prediction: str) -> str | None:
     """Decide a pair without math-verify when that is certainly what it would say.
 
     ``prediction`` is the boxed content or, without a box, the whole completion.
@@ -135,7 +135,7 @@ def _gold_for_math_verify(gold: str) -> str:
     return "\\boxed{" + _normalize_thousands(gold) + "}"
 
 
-def _prediction_for_math_verify(text: str, boxed: Optional[str]) -> str:
+def _prediction_for_math_verify(text: str, boxed: str | None) -> str:
     if boxed is not None:
         return "\\boxed{" + _normalize_thousands(boxed) + "}"
     return text[-_PREDICTION_TAIL_CHARS:]
@@ -156,22 +156,24 @@ class _Worker:
             stderr=subprocess.DEVNULL,
             close_fds=True,
         )
-        os.set_blocking(self.process.stdout.fileno(), False)
+        assert self.process.stdin is not None and self.process.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+        os.set_blocking(self.stdout.fileno(), False)
         self.started_at = time.monotonic()
         self.ready = False
-        self.job: Optional[int] = None  # index of the pair it is judging
+        self.job: int | None = None  # index of the pair it is judging
         self.deadline = 0.0
         self._buffer = b""
 
     def send(self, job: int, gold: str, pred: str, timeout: float) -> None:
         self.job, self.deadline = job, time.monotonic() + timeout
-        self.process.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
-        self.process.stdin.flush()
+        self.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+        self.stdin.flush()
 
-    def read_lines(self) -> Optional[list[dict]]:
+    def read_lines(self) -> list[dict] | None:
         """Complete protocol lines available now; None if the worker has exited."""
         try:
-            chunk = os.read(self.process.stdout.fileno(), 1 << 16)
+            chunk = os.read(self.stdout.fileno(), 1 << 16)
         except BlockingIOError:
             return []
         if not chunk:
@@ -184,7 +186,7 @@ class _Worker:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
+        for stream in (self.stdin, self.stdout):
             try:
                 stream.close()
             except OSError:
@@ -211,7 +213,7 @@ class _WorkerPool:
             return self._judge(pairs, timeout)
 
     def _judge(self, pairs: list[tuple[str, str]], timeout: float) -> list[str]:
-        verdicts: list[Optional[str]] = [None] * len(pairs)
+        verdicts: list[str | None] = [None] * len(pairs)
         queue = list(range(len(pairs)))[::-1]  # pop() takes from the front of the batch
         wanted = max(1, min(self.size, len(pairs)))
         self.workers = [w for w in self.workers if w.process.poll() is None]
@@ -239,11 +241,11 @@ class _WorkerPool:
             wait_s = max(0.0, min(deadlines, default=now + 1.0) - now)
             with selectors.DefaultSelector() as selector:
                 for worker in self.workers:
-                    selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
+                    selector.register(worker.stdout, selectors.EVENT_READ, worker)
                 events = selector.select(timeout=wait_s)
 
             for key, _ in events:
-                worker: _Worker = key.data
+                worker = key.data  # a _Worker
                 lines = worker.read_lines()
                 if lines is None:  # exited: killed by its memory limit, or a bug
                     if worker.job is not None:
@@ -267,7 +269,7 @@ class _WorkerPool:
                     worker.job = None
                     replace(worker)
                 elif not worker.ready and now - worker.started_at >= _WORKER_STARTUP_TIMEOUT_S:
-                    raise RuntimeError("math-verify worker did not start within %.0fs" % _WORKER_STARTUP_TIMEOUT_S)
+                    raise RuntimeError(f"math-verify worker did not start within {_WORKER_STARTUP_TIMEOUT_S:.0f}s")
         return [v or "crashed" for v in verdicts]
 
     def close(self) -> None:
@@ -277,7 +279,7 @@ class _WorkerPool:
             self.workers = []
 
 
-_pool: Optional[_WorkerPool] = None
+_pool: _WorkerPool | None = None
 _pool_owner_pid = -1
 _pool_lock = threading.Lock()
 
@@ -312,11 +314,11 @@ def math_accuracy(
     *,
     answer_column: str = "answer",
     timeout: float = 5.0,
-    max_workers: Optional[int] = None,
+    max_workers: int | None = None,
     memory_limit_mb: int = 4096,
     log_metric: MetricLogger = None,
     **kwargs: Any,
-) -> list[Optional[float]]:
+) -> list[float | None]:
     """1.0 if a completion's final answer equals the gold answer, else 0.0; None if the gold is unparseable.
 
     Args:
@@ -334,7 +336,7 @@ def math_accuracy(
             "(set the reward kwarg answer_column)"
         )
     golds = kwargs[answer_column]
-    rewards: list[Optional[float]] = [None] * len(completions)
+    rewards: list[float | None] = [None] * len(completions)
     slow: list[int] = []
     slow_pairs: list[tuple[str, str]] = []
     texts: list[str] = []

@@ -84,7 +84,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Limits:
     """Per-run limits. ``cpu_seconds`` defaults to the wall time rounded up, plus one."""
 
     wall_seconds: float = 10.0
-    cpu_seconds: Optional[int] = None
+    cpu_seconds: int | None = None
     memory_bytes: int = 1 << 30
     file_size_bytes: int = 16 << 20
     disk_bytes: int = 64 << 20  # the tmpfs work directory (namespaces modes only)
@@ -110,7 +110,7 @@ class Limits:
 
 @dataclass
 class RunResult:
-    returncode: Optional[int]
+    returncode: int | None
     stdout: bytes  # the program's output, without the harness's nonce line
     stderr: bytes
     completed: bool  # exit status 0 and the harness ran past the code and the tests
@@ -159,11 +159,11 @@ _report()
 # ---------------------------------------------------------------- mode
 
 
-_mode: Optional[str] = None
+_mode: str | None = None
 _mode_lock = threading.Lock()
 
 
-def _nobody() -> tuple[Optional[int], Optional[int]]:
+def _nobody() -> tuple[int | None, int | None]:
     try:
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
@@ -220,7 +220,7 @@ def _world_usable(path: str) -> bool:
         return False
 
 
-_interpreter: Optional[str] = None
+_interpreter: str | None = None
 
 
 def sandbox_python() -> str:
@@ -282,14 +282,14 @@ def _launcher_config(mode: str, workdir: str, limits: Limits) -> dict:
     }
 
 
-def _write_files(workdir: str, files: dict[str, str], owner: Optional[int], group: Optional[int]) -> None:
+def _write_files(workdir: str, files: dict[str, str], owner: int | None, group: int | None) -> None:
     for name, text in files.items():
         path = os.path.join(workdir, name)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        if owner is not None:
+        if owner is not None and group is not None:  # both, or neither (mode setuid)
             os.chown(path, owner, group)
-    if owner is not None:
+    if owner is not None and group is not None:
         os.chown(workdir, owner, group)
 
 
@@ -313,7 +313,7 @@ def run_python(
     *,
     stdin: bytes = b"",
     limits: Limits = Limits(),
-    mode: Optional[str] = None,
+    mode: str | None = None,
 ) -> RunResult:
     """Run ``code`` then ``tests`` as one ``__main__`` module in a fresh sandbox.
 
@@ -441,7 +441,7 @@ class _ForkServerPool:
     def __init__(self):
         self._idle: list[_ForkServer] = []
         self._lock = threading.Lock()
-        self._workdir: Optional[str] = None
+        self._workdir: str | None = None
         self.started = 0  # for tests: how many servers this process has started
 
     def acquire(self) -> _ForkServer:
@@ -501,8 +501,10 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
         server.start(theirs)
         _close(theirs)
         _write_all(ours.pop("request"), request)
-        files = [open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))]
-        out = _communicate(*files, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
+        stdin_file, stdout_file, stderr_file = (
+            open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))
+        )
+        out = _communicate(stdin_file, stdout_file, stderr_file, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
         returncode = server.result(timeout=limits.wall_seconds + 10.0)
         healthy = True
         return (returncode, *out)
@@ -557,7 +559,7 @@ def _communicate(stdin_file, stdout_file, stderr_file, stdin: bytes, limits: Lim
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    chunks = {stdout_file: [], stderr_file: []}
+    chunks: dict[Any, list[bytes]] = {stdout_file: [], stderr_file: []}
     sizes = {stdout_file: 0, stderr_file: 0}
     # The launcher enforces wall_seconds itself; this is the backstop if it cannot.
     deadline = time.monotonic() + limits.wall_seconds + 10.0

@@ -1,7 +1,8 @@
 """The engines' interface: every engine class and the tools wrapper have every member of `RolloutEngine`, each
 class declares the capabilities of its entry in rollout/engines.py, the wrapper forwards each capability, and the
 rules that depend on the engine ask its entry, never its name. None of this imports vLLM itself (the vLLM engine
-classes import it only when built)."""
+classes import it only when built). mypy checks the members and signatures statically too (`make lint`; the
+assignments at the end of rollout/registry.py)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 MANIFEST = WEIGHTS_DIR / "manifest.json"

@@ -9,8 +9,9 @@ tokenizer class on any `qwen2` config, which would re-tokenize the character voc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..deepspeed_guard import deepspeed_left_unimported
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from .build import assembled_from_shipped_weights, load_weights
 from .charlm import build_char_model, build_tokenizer
@@ -178,7 +179,7 @@ def _copy_offsets(tokenizer) -> list[int]:
     """How far back each copied digit stands from the position that predicts it: the prompt's first
     operand from the code's (the same for every problem), the tool's result from the boxed answer
     (one apart for 3- and 4-digit results)."""
-    offsets = []
+    offsets: list[int] = []
     for a, b in ((12, 34), (34, 56)):  # products 408 and 1904
         record = _record(a, b)
         conversation = _conversation(tokenizer, prompt_text(tokenizer, record["prompt"]), record)
@@ -245,7 +246,8 @@ def _supervised_warm_start(
     pad = tokenizer.pad_token_id
     model.train()
     for _ in range(steps):
-        loss_sum, count = 0.0, 0
+        loss_sum: Any = 0.0  # a tensor once the first batch is added (starting at 0.0 keeps the batch's dtype)
+        count = 0
         for use_tool, size in ((True, tool_batch), (False, guess_batch)):  # apart: their lengths differ
             rows = []
             for a, b in rng.sample(pairs, size):

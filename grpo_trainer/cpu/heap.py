@@ -78,9 +78,10 @@ class HeapTrimmer:
         return trimmer
 
     def __call__(self) -> None:
-        if self.active:
+        trim = _malloc_trim() if self.active else None
+        if trim is not None:
             started = time.perf_counter()
-            _malloc_trim()(0)
+            trim(0)
             self.calls += 1
             self._seconds += time.perf_counter() - started
 

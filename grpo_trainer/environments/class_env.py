@@ -29,7 +29,8 @@ import asyncio
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox

@@ -68,14 +68,14 @@ class Rollout:
 
     def select(self, rows: list[int]) -> Rollout:
         """The given completions, every per-completion field alike (tool and environment seconds are not split)."""
-        picked = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
+        picked: dict[str, Any] = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
                   for name in self.PER_COMPLETION}
         environments = None if self.environments is None else [self.environments[j] for j in rows]
         return Rollout(**picked, environments=environments)
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
-        joined = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
+        joined: dict[str, Any] = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
                   for name in cls.PER_COMPLETION}
         environments = None
         if all(p.environments is not None for p in parts):

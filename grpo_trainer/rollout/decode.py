@@ -35,11 +35,11 @@ are untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import AttentionInterface
@@ -187,7 +187,7 @@ class DecodeKernels:
         self.model = model
         self.plan = dict(plan or {})
         self.linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-        self.by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
+        self.by_shape: dict[tuple[int, ...], list[torch.nn.Linear]] = {}  # by (out, in) features
         for module in self.linears:
             self.by_shape.setdefault(tuple(module.weight.shape), []).append(module)
         self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
@@ -256,7 +256,7 @@ class DecodeKernels:
         max_context = min(max_context, getattr(config, "max_position_embeddings", None) or max_context)
         rows = [1 << i for i in range(row_bucket(max(1, max_rows)).bit_length())]  # 1, 2, 4, ... the bucket of max
         lengths = [64 << i for i in range(max(0, length_bucket(max_context).bit_length() - 7) + 1)]  # 64 ... bucket
-        found = [("linear", (out, in_, r)) for (out, in_) in self.by_shape for r in rows]
+        found: list[tuple[str, tuple[int, ...]]] = [("linear", (out, in_, r)) for (out, in_) in self.by_shape for r in rows]
         if self.linears and self.switch_attention and config is not None:  # on CPU, where attention is switched
             heads = config.num_attention_heads
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -379,12 +379,15 @@ def _attention_timings(shape: tuple[int, ...], layers: int, dtype: torch.dtype) 
     k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
     mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
     mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
-    return {name: (lambda fn=fn: [fn(q, k, v, mask, None) for _ in range(layers)]) for name, fn in ATTENTION.items()}
+    def every_layer(fn: Callable) -> Callable[[], list]:
+        return lambda: [fn(q, k, v, mask, None) for _ in range(layers)]
+
+    return {name: every_layer(fn) for name, fn in ATTENTION.items()}
 
 
 def _draw_timings(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     probs = torch.softmax(torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4, -1)
-    return {name: (lambda fn=DRAWS[name]: fn(probs)) for name in available_draws()}
+    return {name: functools.partial(DRAWS[name], probs) for name in available_draws()}
 
 
 _active = threading.local()  # the DecodeKernels of the loop running in this thread (ranks may be threads in tests)

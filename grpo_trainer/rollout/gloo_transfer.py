@@ -35,8 +35,8 @@ from __future__ import annotations
 import datetime
 import gc
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -85,7 +85,8 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[Bucket]:
     larger than that alone in its own). The one rule both the trainer and every worker apply to the same
     declaration, so they agree on every boundary without sending it."""
     buckets: list[Bucket] = []
-    first, offsets, used = 0, [], 0
+    first, used = 0, 0
+    offsets: list[int] = []
     for i, size in enumerate(sizes):
         start = _aligned(used)
         if offsets and start + size > bucket_bytes:
@@ -228,7 +229,7 @@ def _drop_group(owner) -> None:
     gc.collect()
 
 
-def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     n = dtype.itemsize
     for d in shape:
         n *= d
@@ -275,10 +276,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine  # not in the group: only iterates the source in send_weights
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        engine._store = TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, True,
-                                 timeout=timeout, wait_for_workers=False)
+        engine._store = store = TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, True,
+                                         timeout=timeout, wait_for_workers=False)
         worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=engine._store.port, rank_offset=1,
+            master_address=init_info.master_address, master_port=store.port, rank_offset=1,
             world_size=init_info.world_size, bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s,
         )
         # The workers join inside /init_weight_transfer_engine, which returns once they have: join beside it,
@@ -287,8 +288,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         def join() -> None:
             try:
-                joined["group"] = open_group(init_info.master_address, engine._store.port, 0, init_info.world_size,
-                                             init_info.timeout_s, store=engine._store)
+                joined["group"] = open_group(init_info.master_address, store.port, 0, init_info.world_size,
+                                             init_info.timeout_s, store=store)
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 joined["error"] = e
 
@@ -317,12 +318,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             answered = pool.submit(self.client.update_weights, asdict(update_info))
             # If the servers fail the update (e.g. one died), stop broadcasting to them at once.
-            answered.add_done_callback(lambda f: f.exception() is not None and self._abort())
+            def abort_if_failed(answer: Future) -> None:
+                if answer.exception() is not None:
+                    self._abort()
+
+            answered.add_done_callback(abort_if_failed)
             try:
                 self._broadcast(source, meta)
             except BaseException:
-                if answered.done() and answered.exception() is not None:
-                    raise answered.exception() from None  # the servers' reason (e.g. one went away) says more
+                refused = answered.exception() if answered.done() else None
+                if refused is not None:
+                    raise refused from None  # the servers' reason (e.g. one went away) says more
                 raise
             answered.result()
         except BaseException:

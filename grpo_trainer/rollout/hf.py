@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..cpu.draw import draw_torch
 from ..models import left_padded, positions
 from . import InProcess, Rollout, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
-from ..cpu.draw import draw_torch
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
 
@@ -50,7 +50,7 @@ class HFEngine(InProcess):
         get_model: Callable[[], torch.nn.Module],
         pad_token_id: int,
         share_prompt: bool = True,
-        full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+        full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
         tokenizer=None,
         lockstep: Collectives | None = None,
         compile: str | None = None,
@@ -74,7 +74,7 @@ class HFEngine(InProcess):
         self.kernel_plan: dict[str, str] | None = dict(kernel_plan) if kernel_plan is not None else None
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
-        self.sampling = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+        self.sampling: dict[str, Any] = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
                              min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty)
         self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
@@ -152,6 +152,8 @@ class HFEngine(InProcess):
         return Rollout(completion_ids=completions, truncated=truncated)
 
     def _max_over_ranks(self, value: int) -> int:
+        if self.lockstep is None:  # this rank alone
+            return value
         return int(self.lockstep.max(torch.tensor([value]))[0])
 
     def _idle_forward(self, model) -> None:
@@ -185,8 +187,8 @@ class HFEngine(InProcess):
         kernels = decode_kernels(model, self.kernel_plan)
         if self.compile is not None:  # plain modules under torch.compile; only the (exact) draw is chosen here
             cache.reorder_cache(rows)
-            decoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
-            context = contextlib.nullcontext()
+            decoder: StaticDecoder | EagerDecoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
+            context: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
             reserve_room(cache, limit)  # new tokens are written in place, not concatenated
             cache.reorder_cache(rows)

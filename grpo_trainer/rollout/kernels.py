@@ -44,8 +44,9 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -146,7 +147,7 @@ class KernelTable:
         with torch.random.fork_rng(devices=[]):
             ms = time_alternatives(measure(), device_type=device_type)
         incumbent = alternatives[0]
-        fastest = min(ms, key=ms.get)
+        fastest = min(ms, key=ms.__getitem__)
         choice = fastest if ms[fastest] < (1 - MARGIN) * ms[incumbent] else incumbent
         self._store(key, {"choice": choice, "ms": {k: round(v, 4) for k, v in ms.items()},
                           "loadavg": round(os.getloadavg()[0], 2),

@@ -50,10 +50,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
-from ..environments import (ENDED_BY_ENVIRONMENT, ENDED_BY_LENGTH, ENDED_BY_MODEL, ENDED_BY_TURNS, FAILED_ERROR,
-                            FAILED_TIMEOUT, Environment, Episode, EpisodeRecord, EpisodeSpec)
+from ..environments import (
+    ENDED_BY_ENVIRONMENT,
+    ENDED_BY_LENGTH,
+    ENDED_BY_MODEL,
+    ENDED_BY_TURNS,
+    FAILED_ERROR,
+    FAILED_TIMEOUT,
+    Environment,
+    Episode,
+    EpisodeRecord,
+    EpisodeSpec,
+)
 from ..environments.calls import EnvCalls, EpisodeBudget, Outcome
+from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
 from .tools import ToolBox, ToolCall, ToolResult, cut, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -420,7 +430,7 @@ class EpisodeEngine:
         contexts = [conv.prompt + conv.ids for conv, _ in going]
         seeds = None
         if going and going[0][0].seed is not None:
-            seeds = [mix_seed(conv.seed, round_) for conv, _ in going]
+            seeds = [mix_seed(conv.seed, round_) for conv, _ in going if conv.seed is not None]  # all have one
         out = self.engine.generate(contexts, 1, seeds=seeds, max_tokens=max((room for _, room in going), default=1))
         for j, (conv, room) in enumerate(going):
             tokens, truncated, logprobs = out.completion_ids[j], out.truncated[j], _row(out.sampling_logprobs, j)

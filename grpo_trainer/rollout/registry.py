@@ -11,7 +11,8 @@ here lazily, never import the module that imports them.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, ContextManager
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +32,7 @@ def build_engine(
     get_model: Callable[[], torch.nn.Module],
     pad_token_id: int,
     tokenizer=None,
-    full_parameters: Callable[[torch.nn.Module], ContextManager] | None = None,
+    full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
     rank: int = 0,
     is_main_process: bool = True,
     toolbox: ToolBox | None = None,
@@ -81,3 +82,17 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
 
         return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
+
+
+if TYPE_CHECKING:
+    # mypy checks that every engine class and the tools wrapper satisfy RolloutEngine, members and signatures
+    # (`make lint`); tests/test_engines.py checks the same at run time.
+    from .hf import HFEngine
+    from .multi_turn import MultiTurnEngine
+    from .vllm_colocate import VLLMColocateEngine
+    from .vllm_server import VLLMServerEngine
+
+    _hf: type[RolloutEngine] = HFEngine
+    _vllm_colocate: type[RolloutEngine] = VLLMColocateEngine
+    _vllm_server: type[RolloutEngine] = VLLMServerEngine
+    _tools_wrapper: type[RolloutEngine] = MultiTurnEngine

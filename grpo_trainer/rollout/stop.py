@@ -10,7 +10,7 @@ token, `StopStrings.cut` the same over a finished sequence.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 MAX_BYTES_PER_CHARACTER = 4  # UTF-8: a stop string of n characters spans at most 4n byte-level tokens
 

@@ -64,6 +64,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,7 +139,7 @@ class Server:
             raise self.not_vllm(method, path, f"{kind} {_snippet(raw)}") from None
         if read is None:
             return answer
-        item = answer
+        item: Any = answer
         for key in read:
             try:
                 item = item[key]
@@ -212,8 +213,9 @@ def each(servers: list[Server], call, *args) -> list[Any]:
         futures = [pool.submit(call, server, *args) for server in servers]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
-            if future in done and future.exception() is not None:
-                raise future.exception()
+            error = future.exception() if future in done else None
+            if error is not None:
+                raise error
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=False)
@@ -257,7 +259,7 @@ class _Tracked:
 
     def __init__(self, source: MergedWeights):
         self.source = source
-        self.live = None
+        self.live: Iterator[tuple[str, Any]] | None = None
 
     def metadata(self):
         return self.source.metadata()
@@ -302,7 +304,7 @@ class VLLMServerEngine(VendorKernels):
         self._pushes = 0
         self._calls = 0
         self._client: AllServers | None = None
-        self._transfer = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
+        self._transfer: Any = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
         self.wait_until_healthy(settings.startup_timeout)
         names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
@@ -495,6 +497,7 @@ class VLLMServerEngine(VendorKernels):
                 if self._transfer is None:
                     self._open_transfer(source)
                 self._transfer.source = source
+                assert self._client is not None  # opened with the transfer
                 self._client.version = str(version)
                 try:
                     self._transfer.send_weights()

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +42,7 @@ from ..models import is_lora
 
 PEFT_PREFIX = "base_model.model."
 
-Gather = Callable[[list[torch.nn.Parameter]], ContextManager]  # makes the given parameters whole while open
+Gather = Callable[[list[torch.nn.Parameter]], AbstractContextManager]  # makes the given parameters whole while open
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
@@ -257,7 +258,7 @@ def retie(groups) -> None:
             if getattr(module, attr) is not shared:
                 setattr(module, attr, shared)
             method = getattr(module, "quant_method", None)
-            if type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
+            if method is not None and type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(module)
 
 
@@ -277,6 +278,11 @@ class WorkerWeightSync:
     an option: on CPU the linear layers' weights are repacked after loading and lose
     their `weight_loader`.
     """
+
+    if TYPE_CHECKING:  # the vLLM worker's, which this class is mixed into (vLLM refuses a name the worker has)
+        model_runner: Any
+
+        def reload_weights(self, *, weights_iterator: Iterator[Any] | None, weights_path: str | None) -> None: ...
 
     def grpo_reload_weights(self, weights_path: str | None = None, weights=None) -> bool:
         model = self.model_runner.get_model()
