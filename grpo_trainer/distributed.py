@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -241,7 +242,7 @@ def whole_parameters_on_load():
     """Load a model outside DeepSpeed ZeRO-3's partitioned init: transformers partitions every model loaded while
     a ZeRO-3 config is live, and a model Accelerate never prepares (the teacher, a reward model) then runs its
     forward on empty shards. Frozen copies that every rank holds whole are loaded inside this."""
-    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config is live
+    hf_deepspeed: Any = sys.modules.get("transformers.integrations.deepspeed")  # not imported: no ZeRO-3 config live
     if hf_deepspeed is None or not hf_deepspeed.is_deepspeed_zero3_enabled():
         yield
         return

@@ -200,10 +200,10 @@ def evaluate_model(
             torch.manual_seed(cfg.seed)
             for start in range(0, prompts_total, per_batch):
                 indices = list(range(start, min(start + per_batch, prompts_total)))
-                extra = {}
-                if getattr(engine, "needs_episodes", False):  # eval's own seeds: step 0 is never a training step
-                    extra["episodes"] = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
-                rollout = engine.generate(task.prompt_ids(indices), s.k, **extra)
+                episodes = None
+                if engine.needs_episodes:  # eval's own seeds: step 0 is never a training step
+                    episodes = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
+                rollout = engine.generate(task.prompt_ids(indices), s.k, episodes=episodes)
                 scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
                 both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
                 chunks.append(both.view(len(indices), s.k, -1))

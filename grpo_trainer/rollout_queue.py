@@ -362,13 +362,14 @@ class RolloutQueue:
         places = [first + j for j in (positions or range(len(mine)))]  # in the whole batch: rank-independent
         seeds = [mix_seed(self.settings.seed, step, draw, p) for p in places] if self.settings.seed_per_prompt else None
         # Environments reset from the row and a seed of the group's, whether or not sampling is seeded per prompt.
-        extra = {}
-        if getattr(self.engine, "needs_episodes", False):
-            extra["episodes"] = [self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
-                                 for i, p in zip(mine, places)]
+        episodes = None
+        if self.engine.needs_episodes:
+            episodes = [self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
+                        for i, p in zip(mine, places)]
         with self._sampling():
             try:
-                rollout = self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds, **extra) if mine else Rollout([], [])
+                rollout = (self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds, episodes=episodes) if mine
+                           else Rollout([], []))
             except BaseException:
                 self._broken = self._broken or queued
                 raise

@@ -53,6 +53,7 @@ class Task:
     def extend_prompt(self, index: int, text: str) -> list[int]:
         """Prompt `index` with `text` appended to its (last) user message (TRL's rule for reset texts), formatted and
         tokenized as the prompts are; a DataError if it no longer fits."""
+        assert self.data is not None, "a Task made without its data config cannot extend prompts"
         prompt = self.prompts.records[index][self.prompt_column]
         if isinstance(prompt, str):
             prompt = prompt + text

@@ -134,6 +134,7 @@ class FakeServer:
     the version it held and the thread; a push sets its version and fails the test if a generation is running.
     `gate(call)` (optional) runs inside generate, e.g. to block until the test lets it go. Its server never comes
     back once gone (`reconnect`)."""
+    needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = True
     samples_outside_process = True
@@ -146,7 +147,7 @@ class FakeServer:
         self.gate, self.fail = gate, fail or {}  # fail: {call index: exception raised by that generate}
         self.lock = threading.Lock()
 
-    def generate(self, prompt_ids, num_generations, seeds=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, episodes=None):
         with self.lock:
             self.running += 1
             call = len(self.calls)

@@ -279,6 +279,7 @@ def test_disk_pushes_of_two_runs_on_one_machine_go_to_folders_of_their_own_remov
 class Restarting:
     """A vllm_server engine stand-in whose server goes away just before generate call `gone_at` and is back by the
     time anyone waits for it; it records what it was asked."""
+    needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = samples_outside_process = can_lose_weights = True
     lockstep = None
@@ -287,7 +288,7 @@ class Restarting:
         self.gone_at, self.calls, self.waits, self.pushes, self.slept = gone_at, [], [], [], []
         self.weight_version = None
 
-    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
         self.calls.append(max_tokens)
         if len(self.calls) - 1 == self.gone_at:
             raise ServerGone("http://127.0.0.1:1", "vLLM server at http://127.0.0.1:1 went away during GET /weight_info")

@@ -22,13 +22,14 @@ G = 4
 
 class FakeEngine:
     """Completion k of prompt p is [p, k]; the sampler's log-prob of each token is -(p + k / 10)."""
+    needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = samples_outside_process = can_lose_weights = False  # what the queue asks
 
     def __init__(self):
         self.calls: list[list[int]] = []
 
-    def generate(self, prompt_ids, num_generations, seeds=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, episodes=None):
         prompts = [ids[0] for ids in prompt_ids]
         self.calls.append(prompts)
         completions = [[p, k] for p in prompts for k in range(num_generations)]

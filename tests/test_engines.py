@@ -71,13 +71,14 @@ def test_an_unknown_engine_or_capability_is_one_line_naming_what_there_is():
 
 class Inner:
     """An engine stand-in whose capabilities are the test's, and which records what it is asked."""
+    needs_episodes = False  # a sampler: no environment
 
     def __init__(self, **capabilities):
         for name, value in capabilities.items():
             setattr(self, name, value)
         self.asked: list[tuple] = []
 
-    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
         return Rollout([[1]] * (len(prompt_ids) * num_generations), [True] * (len(prompt_ids) * num_generations))
 
     def reconnect(self, timeout):

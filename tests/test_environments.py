@@ -31,6 +31,7 @@ END = "<|im_end|>"
 class ScriptedModel:
     """A stand-in engine: the model's turn k in a conversation whose prompt contains `key` is scripts[key][k]
     (the same for the G completions of a group); sampling log-probs -0.5."""
+    needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = False
     lockstep = None
@@ -39,7 +40,7 @@ class ScriptedModel:
         self.tokenizer, self.scripts = tokenizer, scripts
         self.calls: list[dict] = []
 
-    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
         self.calls.append({"contexts": prompt_ids, "n": num_generations, "seeds": seeds})
         turns = []
         for context in prompt_ids:

@@ -155,6 +155,7 @@ def test_step_stats_reduce_over_ranks_sums_and_takes_the_max_gap():
 
 class RecordingEngine:
     """Wraps an engine and records which of the lifecycle calls the loop made, in order."""
+    needs_episodes = False  # a sampler: no environment
 
     samples_outside_process = can_lose_weights = False
     lockstep = None

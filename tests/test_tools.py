@@ -222,6 +222,7 @@ def test_a_template_without_eos_after_assistant_turns_is_refused():
 class ScriptedEngine:
     """Plays scripted conversations: completion j of the first call says scripts[j][0]; a later context gets the
     next turn of the script whose first turn it contains."""
+    needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = False
     lockstep = None  # MultiTurnEngine asks (the hf engine under FSDP has one)
@@ -233,7 +234,7 @@ class ScriptedEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None):
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
         self.calls.append({"contexts": prompt_ids, "n": num_generations, "seeds": seeds, "max_tokens": max_tokens})
         if len(self.calls) == 1:
             turns = [s[0] for s in self.scripts]

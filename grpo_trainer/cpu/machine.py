@@ -14,7 +14,7 @@ from typing import Any
 @functools.lru_cache(maxsize=1)
 def cpu_info() -> dict[str, Any]:
     """CPU model name and flags from /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
-    model, flags = platform.processor() or platform.machine(), []
+    model, flags = platform.processor() or platform.machine(), list[str]()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -57,6 +57,7 @@ def plain_paths() -> set[str]:
 def why_not(name: str) -> str | None:
     """None where fast path `name` runs here; else why not (warned once per process)."""
     what, plain, details = FAST_PATHS[name]
+    reason: str | None
     if name in plain_paths():
         reason = f"{PLAIN_ENV} names it"
     else:

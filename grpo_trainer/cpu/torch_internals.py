@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,8 @@ def check_generator_state() -> str | None:
         torch.manual_seed(seed)
         key, pos, raw = twister_state()
         # mt19937's own seeding (init_genrand), which numpy's legacy RandomState shares
-        if pos != MT_WORDS or not np.array_equal(key, np.random.RandomState(seed).get_state()[1]):
+        legacy_state: Any = np.random.RandomState(seed).get_state()  # ("MT19937", key, pos, ...)
+        if pos != MT_WORDS or not np.array_equal(key, legacy_state[1]):
             return f"{GENERATOR_STATE}: after manual_seed({seed}) the words are not at byte {_KEY} or `left` not at byte {_LEFT}"
         value = float(torch.empty(1).exponential_()[0])
         twister = np.random.MT19937()
@@ -93,7 +95,12 @@ INIT_GROUP = "torch.optim.AdamW._init_group(group, params, grads, exp_avgs, exp_
 def adamw_init_group(optimizer: torch.optim.AdamW, group: dict) -> tuple[list, list, list, list, list]:
     """torch's own state for one parameter group, made where missing: (params, grads, exp_avgs, exp_avg_sqs,
     state_steps) of the parameters that have a gradient."""
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    max_exp_avg_sqs: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
     optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     return params, grads, exp_avgs, exp_avg_sqs, steps
 

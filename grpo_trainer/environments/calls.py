@@ -130,15 +130,17 @@ class EnvCalls:
                     break
                 # Woken by every start and finish; otherwise at the first deadline of a running call.
                 self._changed.wait(timeout=min(waits) if waits else None)
-        for (_, limit), job in zip(calls, jobs):
+        outcomes = [job.outcome for job in jobs if job.outcome is not None]
+        assert len(outcomes) == len(jobs), "every call ends with an outcome (finished, failed or abandoned)"
+        for (_, limit), outcome in zip(calls, outcomes):
             if isinstance(limit, EpisodeBudget):
-                limit.spend(job.outcome.seconds)
+                limit.spend(outcome.seconds)
         if self.abandoned > self.max_abandoned:
             raise EnvironmentHangs(
                 f"{self.name}: {self.abandoned} calls are still running after their timeout "
                 f"(environment.step_timeout / environment.episode_timeout): the environment hangs; stopping"
             )
-        return [job.outcome for job in jobs]
+        return outcomes
 
     def _abandon(self, job: _Job, now: float) -> None:
         """Give up on a running call (under the lock): its outcome is a timeout, a new worker takes its place."""

@@ -180,6 +180,7 @@ def build(cfg: Config) -> ClassEnvironment:
     from ..user_functions import resolve_function
 
     env = cfg.environment
+    assert env.factory is not None, "built for environment.factory only (environments.build_environment)"
     name = f"environment.factory {env.factory}"
     factory = resolve_function(env.factory, "environment.factory", "environment", ConfigError)
     box = build_toolbox(cfg.rollout)

@@ -64,4 +64,6 @@ class ToolsEnvironment:
 
 
 def build(cfg: Config) -> ToolsEnvironment:
-    return ToolsEnvironment(build_toolbox(cfg.rollout))
+    box = build_toolbox(cfg.rollout)
+    assert box is not None, "the tools environment is built only where rollout.tools names some"
+    return ToolsEnvironment(box)

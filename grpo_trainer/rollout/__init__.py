@@ -79,7 +79,7 @@ class Rollout:
                   for name in cls.PER_COMPLETION}
         environments = None
         if all(p.environments is not None for p in parts):
-            environments = [x for p in parts for x in p.environments]
+            environments = [x for p in parts for x in p.environments or ()]
         return cls(**joined, environments=environments, tool_seconds=sum(p.tool_seconds for p in parts),
                    env_seconds=sum(p.env_seconds for p in parts))
 
@@ -157,16 +157,22 @@ class RolloutEngine(Protocol):
         WeightsLost, and a request can find it gone (ServerGone) until it is back (`reconnect`)."""
 
     @property
+    def needs_episodes(self) -> bool:
+        """`generate` runs an environment's episodes and takes `episodes`, one environments.EpisodeSpec per prompt
+        (the EpisodeEngine wrapper); the samplers themselves take none."""
+
+    @property
     def lockstep(self) -> Any:
         """The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
         every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going).
         None elsewhere."""
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None) -> Rollout:
+                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
         """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
         result does not depend on batching or on how prompts are split over ranks. `max_tokens` lowers the
-        length limit for this call (multi-turn rollouts continue conversations within what is left)."""
+        length limit for this call (multi-turn rollouts continue conversations within what is left). `episodes`:
+        only where `needs_episodes` (else None)."""
 
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
         """Make the sampler use the trainer's current weights (called only when needs_weight_sync, on every rank).
@@ -199,7 +205,13 @@ class RolloutEngine(Protocol):
         """Release processes and memory; the engine is not used afterwards."""
 
 
-class InProcess:
+class Sampler:
+    """For the engines that sample (every one but the EpisodeEngine wrapper): no environment of their own."""
+
+    needs_episodes = False
+
+
+class InProcess(Sampler):
     """For engines that sample inside the training process: nothing to overlap, nothing that restarts."""
 
     samples_outside_process = False

@@ -115,7 +115,8 @@ class HFEngine(InProcess):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None) -> Rollout:
+                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         model = self.get_model()
         limit = max_tokens or self.max_completion_length
         was_training = model.training

@@ -147,6 +147,18 @@ class Conversation:
     record: EpisodeRecord = field(default_factory=lambda: EpisodeRecord(ended_by=ENDED_BY_TURNS))
     untouchable: bool = False  # a call of its episode timed out: the object is never used again
 
+    @property
+    def live_episode(self) -> Episode:
+        """The episode, once `_make_episodes` made it (the loop calls it only then)."""
+        assert self.episode is not None, "the conversation's episode is not made yet"
+        return self.episode
+
+    @property
+    def limits(self) -> EpisodeBudget:
+        """The episode's time budget, set before its first environment call."""
+        assert self.budget is not None, "the conversation's budget is not set yet"
+        return self.budget
+
     def add_model_turn(self, tokens: list[int], truncated: bool, logprobs: list[float] | None, tokenizer,
                        eos_token_ids: set[int]) -> None:
         self.ids += tokens
@@ -286,7 +298,7 @@ class EpisodeEngine:
                 else:
                     acting.append(conv)
             tick = time.perf_counter()
-            outcomes = self.calls.run([(_respond(conv), conv.budget) for conv in acting])
+            outcomes = self.calls.run([(_respond(conv), conv.limits) for conv in acting])
             respond_seconds += time.perf_counter() - tick
             going: list[tuple[Conversation, int]] = []  # with the tokens each may still write
             for conv, outcome in zip(acting, outcomes):
@@ -338,7 +350,7 @@ class EpisodeEngine:
         tick = time.perf_counter()
         for conv in conversations:
             conv.budget = EpisodeBudget(self.settings.step_timeout, self.settings.episode_timeout)
-        made = self.calls.run([(self.environment.episode, conv.budget) for conv in conversations])
+        made = self.calls.run([(self.environment.episode, conv.limits) for conv in conversations])
         ready = []
         for conv, outcome in zip(conversations, made):
             if outcome.ok:
@@ -347,7 +359,7 @@ class EpisodeEngine:
             else:
                 conv.fail(outcome, "making the environment")
         index = {id(conv): j for j, conv in enumerate(conversations)}
-        texts = self.calls.run([(_reset(conv.episode, episodes[index[id(conv)] // g], index[id(conv)] % g), conv.budget)
+        texts = self.calls.run([(_reset(conv.live_episode, episodes[index[id(conv)] // g], index[id(conv)] % g), conv.limits)
                                 for conv in ready])
         text_of: dict[int, str | None] = {}
         for conv, outcome in zip(ready, texts):
@@ -410,15 +422,15 @@ class EpisodeEngine:
         alive = [c for c in conversations if c.episode is not None and not c.untouchable]
         if self.environment.has_reward:
             scored = [c for c in alive if not c.record.failed]
-            for conv, outcome in zip(scored, self.calls.run([(conv.episode.reward, conv.budget) for conv in scored])):
+            for conv, outcome in zip(scored, self.calls.run([(conv.live_episode.reward, conv.limits) for conv in scored])):
                 if outcome.ok:
                     conv.record.env_reward = outcome.value
                 else:
                     conv.fail(outcome, "the reward")
         alive = [c for c in alive if not c.untouchable]
-        shots = self.calls.run([(conv.episode.snapshot, conv.budget) for conv in alive])
+        shots = self.calls.run([(conv.live_episode.snapshot, conv.limits) for conv in alive])
         snapshot = {id(conv): outcome.value for conv, outcome in zip(alive, shots)}
-        for conv, outcome in zip(alive, self.calls.run([(conv.episode.close, self.settings.step_timeout) for conv in alive])):
+        for conv, outcome in zip(alive, self.calls.run([(conv.live_episode.close, self.settings.step_timeout) for conv in alive])):
             if not outcome.ok and not conv.record.failed:
                 conv.fail(outcome, "close")
         for conv in conversations:
@@ -473,7 +485,10 @@ def with_environment(engine: RolloutEngine, tokenizer, cfg: Config, sampling: Sa
     if environment is None:
         return engine
     env = cfg.environment
-    if env.kind is None:  # rollout.tools alone
+    if env.kind is None:  # rollout.tools alone: the built-in tools environment
+        from ..environments.tools_env import ToolsEnvironment
+
+        assert isinstance(environment, ToolsEnvironment), f"rollout.tools alone built {type(environment).__name__}"
         settings = tools_settings(environment.box, cfg.rollout.max_tool_turns)
     else:
         settings = EpisodeSettings(max_turns=env.max_turns, step_timeout=env.step_timeout,
@@ -485,7 +500,7 @@ def with_environment(engine: RolloutEngine, tokenizer, cfg: Config, sampling: Sa
 
 
 def _respond(conv: Conversation):
-    return lambda: conv.episode.respond(conv.text, conv.calls)
+    return lambda: conv.live_episode.respond(conv.text, conv.calls)
 
 
 def _reset(episode: Episode, spec: EpisodeSpec, j: int):

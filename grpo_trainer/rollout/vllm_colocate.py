@@ -154,7 +154,8 @@ class VLLMColocateEngine(InProcess, VendorKernels):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None) -> Rollout:
+                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         from vllm.inputs import TokensPrompt
 
         self.wake_up()

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UserError
-from . import Rollout, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
+from . import Rollout, Sampler, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
@@ -273,7 +273,7 @@ class _Tracked:
             pass
 
 
-class VLLMServerEngine(VendorKernels):
+class VLLMServerEngine(Sampler, VendorKernels):
     needs_weight_sync = True  # the servers hold their own copy of the weights
     samples_outside_process = True  # the servers sample while the trainer updates (rollout.max_staleness >= 1)
     can_lose_weights = True  # a server restarts from its model folder
@@ -380,7 +380,8 @@ class VLLMServerEngine(VendorKernels):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None) -> Rollout:
+                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         self._check_versions()
         call, self._calls = self._calls, self._calls + 1
         step = self.sampling.batch_size or len(prompt_ids)
