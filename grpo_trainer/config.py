@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -346,6 +347,97 @@ class RolloutConfig(_Section):
                 "rollout.min_p cannot be combined with rollout.top_p or rollout.top_k: transformers applies min_p after "
                 "them and vLLM before, so the engines would sample from different distributions"
             )
+        return self
+
+
+ENVIRONMENT_KINDS = ("factory", "openenv", "url")  # environments.KINDS: the keys that choose an environment
+ON_ERROR = Literal["zero", "none", "skip_group"]
+
+
+class EnvironmentConfig(_Section):
+    """One environment object per conversation (docs/environments.md); none of factory/openenv/url: no environment."""
+
+    factory: str | None = Field(
+        None,
+        description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
+        "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
+        "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.",
+    )
+    openenv: str | None = Field(
+        None, description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url."
+    )
+    action: str | None = Field(
+        None, description="environment.openenv: its Action class (default: the type hint of step()'s `action` parameter)."
+    )
+    url: str | None = Field(
+        None, description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
+        "over its /ws protocol. One of factory/openenv/url.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the factory / OpenEnv class (a fresh object per episode)."
+    )
+    max_turns: int = Field(8, ge=1, description="Model turns per episode; an episode still going after them ends (`turns`).")
+    step_timeout: float = Field(
+        30.0, gt=0, description="Seconds per environment call (reset, step, a tool method, get_reward, close); an "
+        "overrun ends the episode as a failure (environment/timeouts).",
+    )
+    episode_timeout: float = Field(
+        300.0, gt=0, description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
+        "sampler never fails an episode); an overrun ends it as a failure.",
+    )
+    concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
+    on_error: ON_ERROR = Field(
+        "zero",
+        description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
+        "reward 0), `none` (no opinion: left out of its group's statistics), `skip_group` (its whole group gets "
+        "advantage 0). Counted in environment/errors and environment/timeouts.",
+    )
+    reward_weight: float = Field(
+        1.0, description="Weight of the environment's own reward (get_reward / OpenEnv rewards), logged as rewards/environment."
+    )
+    observation_chars: int = Field(
+        4000, gt=0, description="An environment message is cut to this many characters (environment/observations_cut)."
+    )
+    action_tool: str | None = Field(
+        None, description="OpenEnv: the name of the tool the Action is offered as (default: the Action class name "
+        "without `Action`, in snake_case).",
+    )
+    observation_field: str | None = Field(
+        None, description="OpenEnv: the observation field shown to the model (default: the only str field, else JSON)."
+    )
+    reconnect_timeout: float = Field(
+        60.0, gt=0, description="environment.url: seconds a server that went away is waited for before the run stops."
+    )
+    max_message_mb: float = Field(16.0, gt=0, description="environment.url: the largest frame accepted from the server.")
+
+    @property
+    def kind(self) -> str | None:
+        """Which key chose the environment (factory, openenv or url), None without one."""
+        chosen = [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
+        return chosen[0] if chosen else None
+
+    @property
+    def spec(self) -> str | None:
+        """What the user wrote for the kind (`my_env.py:GuessNumber`, `openenv+ws://...`)."""
+        return None if self.kind is None else getattr(self, self.kind)
+
+    @field_validator("url")
+    @classmethod
+    def _openenv_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"openenv\+wss?://[^/:\s]+:\d+/?", url):
+            raise ValueError("expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT")
+        return url
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        chosen = [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
+        if self.kwargs and self.kind not in ("factory", "openenv"):
+            raise ValueError("environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one")
+        if self.action is not None and self.kind != "openenv":
+            raise ValueError("environment.action: the Action class of environment.openenv; set it")
         return self
 
 
@@ -747,6 +839,10 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Group sampling.")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig,
+        description="Stateful environments, one per conversation (multi-turn episodes; docs/environments.md).",
+    )
     rewards: list[RewardConfig] = Field(
         default_factory=lambda: [RewardConfig(name="math_accuracy")],
         description="Rewards summed (with weights) into the scalar reward.",
@@ -766,8 +862,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
+        if not self.rewards and self.environment.kind is None:
+            raise ValueError("rewards: at least one reward is needed (or an environment that scores its episodes)")
+        if self.environment.kind is not None:
+            self._check_environment()
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
         if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
             raise ValueError(
@@ -785,6 +883,19 @@ class Config(_Section):
                 f"to token_truncate or token_mask (got {self.loss.tis_mode})"
             )
         return self
+
+    def _check_environment(self) -> None:
+        env = self.environment
+        if self.rollout.max_staleness > 0:
+            raise ValueError(
+                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: an "
+                "episode's environment code would run in the queue's background thread across weight pushes, and a "
+                "resume could not re-run those episodes exactly (use max_staleness 0; docs/environments.md)"
+            )
+        if not self.data.use_chat_template:
+            raise ValueError(f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template")
+        if self.rollout.tools and env.kind != "factory":
+            raise ValueError(f"rollout.tools beside environment.{env.kind}: only environment.factory takes extra tools")
 
     @property
     def needs_reference(self) -> bool:

@@ -46,7 +46,7 @@ from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
 from .rollout import sampling_settings
 from .rollout.hf import HFEngine
-from .rollout.multi_turn import with_tools
+from .rollout.multi_turn import with_environment
 from .rollout.tools import build_toolbox
 from .task import Task, load_task
 
@@ -185,7 +185,7 @@ def evaluate_model(
     engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                       share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
                       kernel_plan=kernel_plan)
-    engine = with_tools(engine, build_toolbox(cfg.rollout), tokenizer, cfg, sampling)  # evaluated as trained
+    engine = with_environment(engine, tokenizer, cfg, sampling)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS

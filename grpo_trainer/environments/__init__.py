@@ -44,6 +44,11 @@ ENDINGS = (ENDED_BY_ENVIRONMENT, ENDED_BY_MODEL, ENDED_BY_LENGTH, ENDED_BY_TURNS
 FAILURES = (FAILED_ERROR, FAILED_TIMEOUT, FAILED_DISCONNECT)
 
 
+class ProtocolBreach(Exception):
+    """An environment returned what its convention does not allow (an adapter raises it, naming the class and the
+    value): like any exception in its calls, it ends the episode as a failure."""
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
     """What one prompt's episodes start from (the G episodes of a group share it: same row, same seed, so GRPO
@@ -151,6 +156,6 @@ def build_environment(cfg: Config) -> Environment | None:
 
 
 __all__ = [
-    "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "Reply",
+    "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "ProtocolBreach", "Reply",
     "build_environment",
 ]
