@@ -1,0 +1,225 @@
+"""Real OpenEnv 0.10 environments (tests/openenv_envs.py) through our adapters: over `/ws` against a real OpenEnv
+server (uvicorn, 127.0.0.1, free ports) from this process, which never imports openenv (the remote kind needs
+none); and in process, in a child pytest (tests/openenv_inprocess_cases.py), since only processes with the
+OpenEnv overlay on their path may import openenv (tests/openenv_overlay.py says why).
+
+The adapters are driven directly (reset / respond / reward / snapshot / close), as the episode loop does; the
+loop itself, with its time limits and failure policy, is tested in tests/test_environments.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from grpo_trainer.environments import EpisodeSpec, ProtocolBreach
+from grpo_trainer.environments.openenv_ws import (
+    Disconnected, EnvironmentServerLost, OpenEnvRemote, ServerError, StepTimeout, fetch_schema,
+)
+from grpo_trainer.errors import ConfigError
+from grpo_trainer.rollout.tools import parse_tool_calls
+from helpers import ROOT, free_port
+from openenv_overlay import overlay_or_skip
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("openenv")]  # slow: OpenEnv servers, a child pytest
+
+HANG_SECONDS = 3.0  # openenv_envs.HANG_SECONDS (that module imports openenv: not here)
+
+
+@pytest.fixture(scope="module")
+def overlay() -> Path:
+    return overlay_or_skip()
+
+
+def start_server(overlay: Path, ports: list[int], log: Path) -> subprocess.Popen:
+    """tests/openenv_envs.py serving on `ports`, with the overlay on its path; returns once every port is healthy."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(overlay), str(ROOT / "tests"), str(ROOT)])}
+    with open(log, "a") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "openenv_envs.py"), *map(str, ports)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    for port in ports:
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    stop(proc)
+                    pytest.fail(f"the OpenEnv test server did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.1)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(overlay, tmp_path_factory):
+    """GuessEnv served twice: with 4 sessions, and with OpenEnv's default capacity of one."""
+    ports = [free_port(), free_port()]
+    proc = start_server(overlay, ports, tmp_path_factory.mktemp("openenv") / "server.log")
+    yield [f"openenv+ws://127.0.0.1:{port}" for port in ports]
+    stop(proc)
+
+
+def remote(url: str, sessions: int = 2, step_timeout: float = 1.0, reconnect_timeout: float = 5.0, **kw) -> OpenEnvRemote:
+    return OpenEnvRemote(url, sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
+                         max_message_mb=1.0, **kw)
+
+
+def spec(seed: int = 5, **row) -> EpisodeSpec:
+    return EpisodeSpec({"prompt": "Play.", **row}, seed=seed, episode_id="s1-d0-p0", extend_prompt=lambda text: [])
+
+
+def turn(episode, text: str):
+    return episode.respond(text, parse_tool_calls(text))
+
+
+def call(guess) -> str:
+    return f'<tool_call>{{"name": "guess", "arguments": {{"guess": {guess}}}}}</tool_call>'
+
+
+def test_a_remote_episode_plays_by_tool_calls_and_plain_json_with_the_servers_schema(servers):
+    env = remote(servers[0])
+    assert env.tools == [{"type": "function", "function": {
+        "name": "guess", "description": "Guess the number.",
+        "parameters": {"type": "object", "properties": {"guess": {"title": "Guess", "type": "integer"}}, "required": ["guess"]}}}]
+    episode = env.episode()
+    # `hint` is in reset's signature, `level` is not: the server passes only what reset takes.
+    assert episode.reset(spec(seed=5, hint="Be quick.", level=3), 0) == "Guess my number from 1 to 8. Be quick."
+    secret = random.Random(5).randint(1, 8)  # the env's rule, from the group's seed
+    low = 1 if secret > 1 else 2
+    first = turn(episode, call(low))
+    assert first.messages == [{"role": "tool", "name": "guess", "content": "higher" if low < secret else "lower"}]
+    assert (first.done, first.reward, first.tool_calls, first.invalid_actions) == (False, 0.0, 1, 0)
+    bad = turn(episode, call('"abc"'))  # the server's Action rejects it: told to the model, not a failure
+    assert bad.invalid_actions == 1 and bad.tool_errors == 1 and bad.messages[0]["role"] == "tool"
+    assert bad.messages[0]["content"].startswith("error: invalid action: guess: Input should be a valid integer")
+    hit = turn(episode, f'I think {{"guess": {secret}}}')  # a plain reply holding a JSON object: answered as the user
+    assert hit.messages == [{"role": "user", "content": "yes"}] and hit.done and hit.reward == 1.0
+    assert episode.reward() == 1.0  # the steps' rewards summed: 0 + 1
+    shot = episode.snapshot()
+    assert shot.state == {"episode_id": "s1-d0-p0-g0", "step_count": 2, "seed": 5} and shot.done and shot.reward == 1.0
+    assert shot.observation == {"feedback": "yes"}
+    episode.close()
+    env.close()
+
+
+def test_a_reset_that_says_done_leaves_the_model_one_turn(servers):
+    env = remote(servers[0])
+    episode = env.episode()
+    episode.reset(spec(over=True), 0)
+    reply = turn(episode, call(3))
+    assert reply.messages == [] and reply.done and episode.reward() is None  # the step was never sent
+    assert episode.snapshot().state["step_count"] == 0
+    episode.close()
+    env.close()
+
+
+@pytest.mark.parametrize("guess, error, says", [
+    (13, ServerError, "step: unlucky 13 (EXECUTION_ERROR)"),  # the server's environment raised
+    (16, ProtocolBreach, "whose done is 'yes'"),  # lies about done
+    (15, ServerError, "larger than 1 MiB (environment.max_message_mb)"),  # a frame over our limit
+    (14, StepTimeout, "no answer to step within 1 s (environment.step_timeout)"),  # hangs
+])
+def test_a_hostile_remote_step_fails_its_episode_alone_and_the_next_episode_plays(servers, guess, error, says):
+    env = remote(servers[0], sessions=1)
+    episode = env.episode()
+    episode.reset(spec(), 0)
+    start = time.monotonic()
+    with pytest.raises(error, match=re.escape(says)):
+        turn(episode, call(guess))
+    assert time.monotonic() - start < HANG_SECONDS - 1  # a hang is given up at step_timeout, not waited out
+    episode.close()
+    # The one session was dropped after a timeout or the server's error (never reused: a late reply would answer
+    # the next request); a new one is opened. A hung step holds its server slot until it returns: waited for.
+    after = env.episode()
+    assert after.reset(spec(), 1) == "Guess my number from 1 to 8."
+    assert turn(after, call(8)).messages[0]["content"] in ("yes", "lower")
+    after.close()
+    env.close()
+
+
+def test_a_server_with_one_session_is_reported_and_episodes_take_turns_on_it(servers, caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
+        env = remote(servers[1], sessions=3)
+    assert env.capacity == 1 and env.pool.capacity_refusals == 1
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{servers[1]} accepts 1 session (Server at capacity: 1/1 sessions active")
+    assert "running 1 episode at a time on this rank (environment.concurrency 3)" in warning
+    for j in range(3):  # one after the other on the one session
+        episode = env.episode()
+        assert episode.reset(spec(), j) is not None
+        episode.close()
+    busy = env.episode()
+    busy.reset(spec(), 0)
+    with pytest.raises(Disconnected, match=r"no session free within 1 s \(capacity 1\)"):
+        env.episode().reset(spec(), 1)  # the loop sizes waves by env.capacity; beyond it, a call waits, then fails
+    busy.close()
+    env.close()
+
+
+def test_no_server_is_one_line_naming_the_url():
+    url = f"openenv+ws://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=rf"^environment.url {re.escape(url)}: no OpenEnv server answers \(GET http://127.0.0.1:\d+/health: .*refused"):
+        fetch_schema(url, timeout=2)
+
+
+def test_a_server_that_drops_is_reconnected_and_one_that_stays_away_stops_the_run(overlay, tmp_path):
+    port = free_port()
+    url = f"openenv+ws://127.0.0.1:{port}"
+    proc = start_server(overlay, [port], tmp_path / "server.log")
+    try:
+        env = remote(url, sessions=1, step_timeout=2.0, reconnect_timeout=60.0)
+        episode = env.episode()
+        episode.reset(spec(), 0)
+        with pytest.raises(Disconnected, match=f"^{re.escape(url)} closed the connection"):
+            turn(episode, call(99))  # the server's process dies mid-step
+        proc.wait()
+        episode.close()
+        assert env.pool.disconnects == 1
+        proc = start_server(overlay, [port], tmp_path / "server.log")  # back on the same port
+        again = env.episode()
+        assert again.reset(spec(), 1) == "Guess my number from 1 to 8."
+        assert env.pool.reconnects == 1
+        with pytest.raises(Disconnected):
+            turn(again, call(99))  # drops again; this time it stays away
+        proc.wait()
+    finally:
+        stop(proc)
+    env.pool.reconnect_timeout = 1.0
+    start = time.monotonic()
+    with pytest.raises(EnvironmentServerLost, match=rf"^{re.escape(url)} went away and did not come back within 1 s \(environment.reconnect_timeout\); stopping$"):
+        while time.monotonic() - start < 10:  # episodes that cannot get a session fail as disconnected meanwhile
+            try:
+                env.episode().reset(spec(), 2)
+            except Disconnected:
+                pass
+    env.close()
+
+
+def test_openenv_in_process(overlay, servers):
+    """tests/openenv_inprocess_cases.py in a child pytest with the overlay on its path (and the server's URL, to
+    compare in-process episodes with remote ones)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(overlay), str(ROOT / "tests"), str(ROOT)]),
+           "GRPO_TRAINER_OPENENV_URL": servers[0]}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                             str(ROOT / "tests" / "openenv_inprocess_cases.py")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
