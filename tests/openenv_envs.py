@@ -28,7 +28,7 @@ from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-HANG_SECONDS = 3.0
+HANG_SECONDS = 4.0
 HUGE_CHARS = 2 * 2**20  # over the 1 MiB max_message_mb the tests give the client
 
 

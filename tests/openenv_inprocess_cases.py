@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from grpo_trainer.environments import EpisodeSpec, ProtocolBreach
 from grpo_trainer.environments.openenv import build
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout.tools import parse_tool_calls
+from openenv_loop import END, WON, call, check_a_won_episode, play
 
 ENVS = "tests/openenv_envs.py"
 
@@ -34,10 +36,6 @@ def spec(seed: int = 5, **row) -> EpisodeSpec:
 
 def turn(episode, text: str):
     return episode.respond(text, parse_tool_calls(text))
-
-
-def call(guess, name: str = "guess") -> str:
-    return f'<tool_call>{{"name": "{name}", "arguments": {{"guess": {guess}}}}}</tool_call>'
 
 
 def test_the_action_class_comes_from_steps_type_hint_and_becomes_one_tool():
@@ -146,3 +144,16 @@ def test_in_process_and_remote_episodes_are_the_same():
             played.append(script)
         assert played[0] == played[1], seed
     remote.close()
+
+
+def test_in_process_episodes_through_the_loop():
+    """The episode loop with the class in process: a won episode as the loop records it, the object itself for
+    the rewards; a step that raises, and one that hangs past environment.step_timeout, end their episodes."""
+    out, tokenizer = play(environment(), WON)
+    check_a_won_episode(out, tokenizer)
+    assert type(out.environments[0]).__name__ == "GuessEnv" and out.environments[0].state.step_count == 2
+    raised, _ = play(environment(), [call(13) + END, "never"])
+    assert [(r.ended_by, r.error) for r in raised.episodes] == [("error", "respond: ValueError: unlucky 13")] * 2
+    start = time.monotonic()
+    hung, _ = play(environment(), [call(14) + END, "never"], step_timeout=0.5)
+    assert [r.ended_by for r in hung.episodes] == ["timeout"] * 2 and time.monotonic() - start < 2.0

@@ -24,16 +24,17 @@ import pytest
 
 from grpo_trainer.environments import EpisodeSpec, ProtocolBreach
 from grpo_trainer.environments.openenv_ws import (
-    Disconnected, EnvironmentServerLost, OpenEnvRemote, ServerError, StepTimeout, fetch_schema,
+    REPLY_GRACE, Disconnected, EnvironmentServerLost, OpenEnvRemote, ServerError, StepTimeout, fetch_schema,
 )
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout.tools import parse_tool_calls
 from helpers import ROOT, free_port
+from openenv_loop import END, WON, call, check_a_won_episode, play
 from openenv_overlay import overlay_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("openenv")]  # slow: OpenEnv servers, a child pytest
 
-HANG_SECONDS = 3.0  # openenv_envs.HANG_SECONDS (that module imports openenv: not here)
+HANG_SECONDS = 4.0  # openenv_envs.HANG_SECONDS (that module imports openenv: not here)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +90,6 @@ def turn(episode, text: str):
     return episode.respond(text, parse_tool_calls(text))
 
 
-def call(guess) -> str:
-    return f'<tool_call>{{"name": "guess", "arguments": {{"guess": {guess}}}}}</tool_call>'
-
-
 def test_a_remote_episode_plays_by_tool_calls_and_plain_json_with_the_servers_schema(servers):
     env = remote(servers[0])
     assert env.tools == [{"type": "function", "function": {
@@ -134,7 +131,7 @@ def test_a_reset_that_says_done_leaves_the_model_one_turn(servers):
     (13, ServerError, "step: unlucky 13 (EXECUTION_ERROR)"),  # the server's environment raised
     (16, ProtocolBreach, "whose done is 'yes'"),  # lies about done
     (15, ServerError, "larger than 1 MiB (environment.max_message_mb)"),  # a frame over our limit
-    (14, StepTimeout, "no answer to step within 1 s (environment.step_timeout)"),  # hangs
+    (14, StepTimeout, "no answer to step within 2 s"),  # hangs: step_timeout 1 s + REPLY_GRACE
 ])
 def test_a_hostile_remote_step_fails_its_episode_alone_and_the_next_episode_plays(servers, guess, error, says):
     env = remote(servers[0], sessions=1)
@@ -143,7 +140,7 @@ def test_a_hostile_remote_step_fails_its_episode_alone_and_the_next_episode_play
     start = time.monotonic()
     with pytest.raises(error, match=re.escape(says)):
         turn(episode, call(guess))
-    assert time.monotonic() - start < HANG_SECONDS - 1  # a hang is given up at step_timeout, not waited out
+    assert time.monotonic() - start < HANG_SECONDS - 0.5  # a hang is given up, not waited out
     episode.close()
     # The one session was dropped after a timeout or the server's error (never reused: a late reply would answer
     # the next request); a new one is opened. A hung step holds its server slot until it returns: waited for.
@@ -223,3 +220,25 @@ def test_openenv_in_process(overlay, servers):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def test_remote_episodes_through_the_loop(servers, tiny_model_path):
+    """The episode loop over /ws: a won episode as the loop records it (openenv_loop.check_a_won_episode), the
+    server's snapshot for the rewards; a step the server's environment raises in, and one that hangs past
+    environment.step_timeout, end their episodes as failures saying why."""
+    env = remote(servers[0], sessions=4, step_timeout=0.5)
+    out, tokenizer = play(env, WON, step_timeout=0.5)
+    check_a_won_episode(out, tokenizer)
+    snapshot = out.environments[1]
+    assert snapshot.state["step_count"] == 2 and snapshot.reward == 1.0 and snapshot.observation == {"feedback": "yes"}
+    raised, _ = play(env, [call(13) + END, "never"], step_timeout=0.5)
+    assert [(r.ended_by, r.error) for r in raised.episodes] == [("error", f"respond: ServerError: {servers[0]} step: unlucky 13 (EXECUTION_ERROR)")] * 2
+    assert env.pool._open == 4 - 2  # sessions whose server environment raised are not reused
+    start = time.monotonic()
+    hung, _ = play(env, [call(14) + END, "never"], step_timeout=0.5)
+    assert [r.ended_by for r in hung.episodes] == ["timeout"] * 2 and time.monotonic() - start < HANG_SECONDS - 1
+    time.sleep(max(0.0, start + 0.5 + REPLY_GRACE + 0.3 - time.monotonic()))  # the abandoned calls' waits end
+    assert env.pool._open == 0 and env.capacity == 4  # their sessions were dropped, not leaked
+    again, tokenizer = play(env, WON, step_timeout=0.5)  # two new sessions (the hung steps still hold two slots)
+    check_a_won_episode(again, tokenizer)
+    env.close()

@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("grpo_trainer")
 
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0  # seconds between attempts to reach a server that went away
+# A reply is waited for this much longer than environment.step_timeout: the loop's own limit on the call (which
+# names the limit and marks the episode timed out) always fires first; ours only ends the wait and frees the
+# session, which a hung server would otherwise hold for as long as its step hangs.
+REPLY_GRACE = 1.0
 
 
 class EnvironmentServerLost(TrainingError):
@@ -61,7 +65,7 @@ class ServerError(RuntimeError):
 
 
 class StepTimeout(TimeoutError):
-    """No reply within environment.step_timeout; the session is dropped (a failure: timeout)."""
+    """No reply within environment.step_timeout (and REPLY_GRACE); the session is dropped (a failure: timeout)."""
 
 
 class Disconnected(ConnectionError):
@@ -123,7 +127,7 @@ class Session:
         try:
             frame = self.ws.recv(timeout=timeout)
         except TimeoutError:
-            raise StepTimeout(f"no answer to {message['type']} within {timeout:g} s (environment.step_timeout)") from None
+            raise StepTimeout(f"no answer to {message['type']} within {timeout:g} s") from None
         reply = json.loads(frame)
         if not isinstance(reply, dict) or not isinstance(reply.get("data", {}), dict):
             raise ProtocolBreach(f"the server answered {message['type']} with {frame[:80]!r}")
@@ -154,6 +158,7 @@ class OpenEnvSessions:
         self.ws_url, _ = endpoints(url)
         self.wanted = sessions
         self.step_timeout = step_timeout
+        self.reply_timeout = step_timeout + REPLY_GRACE
         self.reconnect_timeout = reconnect_timeout
         self.max_size = int(max_message_mb * 2**20)
         self._changed = threading.Condition()
@@ -183,7 +188,7 @@ class OpenEnvSessions:
 
         try:
             session = Session(self.ws_url, self.step_timeout, self.max_size)
-            reply = session.request({"type": "state"}, self.step_timeout)
+            reply = session.request({"type": "state"}, self.reply_timeout)
         except (OSError, InvalidHandshake, ConnectionClosed, StepTimeout) as exc:
             raise Disconnected(f"{self.url}: {type(exc).__name__}: {exc}") from None
         if reply.get("type") == "error":
@@ -324,7 +329,7 @@ class RemoteEpisode(OpenEnvTurns):
         if session is None:
             raise Disconnected(f"{pool.url}: this episode's session was lost")
         try:
-            return session.request(message, pool.step_timeout)
+            return session.request(message, pool.reply_timeout)
         except StepTimeout:
             self._drop()
             raise
