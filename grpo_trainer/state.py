@@ -27,6 +27,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
+from .environments import build_environment
 from .errors import TrainingError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
@@ -42,7 +43,6 @@ from .models import (TokenLogprobs, base_model, check_packing_support, context_l
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
-from .rollout.tools import build_toolbox
 from .rollout.engines import engine_kind
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
@@ -124,9 +124,10 @@ def build_run(cfg: Config) -> Run:
     lm = load_causal_lm(cfg.model)
     if cfg.train.packing:
         check_packing_support(lm)
-    toolbox = build_toolbox(cfg.rollout)
+    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=environment.tools or None if environment else None, environment=environment,
+                     environment_config=cfg.environment)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
@@ -144,7 +145,7 @@ def build_run(cfg: Config) -> Run:
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
-        toolbox=toolbox,
+        environment=environment,
         lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
@@ -313,9 +314,10 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
         return {}, {}
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
-    toolbox = build_toolbox(cfg.rollout)
+    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=environment.tools or None if environment else None, environment=environment,
+                     environment_config=cfg.environment)
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)

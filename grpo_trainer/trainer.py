@@ -116,7 +116,7 @@ def train_step(run: Run, step: int) -> dict:
     advantages = geometry.my_completions(all_advantages)  # [local_n]
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
-            run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
+            scored.rollout.prompt_ids or run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
             micro_batch_size=geometry.micro_batch_size,
             micro_batch_tokens=geometry.micro_batch_tokens,
             packing=cfg.train.packing,

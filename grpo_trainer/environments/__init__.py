@@ -109,6 +109,7 @@ class EpisodeRecord:
     observations_cut: int = 0  # environment messages cut to environment.observation_chars
     env_seconds: float = 0.0  # time in this episode's environment calls
     state: Any = None  # a remote episode's state snapshot (picklable), else None
+    group: str = ""  # the group's EpisodeSpec.episode_id: episodes of one group share it (on_error skip_group)
 
     @property
     def failed(self) -> bool:
@@ -132,30 +133,43 @@ class Environment(Protocol):
 
 
 # The kinds, by the config key that selects them: "module:function" building an Environment from the Config,
-# imported only when chosen. The built-in tools environment is not here: `rollout.tools` alone selects it.
+# imported only when chosen (and never by this module at import time: the adapters import it).
 KINDS: dict[str, str] = {
     "factory": "grpo_trainer.environments.class_env:build",
     "openenv": "grpo_trainer.environments.openenv:build",
     "url": "grpo_trainer.environments.openenv_ws:build",
 }
+TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `rollout.tools` alone selects it
+
+
+MASK64 = 2**64 - 1
+ENV_PART = 2**20 + 1  # mixed into a group's seed for its environment seed: above any G, so never a completion's
+
+
+def environment_seed(group_seed: int) -> int:
+    """The environment seed of a group whose sampling seed would be `group_seed` (mix_seed(cfg.seed, step, draw,
+    position), computed whether or not rollout.seed_per_prompt is set), in [0, 2**31): the queue re-draws the same
+    (step, draw, position) on resume, so the episodes are the same. mix_seed is linear, so its low and high bits
+    alone collide for simple parts (0 and 2**62; 0 and 1): they are scrambled first (splitmix64's finalizer)."""
+    from ..seeds import mix_seed
+
+    z = (mix_seed(group_seed, ENV_PART) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 33
 
 
 def build_environment(cfg: Config) -> Environment | None:
     """The configured environment: `environment:`'s kind, else the built-in tools environment when
     `rollout.tools` is set, else None (single-turn rollouts)."""
-    env = getattr(cfg, "environment", None)
-    kind = None if env is None else env.kind
-    if kind is None:
-        if not cfg.rollout.tools:
-            return None
-        from .tools_env import build as build_tools
-
-        return build_tools(cfg)
-    module, _, function = KINDS[kind].partition(":")
+    kind = cfg.environment.kind
+    if kind is None and not cfg.rollout.tools:
+        return None
+    module, _, function = (TOOLS if kind is None else KINDS[kind]).partition(":")
     return getattr(importlib.import_module(module), function)(cfg)
 
 
 __all__ = [
     "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "ProtocolBreach", "Reply",
-    "build_environment",
+    "build_environment", "environment_seed",
 ]

@@ -357,6 +357,7 @@ class EpisodeEngine:
                             conv.end(FAILED_ERROR, f"the prompt with reset's text: {type(exc).__name__}: {exc}")
             for j in range(i * g, (i + 1) * g):
                 conversations[j].prompt = prompt
+                conversations[j].record.group = spec.episode_id
                 if j in text_of and text_of[j] != text and not conversations[j].done:
                     conversations[j].end(FAILED_ERROR, "reset returned a different text than the group's first episode")
         return time.perf_counter() - tick
