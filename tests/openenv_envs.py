@@ -12,7 +12,7 @@ Its reset takes `hint` (a dataset column, shown in the first observation) and `o
 columns are not in its signature. `ChatEnv`: an Action with one required text field (plain replies are its
 messages), echoing them back.
 
-    python tests/openenv_envs.py PORT [PORT_SINGLE]   # GuessEnv on 127.0.0.1:PORT (4 sessions), and with
+    python tests/openenv_envs.py PORT [PORT_SINGLE]   # GuessEnv on 127.0.0.1:PORT (16 sessions), and with
                                                       # the default capacity of one session on PORT_SINGLE
 """
 
@@ -111,7 +111,7 @@ class ChatEnv(Environment):
 async def serve(ports: list[int]) -> None:
     import uvicorn
 
-    apps = [create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=4),
+    apps = [create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=16),
             create_app(GuessEnv, GuessAction, GuessObservation)]  # OpenEnv's default: one session
     servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws_max_size=2**26))
                for app, port in zip(apps, ports)]

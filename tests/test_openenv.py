@@ -152,9 +152,10 @@ def test_a_hostile_remote_step_fails_its_episode_alone_and_the_next_episode_play
 
 
 def test_a_server_with_one_session_is_reported_and_episodes_take_turns_on_it(servers, caplog):
+    env = remote(servers[1], sessions=3)
+    assert env._pool is None  # opened when the first episode needs one: a build for the tools alone holds none
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
-        env = remote(servers[1], sessions=3)
-    assert env.capacity == 1 and env.pool.capacity_refusals == 1
+        assert env.capacity == 1 and env.pool.capacity_refusals == 1
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"{servers[1]} accepts 1 session (Server at capacity: 1/1 sessions active")
     assert "running 1 episode at a time on this rank (environment.concurrency 3)" in warning
@@ -242,3 +243,20 @@ def test_remote_episodes_through_the_loop(servers, tiny_model_path):
     again, tokenizer = play(env, WON, step_timeout=0.5)  # two new sessions (the hung steps still hold two slots)
     check_a_won_episode(again, tokenizer)
     env.close()
+
+
+def test_a_run_trains_against_an_openenv_server_from_the_cli(servers, tmp_path):
+    """`environment.url` on the tiny model (hf engine): a step and an evaluation play their episodes over /ws (the
+    tiny model writes no valid guess: its turns are invalid actions, told to the model), the
+    environment's metrics are logged and nothing fails. (A turn cut by the length limit gets no answer.)"""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import run_cli, small_run_overrides
+
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 1), f"environment.url={servers[0]}",
+                      "environment.concurrency=16", "environment.max_turns=2", "rewards=[]", "eval.every=1",
+                      "eval.num_samples=4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [record] = read_metrics(out)
+    assert record["environment/errors"] == record["environment/disconnects"] == record["environment/frac_failed"] == 0
+    assert record["environment/invalid_actions_per_episode"] > 0 and "eval/environment/mean@4" in record

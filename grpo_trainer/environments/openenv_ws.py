@@ -12,8 +12,8 @@ its own environment object on the server; JSON text frames `{"type": "reset" | "
   the observation's text, the summed reward: the same for both kinds).
 - Sessions (`OpenEnvSessions`): each rank keeps up to environment.concurrency sessions open and reuses them from
   episode to episode (the server's `reset` re-initialises its environment; exactness across resumes rests on the
-  server honouring `reset(seed=)`, OpenEnv's contract). They are opened at start, so the server's capacity is
-  known before the first episode: OpenEnv serves one session per server unless started with
+  server honouring `reset(seed=)`, OpenEnv's contract). They are opened together when the first episode is made,
+  so the server's capacity is known before any episode plays: OpenEnv serves one session per server unless started with
   `max_concurrent_envs`, and refuses the next with `CAPACITY_REACHED`. That refusal is reported as such, once,
   with the server's numbers, and the rank runs as many episodes at once as it holds sessions (`capacity`).
 - Model-side mistakes (an action the server's Action rejects: `VALIDATION_ERROR`) are told to the model. The
@@ -392,6 +392,7 @@ class OpenEnvRemote:
             import websockets.sync.client  # noqa: F401
         except ImportError:
             raise ConfigError("environment.url needs the websockets package: pip install 'grpo-trainer[env]'") from None
+        self.url = url
         self.name = f"environment.url {url}"
         self.schema = fetch_schema(url, step_timeout)
         self.reset_schema = self.schema.get("reset_observation") or self.schema["observation"]
@@ -401,11 +402,22 @@ class OpenEnvRemote:
         if observation_field is not None and observation_field not in self.schema["observation"].get("properties", {}):
             raise ConfigError(f"environment.observation_field {observation_field!r}: the observation of {url} has no such "
                               f"field ({', '.join(self.schema['observation'].get('properties', {}))})")
-        try:
-            self.pool = OpenEnvSessions(url, sessions=sessions, step_timeout=step_timeout,
-                                        reconnect_timeout=reconnect_timeout, max_message_mb=max_message_mb)
-        except (Disconnected, ServerError) as exc:
-            raise ConfigError(f"environment.url {url}: cannot open a session: {exc}") from None
+        self._pool_options = dict(sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
+                                  max_message_mb=max_message_mb)
+        self._pool: OpenEnvSessions | None = None
+        self._opening = threading.Lock()
+
+    @property
+    def pool(self) -> OpenEnvSessions:
+        """This rank's sessions, opened when first needed: the trainer builds the environment more than once (for
+        its tools, for evaluation), and only the one that plays may hold server sessions."""
+        with self._opening:
+            if self._pool is None:
+                try:
+                    self._pool = OpenEnvSessions(self.url, **self._pool_options)
+                except (Disconnected, ServerError) as exc:
+                    raise ConfigError(f"{self.name}: cannot open a session: {exc}") from None
+            return self._pool
 
     @property
     def capacity(self) -> int:
@@ -416,7 +428,8 @@ class OpenEnvRemote:
         return RemoteEpisode(self)
 
     def close(self) -> None:
-        self.pool.close()
+        if self._pool is not None:
+            self._pool.close()
 
 
 def build(cfg: Config) -> OpenEnvRemote:
