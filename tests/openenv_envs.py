@@ -12,7 +12,7 @@ Its reset takes `hint` (a dataset column, shown in the first observation) and `o
 columns are not in its signature. `ChatEnv`: an Action with one required text field (plain replies are its
 messages), echoing them back.
 
-    python tests/openenv_envs.py PORT [PORT_SINGLE]   # GuessEnv on 127.0.0.1:PORT (16 sessions), and with
+    python tests/openenv_envs.py PORT [PORT_SINGLE]   # GuessEnv on 127.0.0.1:PORT (32 sessions), and with
                                                       # the default capacity of one session on PORT_SINGLE
 """
 
@@ -22,6 +22,7 @@ import asyncio
 import os
 import random
 import sys
+import threading
 import time
 
 from openenv.core.env_server.http_server import create_app
@@ -111,12 +112,21 @@ class ChatEnv(Environment):
 async def serve(ports: list[int]) -> None:
     import uvicorn
 
-    apps = [create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=16),
+    apps = [create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=32),
             create_app(GuessEnv, GuessAction, GuessObservation)]  # OpenEnv's default: one session
     servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws_max_size=2**26))
                for app, port in zip(apps, ports)]
     await asyncio.gather(*(s.serve() for s in servers))
 
 
+def exit_with_parent() -> None:
+    """End this server when the test process that started it is gone (killed before it could stop us)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     asyncio.run(serve([int(p) for p in sys.argv[1:]]))

@@ -4,6 +4,7 @@ openenv import here."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 from grpo_trainer.config import ModelConfig
@@ -38,6 +39,11 @@ class ScriptedModel:
         return Rollout(completion_ids=ids, truncated=[False] * len(ids), sampling_logprobs=[[-0.5] * len(t) for t in ids])
 
 
+@functools.cache
+def tiny_tokenizer():
+    return load_tokenizer(ModelConfig())
+
+
 def prompt(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -45,7 +51,7 @@ def prompt(tokenizer, text: str) -> list[int]:
 
 def play(environment, script: list[str], groups: int = 1, g: int = 2, step_timeout: float = 1.0):
     """`groups` prompts x `g` episodes of `environment` (GuessEnv, seed SEED) under `script`: (Rollout, tokenizer)."""
-    tokenizer = load_tokenizer(ModelConfig())
+    tokenizer = tiny_tokenizer()
     settings = EpisodeSettings(max_turns=4, step_timeout=step_timeout, episode_timeout=30.0, concurrency=8,
                                observation_chars=200, record=True)
     engine = EpisodeEngine(ScriptedModel(tokenizer, script), environment, tokenizer,

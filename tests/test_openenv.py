@@ -70,7 +70,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def servers(overlay, tmp_path_factory):
-    """GuessEnv served twice: with 4 sessions, and with OpenEnv's default capacity of one."""
+    """GuessEnv served twice: with 32 sessions, and with OpenEnv's default capacity of one."""
     ports = [free_port(), free_port()]
     proc = start_server(overlay, ports, tmp_path_factory.mktemp("openenv") / "server.log")
     yield [f"openenv+ws://127.0.0.1:{port}" for port in ports]
@@ -182,21 +182,22 @@ def test_a_server_that_drops_is_reconnected_and_one_that_stays_away_stops_the_ru
     url = f"openenv+ws://127.0.0.1:{port}"
     proc = start_server(overlay, [port], tmp_path / "server.log")
     try:
-        env = remote(url, sessions=1, step_timeout=2.0, reconnect_timeout=60.0)
+        env = remote(url, sessions=2, step_timeout=2.0, reconnect_timeout=60.0)
         episode = env.episode()
         episode.reset(spec(), 0)
         with pytest.raises(Disconnected, match=f"^{re.escape(url)} closed the connection"):
             turn(episode, call(99))  # the server's process dies mid-step
-        proc.wait()
+        proc.wait(timeout=30)
         episode.close()
-        assert env.pool.disconnects == 1
+        assert env.pool.disconnects == 1 and env.pool._open == 1  # the other session waits, dead, in the pool
         proc = start_server(overlay, [port], tmp_path / "server.log")  # back on the same port
-        again = env.episode()
-        assert again.reset(spec(), 1) == "Guess my number from 1 to 8."
-        assert env.pool.reconnects == 1
-        with pytest.raises(Disconnected):
-            turn(again, call(99))  # drops again; this time it stays away
-        proc.wait()
+        again = [env.episode() for _ in range(2)]
+        assert [e.reset(spec(), j) for j, e in enumerate(again)] == ["Guess my number from 1 to 8."] * 2
+        assert env.pool.reconnects == 1  # the dead free session was replaced before the episode began
+        with pytest.raises(Disconnected, match="closed the connection"):
+            turn(again[0], call(99))  # drops again; this time it stays away
+        proc.wait(timeout=30)
+        again[1].close()
     finally:
         stop(proc)
     env.pool.reconnect_timeout = 1.0
@@ -247,6 +248,7 @@ def test_remote_episodes_through_the_loop(servers, tiny_model_path):
 
 def test_a_run_trains_against_an_openenv_server_from_the_cli(servers, tmp_path):
     """`environment.url` on the tiny model (hf engine): a step and an evaluation play their episodes over /ws (the
+    server has 32 sessions: the 16 of the run, and room for steps still hanging from earlier tests; the
     tiny model writes no valid guess: its turns are invalid actions, told to the model), the
     environment's metrics are logged and nothing fails. (A turn cut by the length limit gets no answer.)"""
     from grpo_trainer.metrics import read_metrics

@@ -112,8 +112,7 @@ class Session:
         from websockets.sync.client import connect
 
         self._stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() used as a context manager
-        self.ws = self._stack.enter_context(connect(ws_url, open_timeout=open_timeout, max_size=max_size,
-                                                    ping_interval=None))
+        self.ws = self._stack.enter_context(connect(ws_url, open_timeout=open_timeout, max_size=max_size))
 
     def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one message and read its answer. A refused session sends its error frame and closes, possibly
@@ -150,7 +149,7 @@ class RemoteSnapshot:
 
 
 class OpenEnvSessions:
-    """A rank's pool of sessions to one server: opened at start (to learn the server's capacity), lent to one
+    """A rank's pool of sessions to one server: all opened at once (to learn the server's capacity), lent to one
     episode at a time, replaced when one fails, reconnected with backoff when the server goes away."""
 
     def __init__(self, url: str, *, sessions: int, step_timeout: float, reconnect_timeout: float, max_message_mb: float):
@@ -188,9 +187,16 @@ class OpenEnvSessions:
 
         try:
             session = Session(self.ws_url, self.step_timeout, self.max_size)
-            reply = session.request({"type": "state"}, self.reply_timeout)
-        except (OSError, InvalidHandshake, ConnectionClosed, StepTimeout) as exc:
+        except (OSError, InvalidHandshake) as exc:
             raise Disconnected(f"{self.url}: {type(exc).__name__}: {exc}") from None
+        try:
+            reply = session.request({"type": "state"}, self.reply_timeout)
+        except (ConnectionClosed, StepTimeout) as exc:
+            session.close()
+            raise Disconnected(f"{self.url}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            session.close()
+            raise
         if reply.get("type") == "error":
             session.close()
             data = reply.get("data", {})
@@ -307,10 +313,19 @@ class RemoteEpisode(OpenEnvTurns):
 
     def reset(self, spec: EpisodeSpec, j: int) -> str | None:
         pool = self.env.pool
-        self._held.append(pool.acquire(timeout=pool.step_timeout))
         data = {k: v for k, v in spec.record.items() if _jsonable(v)}  # the server passes what reset's signature takes
         data.update(seed=spec.seed, episode_id=f"{spec.episode_id}-g{j}")
-        observed = self._observation(self._request({"type": "reset", "data": data}), "reset")
+        # A free session may have died while it waited (the server was restarted between batches): nothing of the
+        # episode has happened yet, so another session is tried, at most once per session the pool can hold.
+        for attempt in range(pool.wanted + 1):
+            self._held.append(pool.acquire(timeout=pool.step_timeout))
+            try:
+                reply = self._request({"type": "reset", "data": data})
+                break
+            except Disconnected:
+                if attempt == pool.wanted:
+                    raise
+        observed = self._observation(reply, "reset")
         self.done = observed.done
         return self.env.text.render(observed, self.env.reset_schema, "the server's reset") or None
 
