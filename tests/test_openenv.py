@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -175,6 +176,21 @@ def test_no_server_is_one_line_naming_the_url():
     url = f"openenv+ws://127.0.0.1:{free_port()}"
     with pytest.raises(ConfigError, match=rf"^environment.url {re.escape(url)}: no OpenEnv server answers \(GET http://127.0.0.1:\d+/health: .*refused"):
         fetch_schema(url, timeout=2)
+
+
+def test_a_server_that_is_not_openenv_or_lacks_the_observation_field_is_one_line(servers):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    other = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every GET with 501
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"openenv+ws://127.0.0.1:{other.server_port}"
+        with pytest.raises(ConfigError, match=rf"^environment.url {re.escape(url)}: GET http://127.0.0.1:\d+/health answered 501 .*; is it an OpenEnv server\?$"):
+            fetch_schema(url, timeout=2)
+    finally:
+        other.shutdown()
+    with pytest.raises(ConfigError, match=r"^environment.observation_field 'text': the observation of .* has no such field \(feedback\)$"):
+        remote(servers[0], observation_field="text")
 
 
 def test_a_server_that_drops_is_reconnected_and_one_that_stays_away_stops_the_run(overlay, tmp_path):

@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, TrainingError
 from . import EpisodeSpec, ProtocolBreach
-from .openenv import ActionCodec, ObservationText, Observed, OpenEnvTurns, check_observation, format_validation_errors
+from .openenv import (
+    RESERVED_FIELDS, ActionCodec, ObservationText, Observed, OpenEnvTurns, check_observation, format_validation_errors,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -414,9 +416,10 @@ class OpenEnvRemote:
         self.codec = ActionCodec(self.schema["action"], action_tool)
         self.tools = [self.codec.tool]
         self.text = ObservationText(observation_field)
-        if observation_field is not None and observation_field not in self.schema["observation"].get("properties", {}):
+        shown = [k for k in self.schema["observation"].get("properties", {}) if k not in RESERVED_FIELDS]
+        if observation_field is not None and observation_field not in shown:
             raise ConfigError(f"environment.observation_field {observation_field!r}: the observation of {url} has no such "
-                              f"field ({', '.join(self.schema['observation'].get('properties', {}))})")
+                              f"field ({', '.join(shown)})")
         self._pool_options = dict(sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
                                   max_message_mb=max_message_mb)
         self._pool: OpenEnvSessions | None = None
