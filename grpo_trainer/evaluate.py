@@ -195,18 +195,21 @@ def evaluate_model(
     from tqdm.auto import tqdm
 
     bar = tqdm(total=prompts_total, desc=f"eval (k={s.k})", unit="prompt", disable=not progress, dynamic_ncols=True)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(cfg.seed)
-        for start in range(0, prompts_total, per_batch):
-            indices = list(range(start, min(start + per_batch, prompts_total)))
-            extra = {}
-            if getattr(engine, "needs_episodes", False):  # eval's own seeds: step 0 is never a training step
-                extra["episodes"] = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
-            rollout = engine.generate(task.prompt_ids(indices), s.k, **extra)
-            scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
-            both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
-            chunks.append(both.view(len(indices), s.k, -1))
-            bar.update(len(indices))
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(cfg.seed)
+            for start in range(0, prompts_total, per_batch):
+                indices = list(range(start, min(start + per_batch, prompts_total)))
+                extra = {}
+                if getattr(engine, "needs_episodes", False):  # eval's own seeds: step 0 is never a training step
+                    extra["episodes"] = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
+                rollout = engine.generate(task.prompt_ids(indices), s.k, **extra)
+                scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
+                both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
+                chunks.append(both.view(len(indices), s.k, -1))
+                bar.update(len(indices))
+    finally:
+        engine.close()  # an environment's threads and objects (the HFEngine itself holds nothing)
     bar.close()
     names = [r.name for r in task.rewards] + ["reward"]
     results = summarize(torch.cat(chunks, 0), names, s.k)

@@ -87,7 +87,8 @@ class Guess:
         if mode == "slow":
             time.sleep(0.15)
             return "again", False
-        guess = int(reply.strip()) if reply.strip().isdigit() else 0
+        answer = reply.split("</think>")[-1].strip()  # what follows the model's thinking, if any
+        guess = int(answer) if answer.isdigit() else 0
         self.won = guess == self.secret
         return ("yes" if self.won else ("higher" if guess < self.secret else "lower")), self.won or self.guesses >= 3
 
@@ -149,6 +150,47 @@ def test_a_class_environment_answers_tools_and_plain_replies_token_faithfully(ti
     assert tokenizer.decode(out.prompt_ids[0] + ids) + "\n" == rendered  # the template ends the last turn with \n
     model_text = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert model_text == call + END + "1" + END + "3" + END
+
+
+# A Qwen3-like template: assistant turns before the last user message lose their <think>...</think>.
+DROPS_THINKING = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_a_template_that_rewrites_history_differs_from_what_is_trained_by_exactly_the_earlier_thinking(tiny_model_path):
+    """What is trained is what the model was conditioned on while sampling: with a template that drops earlier
+    <think> spans, rendering the finished conversation differs from the trained tokens by exactly those spans."""
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = DROPS_THINKING
+    engine, _ = _engine(tokenizer, {"k": ["<think>low</think>1" + END, "<think>up</think>3" + END]})
+    out = engine.generate([_prompt(tokenizer, "k")], 2, episodes=[_spec(tokenizer, "k")])
+    messages = out.conversations[0]
+    assert [m["content"] for m in messages] == ["<think>low</think>1", "higher", "<think>up</think>3", "yes"]
+    trained = tokenizer.decode(out.prompt_ids[0] + out.completion_ids[0])
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Guess [k]. Range 1-4, seed 2."}, *messages[:-1]], tokenize=False)
+    assert "<think>low</think>" not in rendered and "<think>up</think>" in rendered
+    assert trained + "\n" == rendered.replace("assistant\n1<|im_end|>", "assistant\n<think>low</think>1<|im_end|>")
+
+
+def test_a_tool_method_that_raises_is_a_message_to_the_model_not_a_failure(tiny_model_path):
+    tokenizer = _tokenizer()
+    calls = ('<tool_call>{"name": "above", "arguments": {"n": 200}}</tool_call>'
+             '<tool_call>{"name": "above", "arguments": {"m": 1}}</tool_call><tool_call>{oops}</tool_call>')
+    engine, _ = _engine(tokenizer, {"t": [calls + END, "3" + END]})
+    out = engine.generate([_prompt(tokenizer, "t")], 2, episodes=[_spec(tokenizer, "t")])
+    told = [m["content"] for m in out.conversations[0] if m["role"] == "tool"]
+    assert told[0] == "error: ValueError: too big" and told[1].startswith("error: bad arguments for above")
+    assert "not valid JSON" in told[2]
+    assert out.tool_calls[0] == 3 and out.tool_errors[0] == 3 and out.episodes[0].invalid_actions == 1
+    assert out.episodes[0].ended_by == "environment" and out.episodes[0].env_reward == 1.0
 
 
 def test_hostile_environments_end_their_own_episode_and_say_why(tiny_model_path):
@@ -258,6 +300,49 @@ def test_rewards_receive_the_environments_and_the_environment_reward_is_one_more
 def test_environment_seeds_are_the_groups_and_fit_31_bits():
     seeds = {environment_seed(s) for s in (0, 1, 2**62, 12345)}
     assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
+
+
+class RecordingEngine:
+    """Records what the rollout queue asks of an engine that needs episodes."""
+
+    needs_episodes = True
+    needs_weight_sync = samples_outside_process = can_lose_weights = False
+    lockstep = None
+
+    def __init__(self):
+        self.asked = []
+
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+        self.asked.append((seeds, episodes))
+        n = len(prompt_ids) * num_generations
+        return Rollout([[1]] * n, [False] * n)
+
+
+def test_the_queue_gives_each_group_its_environment_seed_whatever_seed_per_prompt():
+    """Rank 1 of 2, its prompts at batch positions 2 and 3: each group's spec carries its row, the environment seed
+    of (seed, step, draw, position) and an id naming them; the same with and without rollout.seed_per_prompt."""
+    from grpo_trainer.data import PromptSet
+    from grpo_trainer.geometry import Geometry
+    from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
+    from grpo_trainer.seeds import mix_seed
+    from grpo_trainer.task import Task
+
+    records = [{"prompt": f"p{i}"} for i in range(8)]
+    task = Task(PromptSet(records, [""] * 8, [[1, i] for i in range(8)]), [], None, "prompt", "answer", False)
+    specs = {}
+    for per_prompt in (False, True):
+        engine = RecordingEngine()
+        settings = QueueSettings(max_staleness=0, prompts_per_step=4, max_steps=4, seed=5, seed_per_prompt=per_prompt,
+                                 reconnect_timeout=1.0, checkpoints="x")
+        queue = RolloutQueue(engine, settings, geometry=Geometry(world=2, rank=1, prompts_per_rank=2, group_size=2),
+                             comm=None, task=task, sampler=None, push=None)
+        queue._generate([7, 3], step=3, draw=1, version=0)
+        seeds, specs[per_prompt] = engine.asked[0]
+        assert (seeds is not None) == per_prompt
+    for spec, row, position in zip(specs[True], [7, 3], [2, 3]):
+        assert spec.record is records[row] and spec.episode_id == f"s3-d1-p{position}"
+        assert spec.seed == environment_seed(mix_seed(5, 3, 1, position))
+    assert [(s.seed, s.episode_id) for s in specs[True]] == [(s.seed, s.episode_id) for s in specs[False]]
 
 
 @pytest.mark.parametrize("config, says", [

@@ -123,7 +123,6 @@ class Environment(Protocol):
     name: str  # for messages, naming the config key: "environment.factory my_env.py:GuessNumber"
     tools: list[dict[str, Any]]  # the tool schemas every episode shows the model
     has_reward: bool  # its episodes' reward() can give a number: the `environment` reward exists
-    takes_seed: bool  # reset uses the seed (informational: seeds are always given)
 
     def episode(self) -> Episode:
         """A fresh episode object (called in an EnvCalls thread: constructing it may block or raise)."""

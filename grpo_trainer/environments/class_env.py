@@ -154,14 +154,13 @@ class ClassEnvironment:
         sample = self._make()  # one object, to read the convention off (TRL does the same)
         if not callable(getattr(sample, "reset", None)):
             raise ConfigError(f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)")
-        names = [t.name for t in method_tools(sample)]
-        clash = sorted(set(names) & {t.name for t in extra_tools})
+        methods = method_tools(sample)
+        clash = sorted({t.name for t in methods} & {t.name for t in extra_tools})
         if clash:
             raise ConfigError(f"{name}: the method {clash[0]!r} has the name of a tool in rollout.tools")
-        self.tools = [t.schema for t in method_tools(sample) + extra_tools]
+        self.tools = [t.schema for t in methods + extra_tools]
         self.scorer = next((m for m in ("get_reward", "reward") if callable(getattr(sample, m, None))), None)
         self.has_reward = self.scorer is not None
-        self.takes_seed = _takes(sample.reset, "seed")
         close = getattr(sample, "close", None)
         if callable(close):
             close()

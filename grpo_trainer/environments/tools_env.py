@@ -51,7 +51,6 @@ class ToolsEnvironment:
 
     name = NAME
     has_reward = False
-    takes_seed = False
 
     def __init__(self, box: ToolBox):
         self.box = box
