@@ -40,7 +40,7 @@ def turn(episode, text: str):
 
 def test_the_action_class_comes_from_steps_type_hint_and_becomes_one_tool():
     env = environment()
-    assert env.action_cls.__name__ == "GuessAction" and env.has_reward and env.takes_seed
+    assert env.action_cls.__name__ == "GuessAction" and env.has_reward
     assert env.tools == [{"type": "function", "function": {
         "name": "guess", "description": "Guess the number.",
         "parameters": {"type": "object", "properties": {"guess": {"title": "Guess", "type": "integer"}}, "required": ["guess"]}}}]

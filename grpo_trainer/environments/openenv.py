@@ -296,7 +296,6 @@ class OpenEnvEnvironment:
         self.codec = ActionCodec(action_cls.model_json_schema(), action_tool)
         self.tools = [self.codec.tool]
         self.text = ObservationText(observation_field)
-        self.takes_seed = "seed" in inspect.signature(env_cls.reset).parameters
         self._schemas: dict[type, dict[str, Any]] = {}
 
     def schema_of(self, observation_cls: type) -> dict[str, Any]:

@@ -401,7 +401,6 @@ class OpenEnvRemote:
     """`environment.url`: the server, its schemas and this rank's sessions (the `Environment` protocol)."""
 
     has_reward = True
-    takes_seed = True  # sent with every reset; the server passes it if reset takes it
 
     def __init__(self, url: str, *, sessions: int, step_timeout: float, reconnect_timeout: float,
                  max_message_mb: float, action_tool: str | None = None, observation_field: str | None = None):
