@@ -31,6 +31,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout.tools import parse_tool_calls
 from helpers import ROOT, free_port
 from openenv_loop import END, WON, call, check_a_won_episode, play
+import openenv_overlay
 from openenv_overlay import overlay_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("openenv")]  # slow: OpenEnv servers, a child pytest
@@ -76,6 +77,26 @@ def servers(overlay, tmp_path_factory):
     proc = start_server(overlay, ports, tmp_path_factory.mktemp("openenv") / "server.log")
     yield [f"openenv+ws://127.0.0.1:{port}" for port in ports]
     stop(proc)
+
+
+def test_an_overlay_that_cannot_be_built_skips_the_tests_or_fails_them_under_make_test(overlay, monkeypatch, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text(f"{tmp_path / 'missing-0.1-py3-none-any.whl'}\n")  # fails before any index is asked
+    with pytest.raises(subprocess.CalledProcessError):
+        openenv_overlay.build(bad)
+    assert (overlay / ".installed").read_text() == openenv_overlay.REQUIREMENTS.read_text()  # the overlay is intact
+    assert not list(overlay.parent.glob("openenv-overlay.*/"))  # and no half-built folder is left
+
+    def broken():
+        raise subprocess.CalledProcessError(2, ["uv"], stderr="error: Failed to fetch: `https://pypi.org/simple/openenv/`")
+
+    monkeypatch.setattr(openenv_overlay, "build", broken)
+    monkeypatch.delenv(openenv_overlay.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"could not be built from openenv-overlay.txt: error: Failed to fetch"):
+        openenv_overlay.overlay_or_skip()
+    monkeypatch.setenv(openenv_overlay.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=r"GRPO_TRAINER_REQUIRE_OPENENV=1: `make test` needs OpenEnv"):
+        openenv_overlay.overlay_or_skip()
 
 
 def remote(url: str, sessions: int = 2, step_timeout: float = 1.0, reconnect_timeout: float = 5.0, **kw) -> OpenEnvRemote:
