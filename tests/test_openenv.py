@@ -281,6 +281,7 @@ def test_remote_episodes_through_the_loop(servers, tiny_model_path):
     again, tokenizer = play(env, WON, step_timeout=0.5)  # two new sessions (the hung steps still hold two slots)
     check_a_won_episode(again, tokenizer)
     env.close()
+    assert not [m for m in sys.modules if m.split(".")[0] in ("openenv", "fastmcp")]  # the remote kind needs no openenv
 
 
 def test_a_run_trains_against_an_openenv_server_from_the_cli(servers, tmp_path):
