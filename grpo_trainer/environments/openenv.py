@@ -30,8 +30,11 @@ import json
 import math
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..rollout.tools import ToolCall, ToolResult
@@ -260,7 +263,7 @@ class OpenEnvEpisode(OpenEnvTurns):
         try:
             action = self.env.action_cls.model_validate(payload)
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
+            errors: Any = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
             return format_validation_errors(errors)
         return self._observe(self.obj.step(action), "step")
 
@@ -287,7 +290,7 @@ class OpenEnvEnvironment:
 
     has_reward = True  # OpenEnv observations carry rewards
 
-    def __init__(self, env_cls: Callable[..., Any], action_cls: type, name: str, kwargs: dict[str, Any], *,
+    def __init__(self, env_cls: Callable[..., Any], action_cls: Any, name: str, kwargs: dict[str, Any], *,
                  action_tool: str | None = None, observation_field: str | None = None):
         self.env_cls = env_cls
         self.action_cls = action_cls
@@ -298,7 +301,7 @@ class OpenEnvEnvironment:
         self.text = ObservationText(observation_field)
         self._schemas: dict[type, dict[str, Any]] = {}
 
-    def schema_of(self, observation_cls: type) -> dict[str, Any]:
+    def schema_of(self, observation_cls: Any) -> dict[str, Any]:
         if observation_cls not in self._schemas:
             self._schemas[observation_cls] = observation_cls.model_json_schema()
         return self._schemas[observation_cls]
@@ -310,7 +313,7 @@ class OpenEnvEnvironment:
         pass
 
 
-def action_class_of(env_cls: type, name: str) -> type:
+def action_class_of(env_cls: Any, name: str) -> Any:
     """The Action class `step` takes: its `action` parameter's type hint, else the first type argument of
     `Environment[ActT, ObsT, StateT]` among the class's bases; ConfigError when neither names a pydantic model."""
     candidates = []
@@ -334,6 +337,7 @@ def build(cfg: Config) -> OpenEnvEnvironment:
     from ..user_functions import resolve_function
 
     env = cfg.environment
+    assert env.openenv is not None, "built for environment.openenv only (environments.build_environment)"
     name = f"environment.openenv {env.openenv}"
     env_cls = resolve_function(env.openenv, "environment.openenv", "environment", ConfigError)
     for method in ("reset", "step"):

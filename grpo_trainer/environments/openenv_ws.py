@@ -35,15 +35,21 @@ import logging
 import threading
 import time
 import urllib.error
-import weakref
 import urllib.request
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, TrainingError
 from . import EpisodeSpec, ProtocolBreach
 from .openenv import (
-    RESERVED_FIELDS, ActionCodec, ObservationText, Observed, OpenEnvTurns, check_observation, format_validation_errors,
+    RESERVED_FIELDS,
+    ActionCodec,
+    ObservationText,
+    Observed,
+    OpenEnvTurns,
+    check_observation,
+    format_validation_errors,
 )
 
 if TYPE_CHECKING:
@@ -419,7 +425,7 @@ class OpenEnvRemote:
         if observation_field is not None and observation_field not in shown:
             raise ConfigError(f"environment.observation_field {observation_field!r}: the observation of {url} has no such "
                               f"field ({', '.join(shown)})")
-        self._pool_options = dict(sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
+        self._pool_options: dict[str, Any] = dict(sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
                                   max_message_mb=max_message_mb)
         self._pool: OpenEnvSessions | None = None
         self._opening = threading.Lock()
@@ -451,6 +457,7 @@ class OpenEnvRemote:
 
 def build(cfg: Config) -> OpenEnvRemote:
     env = cfg.environment
+    assert env.url is not None, "built for environment.url only (environments.build_environment)"
     return OpenEnvRemote(env.url, sessions=env.concurrency, step_timeout=env.step_timeout,
                          reconnect_timeout=env.reconnect_timeout, max_message_mb=env.max_message_mb,
                          action_tool=env.action_tool, observation_field=env.observation_field)
