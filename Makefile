@@ -24,12 +24,11 @@ PYTEST_WORKERS ?= 2
 
 venv: $(STAMP)
 
-# Installs go through uv (from PyPI, into the venv): measured here on a fresh venv, demo + test dependencies
-# took 55 s with uv (cold cache) against 138 s with pip (warm cache); 85 s with --compile-bytecode (warm uv cache).
-# pip only bootstraps torch and uv.
-# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (it is on these
-# machines) Python never writes them either, so every process compiled transformers, DeepSpeed and vLLM from
-# source again: `import deepspeed` took 10.4 s instead of 4.8 s, `import transformers` 4.1 s instead of 1.9 s.
+# Installs go through uv (from PyPI, into the venv): it resolves and installs the demo and test dependencies in
+# less than half pip's time; pip only bootstraps torch and uv.
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set Python never writes
+# them either, so every process would compile transformers, DeepSpeed and vLLM from source again, doubling
+# their import time. (Both measured: docs/performance.md, "The demo, the install and the test suite".)
 UV := $(PY) -m uv pip install -q --compile-bytecode --python $(PY) -c $(CONSTRAINTS)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -51,7 +50,7 @@ $(VLLM_STAMP): $(STAMP)
 test: $(STAMP) $(if $(VLLM),$(VLLM_STAMP))
 	GRPO_TRAINER_REQUIRE_VLLM=$(if $(VLLM),1,0) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)
 
-# The tests that run in this process (no CLI runs, launches, sandboxes, vLLM): the developer's loop, under 3 minutes.
+# The tests that run in this process (no CLI runs, launches, sandboxes, vLLM): the developer's loop.
 # `make test` runs them too, with the ones marked slow (tests/conftest.py says what is marked and why).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 $(PYTEST_ARGS)

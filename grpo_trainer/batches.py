@@ -51,6 +51,7 @@ class MicroBatch:
     sampling_logp: torch.Tensor | None = None  # [mb, C] the sampler's own log-probs (vLLM engines)
     old_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when train.policy_moves_within_step
     ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.kl_on
+    teacher_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.teacher_on
     entropy_mask: torch.Tensor | None = None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
     mini_batch: int = 0  # the optimizer step (within one pass over the batch) this micro-batch belongs to
     rows: list[int] = field(default_factory=list)  # this rank's completions in it, in order; empty for a filler

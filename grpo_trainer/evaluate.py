@@ -42,12 +42,13 @@ import torch
 
 from .config import Config
 from .data import LOCAL_FORMATS
+from .environments import build_environment
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
 from .rollout import sampling_settings
 from .rollout.hf import HFEngine
-from .rollout.multi_turn import with_tools
-from .rollout.tools import build_toolbox
+from .rollout.multi_turn import with_environment
+from .seeds import mix_seed
 from .task import Task, load_task
 
 logger = logging.getLogger("grpo_trainer")
@@ -143,9 +144,10 @@ def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_p
     if s.source == cfg.data.source and (s.split == cfg.data.split or one_split):
         logger.warning("eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split", s.source, s.split)
     try:
-        toolbox = build_toolbox(cfg.rollout)
+        environment = build_environment(cfg)
         return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split, policy_dtype=cfg.model.dtype,
-                         tools=toolbox and toolbox.schemas)
+                         tools=environment.tools or None if environment else None, environment=environment,
+                         environment_config=cfg.environment)
     except DataError as exc:
         raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
 
@@ -185,7 +187,7 @@ def evaluate_model(
     engine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                       share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
                       kernel_plan=kernel_plan)
-    engine = with_tools(engine, build_toolbox(cfg.rollout), tokenizer, cfg, sampling)  # evaluated as trained
+    engine = with_environment(engine, tokenizer, cfg, sampling)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
@@ -197,7 +199,10 @@ def evaluate_model(
         torch.manual_seed(cfg.seed)
         for start in range(0, prompts_total, per_batch):
             indices = list(range(start, min(start + per_batch, prompts_total)))
-            rollout = engine.generate(task.prompt_ids(indices), s.k)
+            extra = {}
+            if getattr(engine, "needs_episodes", False):  # eval's own seeds: step 0 is never a training step
+                extra["episodes"] = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
+            rollout = engine.generate(task.prompt_ids(indices), s.k, **extra)
             scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
             both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
             chunks.append(both.view(len(indices), s.k, -1))

@@ -6,7 +6,7 @@ what is freed at the top of the heap, and blocks above its mmap threshold (128 K
 the CPU frees a lot in the middle of the heap: the rollout's KV cache and reordered weights, a forward pass's
 activations, the backward's activation gradients. The next phase then allocates elsewhere in the heap, and the
 process's resident memory is, phase after phase, what is in use now plus what any earlier phase left free.
-For SmolLM2-135M that was 0.3-0.45 GiB above what was in use at every plateau of the step (docs/performance.md,
+For SmolLM2-135M that is hundreds of MiB above what is in use at every plateau of the step (docs/performance.md,
 "Where the peak is").
 
 `HeapTrimmer` calls `malloc_trim(0)`, which hands every whole free page inside the heap back to the system
@@ -55,7 +55,8 @@ class HeapTrimmer:
 
     LAYER_STRIDE = 6  # decoder layers between trims in the backward: SmolLM2's 30 layers, 5 trims
     # Below this much of weights the trimmer is off by default: a tiny model's heap is small, while each trim
-    # walks the whole process's heap (the embedded demo: 12% of its 0.09 s step; SmolLM2, 513 MiB: ~5%).
+    # walks the whole process's heap: on a small model its time is a large share of a short step
+    # (docs/performance.md, "Where the peak is").
     MIN_WEIGHT_BYTES = 64 * 2**20
 
     def __init__(self, enabled: bool):

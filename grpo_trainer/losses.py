@@ -533,6 +533,21 @@ def aggregate(
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+def teacher_advantage(teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage term [B, T] (detached), added to the group advantage:
+
+        coef * (log pi_teacher(y_t) - log mu(y_t))
+
+    for the sampled token y_t, mu the policy that sampled it. Its expectation over mu's samples is -coef times
+    the per-token reverse KL(mu || pi_teacher), so a policy-gradient step on it lowers that KL: the dense reward of
+    on-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+    Self-Generated Mistakes" (GKD), arXiv 2306.13649, with its reverse-KL divergence; Lu & Thinking Machines Lab
+    2025, "On-Policy Distillation": the per-token reverse KL as the advantage, no discounting). Each token is
+    rewarded for itself (no sum over later tokens) and the term is not scaled with the group's rewards. 0 off the
+    `mask` (padding, masked completions)."""
+    return (coef * (teacher_logp - behaviour_logp) * mask).detach()
+
+
 def importance_weight(
     old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float, mode: str = "token_truncate",
     floor: float | None = None,

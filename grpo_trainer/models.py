@@ -603,3 +603,16 @@ def check_packing_support(lm) -> None:
             f"train.packing: {type(base).__name__} has sliding-window attention layers ({sliding[:1] or 'sliding_window'}); "
             "packing builds one full-attention mask; set train.packing=false"
         )
+
+
+def check_same_vocabulary(policy_tokenizer, other_tokenizer, what: str) -> None:
+    """Refuse a second model (a teacher) whose tokenizer maps tokens to ids differently from the policy's: its
+    log-prob of a sampled id would be of another token. Vocabularies are compared, not configs: models of one
+    family can share a tokenizer while their `vocab_size` (padded embedding rows) differs."""
+    mine, theirs = policy_tokenizer.get_vocab(), other_tokenizer.get_vocab()
+    if mine == theirs:
+        return
+    differ = sorted(token for token in mine.keys() | theirs.keys() if mine.get(token) != theirs.get(token))
+    shown = ", ".join(f"{t!r}: {mine.get(t)} vs {theirs.get(t)}" for t in differ[:3])
+    raise ConfigError(f"{what}: its tokenizer's vocabulary differs from the policy's ({len(mine)} vs {len(theirs)} "
+                      f"tokens; {len(differ)} differ, e.g. {shown}): a teacher must share the policy's tokenizer")

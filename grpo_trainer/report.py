@@ -33,7 +33,7 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
     step_metrics = stats.metrics(
         batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.kl_on,
         with_sampler_gap=with_sampler_gap, tis_mode=run.cfg.loss.tis_mode if corrected else None,
-        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None,
+        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None, with_teacher=run.cfg.loss.teacher_on,
     )
     return {
         "step": step,
@@ -116,15 +116,20 @@ class ProgressBar:
     sum of advantage-weighted terms that are ~0 on average by construction, so it says nothing at a glance.
     """
 
-    def __init__(self, cfg: Config, is_main: bool, start_step: int):
+    def __init__(self, cfg: Config, is_main: bool):
         self.enabled = is_main
         self.bar = None
+        self.shown = is_main and cfg.logging.progress_bar
+        self.max_steps = cfg.train.max_steps
         self.with_kl = cfg.loss.kl_on
         self.with_clip = cfg.train.policy_moves_within_step
-        if is_main and cfg.logging.progress_bar:
+
+    def start(self, step: int) -> None:
+        """Show the bar from `step`, the last one done (a resumed run's bar continues where the run stopped)."""
+        if self.shown:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
     def summary(self, record: dict) -> dict[str, str]:
         summary = {"reward": f"{record['reward']:.3f}", "len": f"{record['completions/mean_length']:.1f}"}

@@ -51,7 +51,8 @@ BUILTIN_REWARDS = {
 }
 BUILTIN_PACKAGE = "grpo_trainer._builtin_rewards"
 BUILTIN_FOLDER = Path(__file__).resolve().parent.parent / "rewards"  # installed beside grpo_trainer/
-STANDARD_ARGS = ("prompts", "completions", "completion_ids", "tool_calls")  # tool_calls: with rollout.tools only
+# tool_calls: multi-turn only; environments, episodes: with `environment:` only
+STANDARD_ARGS = ("prompts", "completions", "completion_ids", "tool_calls", "environments", "episodes")
 
 
 @dataclass

@@ -107,6 +107,8 @@ class PromptSource(Protocol):
 
     def prompt_ids(self, indices: list[int]) -> list[list[int]]: ...
 
+    def episode_spec(self, index: int, group_seed: int, episode_id: str) -> Any: ...
+
 
 @dataclass
 class _Batch:
@@ -351,13 +353,17 @@ class RolloutQueue:
         if queued and self._broken:
             raise WeightsLost([], version, "not sampled: an earlier queued generation failed")
         g = self.geometry.group_size
-        seeds = None
-        if self.settings.seed_per_prompt:
-            first = self.geometry.rank * self.geometry.prompts_per_rank
-            seeds = [mix_seed(self.settings.seed, step, draw, first + j) for j in (positions or range(len(mine)))]
+        first = self.geometry.rank * self.geometry.prompts_per_rank
+        places = [first + j for j in (positions or range(len(mine)))]  # in the whole batch: rank-independent
+        seeds = [mix_seed(self.settings.seed, step, draw, p) for p in places] if self.settings.seed_per_prompt else None
+        # Environments reset from the row and a seed of the group's, whether or not sampling is seeded per prompt.
+        extra = {}
+        if getattr(self.engine, "needs_episodes", False):
+            extra["episodes"] = [self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
+                                 for i, p in zip(mine, places)]
         with self._sampling():
             try:
-                rollout = self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds) if mine else Rollout([], [])
+                rollout = self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds, **extra) if mine else Rollout([], [])
             except BaseException:
                 self._broken = self._broken or queued
                 raise

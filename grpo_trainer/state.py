@@ -1,12 +1,10 @@
-"""What lives for the whole run, built once: `build_run(cfg) -> Run`, then `resume(run)`, and `finish(run)`.
+"""What lives for the whole run, built once: `build_run(cfg) -> Run`, then `resume(run) -> TrainState`, and
+`finish(run)`.
 
-Everything a step's phases read comes from the `Run`: the accelerator and its
-collectives, the batch geometry, the tokenizer, the policy (wrapped by
-Accelerate), the reference, the optimizer and schedule, the rollout engine, the
-task (prompts + rewards), the prompt sampler, the rollout queue and the writers. Counters that
-change during the run and go into checkpoints (`start_step`,
-`nonfinite_in_a_row`, the adaptive entropy coefficient `entropy_control`)
-live here too.
+The `Run` holds the components a step's phases work with, frozen: the accelerator and its collectives, the batch
+geometry, the tokenizer, the policy (wrapped by Accelerate), the reference, the optimizer and schedule, the
+rollout engine, the task (prompts + rewards), the prompt sampler, the rollout queue and the writers. What a step
+changes and a checkpoint saves is a `train_state.TrainState`, handed from step to step by the loop.
 
 Order matters for exact resume and for "same seed, same run": every rank seeds
 identically before any model is loaded (so random inits agree), and only after
@@ -17,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +25,31 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import Config
 from .data import PromptSampler
+from .environments import build_environment
 from .errors import TrainingError
 from .evaluate import load_eval_task
 from .geometry import Geometry, batch_geometry
 from .host_memory import HeapTrimmer
-from .losses import EntropyControl
 from .metrics import MetricsWriter
 from .model_card import setup_of, write_model_card
 from .preflight import run_preflight
 from .export import save_model
 from .optim import adamw_for
-from .models import (TokenLogprobs, base_model, check_packing_support, context_length, eos_token_ids, is_lora, load_causal_lm,
-                     load_tokenizer)
+from .models import (TokenLogprobs, base_model, check_packing_support, check_same_vocabulary, context_length, eos_token_ids,
+                     is_lora, load_causal_lm, load_tokenizer)
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.registry import build_engine
-from .rollout.tools import build_toolbox
 from .rollout.engines import engine_kind
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
+from .train_state import TrainState
 from .trackers import start_trackers
 
 logger = logging.getLogger("grpo_trainer")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     cfg: Config
     accelerator: Any
@@ -60,6 +58,7 @@ class Run:
     tokenizer: Any
     policy: Any  # TokenLogprobs, as Accelerate prepared it (DDP / DeepSpeed engine / plain)
     reference: TokenLogprobs | None  # None with beta = 0, and for LoRA (the adapter-disabled policy serves)
+    teacher: TokenLogprobs | None  # loss.teacher_kl > 0: the frozen model that scores every sampled token
     optimizer: Any
     scheduler: Any  # stepped by us, not by Accelerate (its wrapper would step once per process)
     engine: RolloutEngine
@@ -68,17 +67,9 @@ class Run:
     metrics: MetricsWriter
     trackers: list[str]  # Accelerate trackers (tensorboard, wandb); jsonl is `metrics`, always on
     rollouts: RolloutQueue  # what is sampled when, with which weights; the pushes
+    progress: ProgressBar  # started by `resume`, at the step the run continues from
+    heap_trimmer: HeapTrimmer  # called where a phase's peak begins (host_memory.py)
     eval_task: Task | None = None  # when eval.every > 0
-    progress: ProgressBar | None = None
-    start_step: int = 0
-    nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient
-    unscored_in_a_row: int = 0  # steps in a row in which no reward scored any completion (update.check_scored)
-    entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (adapted under entropy_target)
-    # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything and
-    # saved in every checkpoint: with the config and seed they name the run's samples (rollout/kernels.py).
-    decode_kernels: dict[str, str] = field(default_factory=dict)
-    # called where a phase's peak begins (host_memory.py)
-    heap_trimmer: HeapTrimmer = field(default_factory=lambda: HeapTrimmer(enabled=False))
 
     @property
     def output_dir(self) -> Path:
@@ -124,12 +115,14 @@ def build_run(cfg: Config) -> Run:
     lm = load_causal_lm(cfg.model)
     if cfg.train.packing:
         check_packing_support(lm)
-    toolbox = build_toolbox(cfg.rollout)
+    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=environment.tools or None if environment else None, environment=environment,
+                     environment_config=cfg.environment)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
+    teacher = _teacher(cfg, accelerator, tokenizer)
     comm = distributed.Collectives(accelerator)
 
     def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
@@ -144,7 +137,7 @@ def build_run(cfg: Config) -> Run:
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
-        toolbox=toolbox,
+        environment=environment,
         lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
@@ -157,15 +150,14 @@ def build_run(cfg: Config) -> Run:
         engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler,
         push=weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints),
     )
-    run = Run(
+    return Run(
         cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
-        tokenizer=tokenizer, policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler,
-        engine=engine, task=task, sampler=sampler,
+        tokenizer=tokenizer, policy=policy, reference=reference, teacher=teacher, optimizer=optimizer,
+        scheduler=scheduler, engine=engine, task=task, sampler=sampler,
         metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, rollouts=rollouts,
-        eval_task=eval_task, entropy_control=EntropyControl(cfg.loss.entropy_coef),
+        progress=ProgressBar(cfg, accelerator.is_main_process), heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
+        eval_task=eval_task,
     )
-    run.heap_trimmer = _heap_trimmer(cfg, accelerator, lm)
-    return run
 
 
 def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
@@ -223,8 +215,21 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     return reference.to(accelerator.device).eval().requires_grad_(False)
 
 
-def resume(run: Run) -> None:
-    """Continue from the checkpoint `checkpoint.resume` picks (if any), then open the run's outputs."""
+def _teacher(cfg: Config, accelerator, tokenizer) -> TokenLogprobs | None:
+    """The frozen teacher (loss.teacher_kl), scored like the reference: a whole copy per rank, log-probs in chunks.
+    Its tokenizer must map every token as the policy's does: its log-prob of the sampled ids is the reward."""
+    if cfg.teacher is None:
+        return None
+    teacher_cfg = cfg.teacher.as_model(cfg.model)
+    check_same_vocabulary(tokenizer, load_tokenizer(teacher_cfg), f"teacher.name_or_path {cfg.teacher.name_or_path}")
+    teacher = TokenLogprobs(load_causal_lm(teacher_cfg), cfg.rollout.temperature, cfg.model.logprob_chunk_size,
+                            cfg.model.share_prompt, chunk_agreement(accelerator))
+    return teacher.to(accelerator.device).eval().requires_grad_(False)
+
+
+def resume(run: Run) -> TrainState:
+    """The state to continue from: the checkpoint's that `checkpoint.resume` picks (its model, optimizer, sampler
+    and queue positions loaded into the components), or a fresh one; then the run's outputs are opened."""
     cfg, accelerator = run.cfg, run.accelerator
     found, damaged = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
     for note in damaged if accelerator.is_main_process else []:
@@ -237,30 +242,28 @@ def resume(run: Run) -> None:
         ):
             (logger.info if harmless else logger.warning)("changed on resume: %s", note)
         ckpt.load_checkpoint(accelerator, found)
+        state = TrainState.restored(saved, cfg.loss.entropy_coef, adaptive_entropy=cfg.loss.entropy_target is not None)
         run.sampler.load_state_dict(saved["sampler"])
-        run.start_step = int(saved["step"])
-        run.rollouts.load_state_dict(saved.get("rollout_queue", {}), run.start_step)
-        run.nonfinite_in_a_row = int(saved.get("nonfinite_in_a_row", 0))
-        run.unscored_in_a_row = int(saved.get("unscored_in_a_row", 0))
-        if cfg.loss.entropy_target is not None and "entropy_control" in saved:  # a fixed coefficient is the config's
-            run.entropy_control = EntropyControl(**saved["entropy_control"])
+        run.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step)
         run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
-        logger.info("resumed from %s at step %d", found, run.start_step)
+        logger.info("resumed from %s at step %d", found, state.step)
         recorded = saved.get("decode_kernels")
     else:
         if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
             logger.warning("starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
                            run.output_dir, cfg.checkpoint.resume)
+        state = TrainState.fresh(cfg.loss.entropy_coef)
         run.metrics.restore("")
         recorded = None
-    run.decode_kernels = settle_decode_kernels(run, recorded)
+    state = replace(state, decode_kernels=settle_decode_kernels(run, recorded))
     if accelerator.is_main_process:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
-        record_decode_kernels(run.output_dir, run.decode_kernels, accelerator.device.type)
+        record_decode_kernels(run.output_dir, state.decode_kernels, accelerator.device.type)
         ckpt.remove_incomplete(run.output_dir)
     start_trackers(accelerator, cfg, flat_hparams(cfg))
-    run.progress = ProgressBar(cfg, accelerator.is_main_process, run.start_step)
+    run.progress.start(state.step)
+    return state
 
 
 def decode_reach(cfg: Config, geometry: Geometry, task: Task, eval_task: Task | None) -> tuple[int, int]:
@@ -313,31 +316,29 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
         return {}, {}
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
-    toolbox = build_toolbox(cfg.rollout)
+    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
     task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=toolbox and toolbox.schemas)
+                     tools=environment.tools or None if environment else None, environment=environment,
+                     environment_config=cfg.environment)
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)
     return before, plan_decode_kernels(lm, rows, context, remeasure=True) if remeasure else before
 
 
-def save_checkpoint(run: Run, step: int, history: str) -> None:
-    """Every rank calls this (the save is collective); `history` is the metrics file as of this step."""
-    state = {
+def save_checkpoint(run: Run, state: TrainState, history: str) -> None:
+    """Every rank calls this (the save is collective) after `state.step`; `history` is the metrics file as of it.
+    One record: the state, the sampler's and the queue's positions, what the resume checks compare."""
+    trainer_state = {
+        **state.saved(),
         "sampler": run.sampler.state_dict(),
-        "nonfinite_in_a_row": run.nonfinite_in_a_row,
-        "unscored_in_a_row": run.unscored_in_a_row,
-        "entropy_control": asdict(run.entropy_control),
         "world_size": run.geometry.world,
         "config": run.cfg.model_dump(mode="json"),
-        "decode_kernels": run.decode_kernels,
     }
     if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
-        state["rollout_queue"] = run.rollouts.state_dict()
-    ckpt.save_checkpoint(
-        run.accelerator, run.output_dir, step, state, run.cfg.checkpoint.keep_last, files={ckpt.METRICS_HISTORY: history}
-    )
+        trainer_state["rollout_queue"] = run.rollouts.state_dict()
+    ckpt.save_checkpoint(run.accelerator, run.output_dir, state.step, trainer_state, run.cfg.checkpoint.keep_last,
+                         files={ckpt.METRICS_HISTORY: history})
 
 
 def finish(run: Run) -> None:

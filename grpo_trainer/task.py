@@ -8,14 +8,17 @@ messages for conversational data, every dataset column as a keyword list).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .config import DataConfig, RewardConfig
-from .data import PromptSet, build_prompt_set, is_conversational, load_records
-from .errors import DataError
+from .config import DataConfig, EnvironmentConfig, RewardConfig
+from .data import PromptSet, build_prompt_set, format_prompt, is_conversational, load_records
+from .environments import Environment, EpisodeSpec, environment_seed
+from .environments.scoring import REWARD_NAME, apply_on_error, environment_reward
+from .errors import ConfigError, DataError
 from .rewards import STANDARD_ARGS, Reward, RewardBatch, compute_rewards, load_rewards
 from .rollout import Rollout
 
@@ -30,6 +33,10 @@ class Task:
     prompt_column: str
     answer_column: str
     conversational: bool  # message-list prompts: completions reach the rewards as message lists too (TRL's rule)
+    on_error: str = "zero"  # environment.on_error: how episodes the environment failed are scored
+    data: DataConfig | None = None  # for prompts extended by an environment's reset text
+    tools: list[dict[str, Any]] | None = None  # the tool schemas the prompts show
+    max_context: int | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -37,11 +44,34 @@ class Task:
     def prompt_ids(self, indices: list[int]) -> list[list[int]]:
         return [self.prompts.token_ids[i] for i in indices]
 
+    def episode_spec(self, index: int, group_seed: int, episode_id: str) -> EpisodeSpec:
+        """What the episodes of prompt `index` start from: its row, the environment seed of a group whose sampling
+        seed would be `group_seed`, and the prompt extended by a reset text."""
+        return EpisodeSpec(self.prompts.records[index], environment_seed(group_seed), episode_id,
+                           functools.partial(self.extend_prompt, index))
+
+    def extend_prompt(self, index: int, text: str) -> list[int]:
+        """Prompt `index` with `text` appended to its (last) user message (TRL's rule for reset texts), formatted and
+        tokenized as the prompts are; a DataError if it no longer fits."""
+        prompt = self.prompts.records[index][self.prompt_column]
+        if isinstance(prompt, str):
+            prompt = prompt + text
+        else:
+            prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + text}]
+        formatted = format_prompt(self.data, self.tokenizer, prompt, index, self.tools)
+        ids = self.tokenizer(formatted, add_special_tokens=not self.data.use_chat_template)["input_ids"]
+        limit = self.data.max_prompt_length or self.max_context
+        if limit and len(ids) > limit:
+            raise DataError(f"record {index}: with the environment's reset text the prompt has {len(ids)} tokens, more than {limit}")
+        return ids
+
     def score(self, prompt_rows: list[int], rollout: Rollout) -> RewardBatch:
         """Rewards of completion j, which continues prompt `prompt_rows[j]`.
 
-        A multi-turn completion (rollout.tools) reaches the rewards as its messages, whatever the prompt's form,
-        with its tool-call count as `tool_calls`."""
+        A multi-turn completion (rollout.tools, environments) reaches the rewards as its messages, whatever the
+        prompt's form, with its tool-call count as `tool_calls`; an episode also as `environments` (what its
+        environment's snapshot() gave: TRL's objects) and `episodes` (its EpisodeRecord). Episodes the environment
+        failed are then scored by environment.on_error (environments/scoring.py)."""
         columns = self.prompts.reward_columns(prompt_rows, self.answer_column)
         if rollout.conversations is not None:
             completions: list[Any] = rollout.conversations
@@ -49,26 +79,44 @@ class Task:
         else:
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-        return compute_rewards(
+        if rollout.episodes is not None:
+            environments = rollout.environments or [None] * len(rollout.episodes)
+            columns = {**columns, "environments": environments, "episodes": rollout.episodes}
+        batch = compute_rewards(
             self.rewards,
             prompts=[self.prompts.records[i][self.prompt_column] for i in prompt_rows],
             completions=completions,
             completion_ids=rollout.completion_ids,
             columns=columns,
         )
+        if rollout.episodes is not None:
+            apply_on_error(batch, rollout.episodes, self.on_error)
+        return batch
 
 
 def load_task(
     data: DataConfig, rewards: list[RewardConfig], tokenizer, max_context: int | None, split: str | None = None,
     policy_dtype: str = "float32", tools: list[dict[str, Any]] | None = None,
+    environment: Environment | None = None, environment_config: EnvironmentConfig | None = None,
 ) -> Task:
     """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training.
 
     `policy_dtype` (the policy's model.dtype) is the dtype of reward models whose own `dtype` is `auto`;
-    `tools` (rollout.tools' schemas) are shown to the model through the chat template.
+    `tools` (rollout.tools' schemas) are shown to the model through the chat template. With an `environment`
+    (built from `environment_config`, the `environment` section), its tools are shown instead and its own reward,
+    if it has one, is one more reward (environments/scoring.py).
     """
     records = load_records(data, split=split)
     reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)
+    on_error = "zero"
+    if environment is not None and environment_config is not None and environment_config.kind is not None:
+        tools, on_error = environment.tools or None, environment_config.on_error
+        if environment.has_reward:
+            if REWARD_NAME in [r.name for r in reward_fns]:
+                raise ConfigError(f"rewards: the name {REWARD_NAME!r} is the environment's own reward; give yours an alias")
+            reward_fns.append(environment_reward(environment_config.reward_weight))
+        if not reward_fns:
+            raise ConfigError(f"rewards: none configured, and {environment.name} has no get_reward(): nothing scores the episodes")
     records = rows_every_reward_can_score(records, reward_fns, data)
     return Task(
         prompts=build_prompt_set(data, tokenizer, records, max_context, tools),
@@ -77,6 +125,10 @@ def load_task(
         prompt_column=data.prompt_column,
         answer_column=data.answer_column,
         conversational=is_conversational(records, data.prompt_column),
+        on_error=on_error,
+        data=data,
+        tools=tools,
+        max_context=max_context,
     )
 
 

@@ -20,7 +20,8 @@ One step, as named phases (each a function with a typed input and output):
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
     then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
 
-What lives for the whole run is one `state.Run`, built once by `state.build_run`.
+What lives for the whole run is one frozen `state.Run` of components, built once by `state.build_run`; what a
+step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py).
 Distribution is Accelerate's: every rank samples its own slice of the prompts,
 advantages are computed from the gathered rewards of the whole batch, and the
 loss of each micro-batch is scaled so that gradient accumulation and the
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +52,7 @@ from .metrics import PhaseTimer
 from .report import report, step_record
 from .preemption import StopRequests
 from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
+from .train_state import TrainState
 from .update import add_logprobs, check_scored, update
 
 logger = logging.getLogger("grpo_trainer")
@@ -74,49 +76,54 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
             return TrainResult(Path(cfg.output_dir), 0, finished, is_main)
         run = build_run(cfg)
         try:
-            resume(run)
-            run.rollouts.start(run.start_step)
+            state = resume(run)
+            start_step = state.step
+            run.rollouts.start(start_step)
             last: dict = {}
-            for step in range(run.start_step + 1, cfg.train.max_steps + 1):
-                last = train_step(run, step)
+            while state.step < cfg.train.max_steps:
+                last, state = train_step(run, state, state.step + 1)
                 if on_step_end is not None:
-                    on_step_end(step)
-                if step < cfg.train.max_steps and stop.agreed(run.comm):
-                    return preempt(run, step, last, stop.received)
+                    on_step_end(state.step)
+                if state.step < cfg.train.max_steps and stop.agreed(run.comm):
+                    return preempt(run, state, start_step, last, stop.received)
             finish(run)
         finally:
             run.heap_trimmer.unwatch()  # the model may be the caller's (grpo_trainer.train(model=...)): no hooks left
-    return TrainResult(run.output_dir, cfg.train.max_steps - run.start_step, last, run.is_main_process)
+    return TrainResult(run.output_dir, cfg.train.max_steps - start_step, last, run.is_main_process)
 
 
-def preempt(run: Run, step: int, last: dict, received) -> TrainResult:
-    """Stop after `step`: its checkpoint (unless one was just saved), writers and engine closed, no final model."""
+def preempt(run: Run, state: TrainState, start_step: int, last: dict, received) -> TrainResult:
+    """Stop after `state.step`: its checkpoint (unless one was just saved), writers and engine closed, no final
+    model."""
+    step = state.step
     if not checkpoint_due(run.cfg, step):
-        save_checkpoint(run, step, run.metrics.history_with(None))  # the step's record is in the file already
+        save_checkpoint(run, state, run.metrics.history_with(None))  # the step's record is in the file already
     stop_run(run)
     name = received.name if received is not None else "a signal on another rank"
     logger.warning("stopped by %s after step %d: checkpoint saved in %s; resume with checkpoint.resume=auto",
                    name, step, run.output_dir / "checkpoints")
-    return TrainResult(run.output_dir, step - run.start_step, last, run.is_main_process, preempted_by=name)
+    return TrainResult(run.output_dir, step - start_step, last, run.is_main_process, preempted_by=name)
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:
     return bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or step == cfg.train.max_steps
 
 
-def train_step(run: Run, step: int) -> dict:
-    """One GRPO step, phase by phase (see the module docstring); returns its metrics record."""
+def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState]:
+    """One GRPO step, phase by phase (see the module docstring), after `state`: its metrics record and the state
+    after it."""
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
     scored = collect(run, step, timer)
-    check_scored(run, scored, step)  # a step no reward scored: warned about, stopped after a few in a row
+    # a step no reward scored: warned about, stopped after a few in a row
+    state = replace(state, step=step, unscored_in_a_row=check_scored(run, scored, step, state.unscored_in_a_row))
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
     advantages = geometry.my_completions(all_advantages)  # [local_n]
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
-            run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
+            scored.rollout.prompt_ids or run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
             micro_batch_size=geometry.micro_batch_size,
             micro_batch_tokens=geometry.micro_batch_tokens,
             packing=cfg.train.packing,
@@ -128,10 +135,10 @@ def train_step(run: Run, step: int) -> dict:
         ).to(run.accelerator.device)
         add_logprobs(run, batch)
     with timer.phase("timing/update"):
-        stats = update(run, batch, step)
+        stats, state = update(run, batch, state)
     with timer.phase("timing/weight_sync"):
         run.rollouts.after_update(step)
-    eval_metrics = periodic_eval(run, step, timer)
+    eval_metrics = periodic_eval(run, state, timer)
     record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm),
                          {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()})
     if run.heap_trimmer.active:
@@ -140,31 +147,33 @@ def train_step(run: Run, step: int) -> dict:
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
     if checkpoint_due(cfg, step):
         tick = time.perf_counter()
-        save_checkpoint(run, step, run.metrics.history_with(record if log_this_step else None))
+        save_checkpoint(run, state, run.metrics.history_with(record if log_this_step else None))
         record["timing/checkpoint"] = time.perf_counter() - tick
     report(run, step, record, scored, advantages, log_this_step)
-    return record
+    return record, state
 
 
 def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
-    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
+    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values. Under
+    `loss.teacher_only` the rewards are only reported: the teacher's per-token term (update.py) is the advantage."""
     loss = run.cfg.loss
     per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
-    return batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
-                            scale=loss.scale_rewards, per_function=per_function, weights=weights)
+    advantages, stats = batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
+                                         scale=loss.scale_rewards, per_function=per_function, weights=weights)
+    return (torch.zeros_like(advantages) if loss.teacher_only else advantages), stats
 
 
 def skips_zero_advantage(cfg: Config) -> bool:
-    """Leave zero-advantage completions out of the passes: exact only without a KL or entropy term (both have a
-    gradient at A = 0) and for losses whose normaliser does not count the tokens present in a micro-batch
-    (losses.LossVariant)."""
+    """Leave zero-advantage completions out of the passes: exact only without a KL, entropy or teacher term (each
+    has a gradient at a group advantage of 0) and for losses whose normaliser does not count the tokens present in a
+    micro-batch (losses.LossVariant)."""
     return (cfg.train.skip_zero_advantage and not cfg.loss.kl_on and not cfg.loss.entropy_term
-            and cfg.loss.variant.exact_zero_advantage_skip)
+            and not cfg.loss.teacher_on and cfg.loss.variant.exact_zero_advantage_skip)
 
 
-def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
+def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, float]:
     """eval/... metrics every eval.every steps (a forked RNG: training's random stream is untouched).
 
     Every rank evaluates the same prompts with the same seed, in the same full-parameters context as sampling,
@@ -173,12 +182,12 @@ def periodic_eval(run: Run, step: int, timer: PhaseTimer) -> dict[str, float]:
     engine runs in lockstep as it does for rollouts: ranks whose kernels round differently may still end their
     completions at different lengths. The main process's results are logged.
     """
-    if not (run.cfg.eval.every and step % run.cfg.eval.every == 0):
+    if not (run.cfg.eval.every and state.step % run.cfg.eval.every == 0):
         return {}
     with timer.phase("timing/eval"):
         results = evaluate_model(
             run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False,
             full_parameters=lambda _lm: distributed.zero3_sampling_context(run.accelerator, run.policy),
-            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm), kernel_plan=run.decode_kernels,
+            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm), kernel_plan=dict(state.decode_kernels),
         )
     return results if run.is_main_process else {}

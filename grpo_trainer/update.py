@@ -17,6 +17,7 @@ import torch
 from . import distributed, losses
 from .batches import MicroBatch, TrainBatch
 from .errors import TrainingError
+from .train_state import TrainState
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -25,7 +26,8 @@ logger = logging.getLogger("grpo_trainer")
 def add_logprobs(run, batch: TrainBatch) -> None:
     """Per micro-batch, before any update: old log-probs (only when the sampling-time policy differs from the
     one being trained by some step, `train.policy_moves_within_step`: otherwise the old policy *is* the current
-    one), token entropies (only for top_entropy_quantile < 1) and reference log-probs (only when `loss.kl_on`)."""
+    one), token entropies (only for top_entropy_quantile < 1), reference log-probs (only when `loss.kl_on`) and
+    the teacher's (only when `loss.teacher_on`)."""
     cfg = run.cfg
     needs_old = cfg.train.policy_moves_within_step
     rho = cfg.loss.top_entropy_quantile
@@ -40,16 +42,22 @@ def add_logprobs(run, batch: TrainBatch) -> None:
             entropies.append(entropy)
         if cfg.loss.kl_on:
             mb.ref_logp = _reference_logprobs(run, mb.sequences)
+        if cfg.loss.teacher_on:
+            mb.teacher_logp = run.teacher(**mb.sequences)[0]
     if rho < 1:
-        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho))
+        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho,
+                                                        per_token_advantages=cfg.loss.teacher_on))
 
 
-def select_high_entropy_tokens(comm, batch: TrainBatch, entropies: list[torch.Tensor], rho: float) -> dict[str, float]:
+def select_high_entropy_tokens(
+    comm, batch: TrainBatch, entropies: list[torch.Tensor], rho: float, per_token_advantages: bool = False
+) -> dict[str, float]:
     """Set each micro-batch's `entropy_mask`: 1 on the top-rho highest-entropy tokens of the whole batch (all
     ranks), ranked among the tokens that can carry policy gradient (kept, of a completion with advantage != 0:
-    the same set whether or not zero-advantage completions skip the passes). One threshold for the batch, from
-    the sampling-time policy, so the selection does not depend on micro-batches, mini-batches or ranks."""
-    ranked = [(mb.mask > 0) & (mb.advantages[:, None] != 0) for mb in batch.micro_batches]
+    the same set whether or not zero-advantage completions skip the passes; every kept token where a per-token
+    term such as the teacher's joins the advantage). One threshold for the batch, from the sampling-time policy,
+    so the selection does not depend on micro-batches, mini-batches or ranks."""
+    ranked = [(mb.mask > 0) & ((mb.advantages[:, None] != 0) | per_token_advantages) for mb in batch.micro_batches]
     local = torch.cat([e[r].float().cpu() for e, r in zip(entropies, ranked)] + [torch.zeros(0)])
     everything = gather_ragged(comm, local).double()  # float32 -> float64 is exact: the same threshold as before
     threshold = losses.entropy_threshold(everything, rho)
@@ -98,6 +106,9 @@ class StepStats:
     logp_gap_max: torch.Tensor  # max of the same: reduced with max, not sum
     is_capped: torch.Tensor  # trained tokens whose rollout-correction ratio left [tis_min, tis_cap] (first iteration)
     off_policy_masked: torch.Tensor  # completions off-policy sequence masking left out (first iteration)
+    teacher_kl: torch.Tensor  # first iteration: sum over trained tokens of log mu - log pi_teacher (loss.teacher_kl)
+    teacher_term: torch.Tensor  # ... of |the teacher's advantage term|
+    group_term: torch.Tensor  # ... of |the group advantage| (the two sizes give the teacher's share)
     trained_tokens: torch.Tensor
     trained_completions: torch.Tensor
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
@@ -118,10 +129,10 @@ class StepStats:
 
     def metrics(
         self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None,
-        off_policy_masking: bool = False,
+        off_policy_masking: bool = False, with_teacher: bool = False,
     ) -> dict:
         """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric),
-        `off_policy_masking` when loss.off_policy_mask_threshold is set."""
+        `off_policy_masking` when loss.off_policy_mask_threshold is set, `with_teacher` under loss.teacher_kl."""
         tokens, trained = max(total_tokens, 1), max(float(self.trained_tokens), 1)
         out = {
             "loss": float(self.loss),
@@ -144,19 +155,25 @@ class StepStats:
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
         if tis_mode is not None:
             out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = float(self.is_capped) / trained
+        if with_teacher:  # the sampled per-token reverse KL(mu || teacher), and the teacher term's part of |A|
+            out["teacher/reverse_kl"] = float(self.teacher_kl) / trained
+            out["teacher/advantage_share"] = float(self.teacher_term) / max(float(self.teacher_term + self.group_term), 1e-30)
         if off_policy_masking:
             out["sampling/off_policy_masked_fraction"] = float(self.off_policy_masked) / max(float(self.trained_completions), 1)
         return out
 
 
-def update(run, batch: TrainBatch, step: int) -> StepStats:
+def update(run, batch: TrainBatch, state: TrainState) -> tuple[StepStats, TrainState]:
     """`train.num_iterations` passes over the micro-batches, an optimizer step per mini-batch of each pass (the
-    micro-batches come ordered by mini-batch, `batch.window_sizes[k]` of them in mini-batch k on every rank)."""
-    cfg, geometry, accelerator = run.cfg, run.geometry, run.accelerator
+    micro-batches come ordered by mini-batch, `batch.window_sizes[k]` of them in mini-batch k on every rank), in
+    step `state.step`. Returns the step's statistics and the state after it: the non-finite streak, and the
+    entropy coefficient where it adapts."""
+    cfg, geometry, accelerator, step = run.cfg, run.geometry, run.accelerator, state.step
     iterations = cfg.train.num_iterations
     steps = iterations * geometry.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     stats = StepStats.zeros(accelerator.device, batch.trained_completions)
-    term = EntropyTerm.for_step(run, batch) if cfg.loss.entropy_term else None
+    term = EntropyTerm.for_step(run, batch, state.entropy_control) if cfg.loss.entropy_term else None
+    nonfinite = state.nonfinite_in_a_row
     window_loss = torch.zeros((), device=accelerator.device)  # the loss of the optimizer step being accumulated
     skip_idle = distributed.steps_without_backward(accelerator)
     for iteration in range(iterations):
@@ -164,7 +181,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             if i == 0 or mb.mini_batch != batch.micro_batches[i - 1].mini_batch:  # an optimizer step begins
                 distributed.start_accumulation(accelerator, batch.window_sizes[mb.mini_batch])
                 if batch.idle[mb.mini_batch] and skip_idle:
-                    _step_on_zero_gradients(run, stats, step)
+                    nonfinite = _step_on_zero_gradients(run, stats, step, nonfinite)
             if batch.idle[mb.mini_batch] and skip_idle:
                 continue
             with accelerator.accumulate(run.policy):
@@ -181,7 +198,7 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                 accelerator.backward(share * distributed.backward_divisor(accelerator) * geometry.world)
                 window_loss = window_loss + share.detach()
                 if accelerator.sync_gradients:
-                    _optimizer_step(run, stats, step, window_loss)
+                    nonfinite = _optimizer_step(run, stats, step, window_loss, nonfinite)
                     window_loss = torch.zeros_like(window_loss)
                 run.optimizer.zero_grad(set_to_none=True)
             # Averaged over iterations: clipping only happens once the policy has moved (a later iteration or
@@ -196,6 +213,9 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
             if iteration == 0:
                 stats.is_capped += parts.get("is_capped", 0.0)
                 stats.off_policy_masked += parts.get("off_policy_masked", 0.0)
+                stats.teacher_kl += parts.get("teacher_kl", 0.0)
+                stats.teacher_term += parts.get("teacher_term", 0.0)
+                stats.group_term += parts.get("group_term", 0.0)
                 stats.entropy += (entropy.detach() * mb.mask).sum()
                 stats.trained_tokens += mb.mask.sum()
                 if term is not None:
@@ -205,13 +225,14 @@ def update(run, batch: TrainBatch, step: int) -> StepStats:
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     stats.logp_gap += gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
+    control = state.entropy_control
     if term is not None:
         stats.entropy_coef = term.coef
-        term.adapt(run, stats)
-    return stats
+        control = term.adapt(run, stats, control)
+    return stats, replace(state, nonfinite_in_a_row=nonfinite, entropy_control=control)
 
 
-def _step_on_zero_gradients(run, stats: StepStats, step: int) -> None:
+def _step_on_zero_gradients(run, stats: StepStats, step: int, nonfinite_in_a_row: int) -> int:
     """An optimizer step for a mini-batch no rank trains anything in, without forward or backward passes.
 
     Its fillers would give every parameter a gradient of exactly 0 and add 0 to every statistic; the step itself
@@ -220,8 +241,10 @@ def _step_on_zero_gradients(run, stats: StepStats, step: int) -> None:
     for parameter in run.policy.parameters():
         if parameter.requires_grad:
             parameter.grad = torch.zeros_like(parameter)
-    _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device))
+    nonfinite_in_a_row = _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device),
+                                         nonfinite_in_a_row)
     run.optimizer.zero_grad(set_to_none=True)
+    return nonfinite_in_a_row
 
 
 def micro_batch_loss(
@@ -239,18 +262,31 @@ def micro_batch_loss(
     is the behaviour policy, K weight versions old (docs/async.md explains the choice)."""
     cfg, geometry = run.cfg, run.geometry
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    behaviour = mb.sampling_logp if mb.sampling_logp is not None else old  # the policy that sampled: pi_old without one
+    advantages = mb.advantages[:, None].expand_as(logp)  # [mb, C]: the group's, the same on every token
+    sequence_advantages = mb.advantages
+    teacher_parts = {}
+    if cfg.loss.teacher_on:
+        teacher = losses.teacher_advantage(mb.teacher_logp, behaviour, mb.mask, cfg.loss.teacher_kl)
+        advantages = advantages + teacher
+        sequence_advantages = losses.masked_sum(advantages, mb.mask, dim=1) / mb.mask.sum(1).clamp(min=1)
+        teacher_parts = {  # first-pass statistics: the sampled reverse KL, and the two terms' sizes
+            "teacher_kl": losses.masked_sum(behaviour - mb.teacher_logp, mb.mask),
+            "teacher_term": losses.masked_sum(teacher.abs(), mb.mask),
+            "group_term": losses.masked_sum(mb.advantages[:, None].abs().expand_as(logp), mb.mask),
+        }
     correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
     if mb.sampling_logp is not None and cfg.loss.correction_on:
         correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
                                                       floor=cfg.loss.tis_min)
-    if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler, pi_old without one
-        behaviour = mb.sampling_logp if mb.sampling_logp is not None else old
-        keep = losses.off_policy_sequence_mask(logp, behaviour, mb.advantages, mb.mask, cfg.loss.off_policy_mask_threshold)
+    if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler
+        keep = losses.off_policy_sequence_mask(logp, behaviour, sequence_advantages, mb.mask,
+                                               cfg.loss.off_policy_mask_threshold)
         masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
         gate = keep if gate is None else gate * keep
     variant = cfg.loss.variant
     token_loss, parts = losses.per_token_loss(
-        variant, cfg.loss.options, logp, old, mb.advantages[:, None].expand_as(logp), mb.mask,
+        variant, cfg.loss.options, logp, old, advantages, mb.mask,
         ref_logp=mb.ref_logp, beta=cfg.loss.beta,
         policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
         sampler_weight=correction,
@@ -259,6 +295,7 @@ def micro_batch_loss(
         parts["is_capped"] = losses.masked_sum(capped.float(), mb.mask)
     if masked_sequences is not None:
         parts["off_policy_masked"] = masked_sequences
+    parts.update(teacher_parts)
     share = losses.aggregate(
         token_loss, mb.mask, variant,
         total_sequences=geometry.total_completions // geometry.mini_batches,
@@ -275,7 +312,7 @@ def micro_batch_loss(
 
 @dataclass
 class EntropyTerm:
-    """The entropy term of one step: its coefficient (from `run.entropy_control`, fixed for the whole step) and,
+    """The entropy term of one step: its coefficient (from the state's `entropy_control`, fixed for the whole step) and,
     per mini-batch, how many tokens it averages over on all ranks (H's denominator, so the micro-batches'
     shares add up to H whatever the split)."""
 
@@ -289,60 +326,63 @@ class EntropyTerm:
         return mb.mask if mb.entropy_mask is None else mb.mask * mb.entropy_mask
 
     @classmethod
-    def for_step(cls, run, batch: TrainBatch) -> EntropyTerm:
+    def for_step(cls, run, batch: TrainBatch, control: losses.EntropyControl) -> EntropyTerm:
         local = torch.zeros(run.geometry.mini_batches, dtype=torch.float64)
         for mb in batch.micro_batches:
             local[mb.mini_batch] += float(cls.mask(mb).sum())
-        return cls(coef=run.entropy_control.applied, tokens=[float(t) for t in run.comm.sum(local)])
+        return cls(coef=control.applied, tokens=[float(t) for t in run.comm.sum(local)])
 
-    def adapt(self, run, stats: StepStats) -> None:
+    def adapt(self, run, stats: StepStats, control: losses.EntropyControl) -> losses.EntropyControl:
         """Adaptive control (loss.entropy_target): the next step's coefficient from this step's mean entropy over
-        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1)."""
+        the term's tokens, all ranks (first pass: the sampling-time policy when mini_batches = 1); `control`
+        unchanged where the coefficient is fixed."""
         loss = run.cfg.loss
         if loss.entropy_target is None:
-            return
+            return control
         measured = run.comm.sum(torch.stack([stats.term_entropy, stats.term_tokens]).double())
         entropy, tokens = float(measured[0]), float(measured[1])
         mean = entropy / tokens if tokens > 0 else math.nan
-        run.entropy_control = run.entropy_control.after_step(
+        return control.after_step(
             mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
             high=loss.entropy_coef_max,
         )
 
 
-def check_scored(run, scored, step: int) -> None:
+def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
     """Before the update: warn about rewards that scored no completion of the step (None or NaN for every one, over
     all ranks), and count the steps in which none did: nothing to learn from (every advantage 0), yet the run
-    would go on silently. Stop once train.max_consecutive_unscored such steps came in a row (the count is in
-    checkpoints). Every rank sees the gathered rewards, so every rank decides alike."""
+    would go on silently. Returns the count after this step (`unscored_in_a_row` before it; the count is in
+    checkpoints); stops once more than train.max_consecutive_unscored such steps came in a row. Every rank sees
+    the gathered rewards, so every rank decides alike."""
     from .rewards import unscored
 
     if scored.per_function is None:
-        return
+        return unscored_in_a_row
     names = unscored(run.task.rewards, scored.per_function)
     n = scored.per_function.shape[0]
     if len(names) < len(run.task.rewards) or not n:
-        run.unscored_in_a_row = 0
         for name in names:
             logger.warning("step %d: reward '%s' returned None or NaN for all %d completions (the others scored them)",
                            step, name, n)
-        return
-    run.unscored_in_a_row += 1
+        return 0
+    unscored_in_a_row += 1
     which = ", ".join(f"'{name}'" for name in names)
     limit = run.cfg.train.max_consecutive_unscored
-    if run.unscored_in_a_row > limit:
+    if unscored_in_a_row > limit:
         raise TrainingError(
-            f"step {step}: {run.unscored_in_a_row} steps in a row in which no reward scored any completion "
+            f"step {step}: {unscored_in_a_row} steps in a row in which no reward scored any completion "
             f"(reward {which} returned None or NaN for all {n}); stopping (train.max_consecutive_unscored={limit}). "
             "Check the reward on a few completions by hand: does it return a number where it can judge one?"
         )
     logger.warning("step %d: no reward scored any completion (reward %s returned None or NaN for all %d): nothing to "
                    "learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
-                   step, which, n, run.unscored_in_a_row, limit)
+                   step, which, n, unscored_in_a_row, limit)
+    return unscored_in_a_row
 
 
-def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor) -> None:
-    """Clip and step, or skip and count a non-finite update; stop once too many come in a row."""
+def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor, nonfinite_in_a_row: int) -> int:
+    """Clip and step, or skip and count a non-finite update; stop once too many come in a row. Returns the count of
+    non-finite updates in a row after this one (`nonfinite_in_a_row` before it)."""
     # The norm is global (reduced over ranks), so every rank takes the same decision.
     grad_norm = distributed.global_grad_norm(run.accelerator, run.policy, run.cfg.train.max_grad_norm)
     stats.grad_norm = grad_norm
@@ -350,18 +390,18 @@ def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor)
         run.heap_trimmer()
         run.optimizer.step()
         run.scheduler.step()
-        run.nonfinite_in_a_row = 0
-        return
-    run.nonfinite_in_a_row += 1
+        return 0
+    nonfinite_in_a_row += 1
     stats.nonfinite_skipped += 1
     loss, limit = float(window_loss), run.cfg.train.max_consecutive_nonfinite
-    if run.nonfinite_in_a_row > limit:
+    if nonfinite_in_a_row > limit:
         raise TrainingError(
-            f"step {step}: {run.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+            f"step {step}: {nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
             f"(loss {loss}, grad norm {float(grad_norm)}); stopping (train.max_consecutive_nonfinite={limit}). "
             "Lower train.learning_rate, keep train.max_grad_norm set, try model.dtype=float32, and check the rewards."
         )
     logger.warning(
         "step %d: non-finite loss or gradient (loss %s, grad norm %s): optimizer step skipped (%d in a row)",
-        step, loss, float(grad_norm), run.nonfinite_in_a_row,
+        step, loss, float(grad_norm), nonfinite_in_a_row,
     )
+    return nonfinite_in_a_row

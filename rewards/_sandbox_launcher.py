@@ -200,9 +200,9 @@ def main() -> None:
 # ``python -I -B <this file> --serve <config json>``, started once per concurrent
 # caller by ``sandbox.py`` in ``namespaces`` mode, as root, with a clean
 # environment. Why: most of the per-run cost of the launched path above is two
-# interpreter start-ups with their imports (this launcher's and the program's,
-# ~35 ms and ~16-28 ms on a 2-core machine); forking a warm interpreter skips
-# both (a run then costs ~8 ms of CPU, mostly forks and namespaces). The server
+# interpreter start-ups with their imports (this launcher's and the program's;
+# the profile is in docs/rewards.md); forking a warm interpreter skips both (a
+# run then pays for little more than its forks and namespaces). The server
 # never runs untrusted code itself: every run is a fresh fork of it, so nothing
 # a run does (modules, globals, environment, files) reaches the next one.
 #

@@ -29,7 +29,7 @@ is active, and it is logged once at INFO on first use):
                        (so RLIMIT_NPROC applies: root ignores it), PID 2 under
                        a trusted PID 1; when PID 1 exits the kernel kills
                        everything left. The program is a fork of the warm
-                       interpreter, not a new one: ~10x cheaper, and nothing a
+                       interpreter, not a new one: far cheaper, and nothing a
                        run does reaches the server or the next run.
   ``user-namespaces``  not root (``unshare --user``), one launcher per run:
                        new PID, network and mount namespaces, but the program
@@ -383,8 +383,8 @@ def _run_launched(code: str, tests: str, stdin: bytes, limits: Limits, mode: str
 class _ForkServer:
     """A warm, root interpreter (``_sandbox_launcher.py --serve``) that forks one sandboxed run per request.
 
-    Why: starting the launcher's and the program's interpreters cost ~45 of the ~70 ms of a run on a 2-core
-    machine; a run forked from a warm one costs ~8 ms of CPU, mostly the kernel's (forks, namespaces).
+    Why: two interpreter start-ups (the launcher's and the program's) were most of a run's cost; a run forked
+    from a warm one pays only for its forks and namespaces (the profile: docs/rewards.md).
     It serves one run at a time and never runs untrusted code itself.
     """
 

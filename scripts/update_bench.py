@@ -12,7 +12,7 @@ beta 0, one iteration) with the recipe's real prompts, and completions of random
 spread, every completion with a nonzero advantage (all of them trained):
 
   end       the recipe at the end of its run: mean ~21 tokens against the 64 cap, ~2% cut off (README, "A real
-            model on a CPU": 0-3% over the last steps)
+            model on a CPU": 0-3% over the last steps; docs/performance.md, "Learning runs")
   start     the recipe's first steps: 88% cut off at 64, the rest 20-63 tokens (mean ~60)
   longtail  most completions short (mean ~20), four of the 32 at 512 tokens (max_completion_length 512)
 
@@ -115,7 +115,7 @@ def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budge
 
     layout = cfg.model_copy(update={"train": cfg.train.model_copy(update={"packing": packing, "micro_batch_tokens": budget})})
     return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), accelerator=accelerator, policy=policy,
-                           optimizer=optimizer, scheduler=scheduler, nonfinite_in_a_row=0, reference=None,
+                           optimizer=optimizer, scheduler=scheduler, reference=None,
                            heap_trimmer=HeapTrimmer(enabled=False),  # the layouts' own peaks, as measured before it
                            comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t))
 
@@ -150,6 +150,7 @@ def layout_counts(batch) -> dict:
 
 def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     """One step's phases 3-5 as trainer.train_step runs them: seconds, peak MiB over the start, and layout counts."""
+    from grpo_trainer.train_state import TrainState
     from grpo_trainer.update import add_logprobs, update
 
     open("/proc/self/clear_refs", "w").write("5")
@@ -157,7 +158,7 @@ def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     started = time.perf_counter()
     batch = layout_batch(run, step, advantages)
     add_logprobs(run, batch)
-    update(run, batch, step=1)
+    update(run, batch, TrainState(step=1))
     seconds = time.perf_counter() - started
     peak = status_mib("VmHWM") - before
     return seconds, peak, layout_counts(batch)

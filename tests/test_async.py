@@ -199,7 +199,7 @@ def server_run(k: int, steps: int, engine=None, comm=None, overrides=(), task=No
         cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=engine or FakeServer(),
         task=task or SimpleNamespace(prompt_ids=lambda indices: [[i] for i in indices]),
         sampler=PromptSampler(size=1000, seed=0, shuffle=False), bare_lm=lambda: nn.Linear(1, 1),
-        accelerator=SimpleNamespace(state=SimpleNamespace()), start_step=0,
+        accelerator=SimpleNamespace(state=SimpleNamespace()),
     )
     run.rollouts = rollout_queue(run)
     return run

@@ -165,6 +165,33 @@ def test_settings_that_change_what_a_step_means_are_refused_on_resume():
     assert harmless == [("train.max_steps: 5 -> 9", True)]
 
 
+def test_what_a_change_on_resume_means_is_read_from_the_schema_flags():
+    """Every leaf key of a resolved config gets its effect from its field or a section above it (config.py's
+    CHANGES_MEANING / HARMLESS_ON_RESUME); the keys refused are the ones the run's samples and objective depend
+    on. Moving a flag changes this list on purpose, and the test with it."""
+    from grpo_trainer.checkpoint import flatten
+    from grpo_trainer.config import load_config, resume_effect
+
+    lora = load_config("configs/demo_cpu.yaml", ["model.lora={r: 4}"]).model_dump(mode="json")
+    keys = flatten(lora)
+    meaning = sorted({k.removeprefix("model.lora.").split(".")[0] if k.startswith("model.lora.") else k
+                      for k in keys if resume_effect(k) == "meaning"} - {"r", "alpha", "dropout", "target_modules"})
+    assert meaning == ["data.answer_column", "data.chat_template", "data.num_samples", "data.prompt_column",
+                       "data.source", "data.split", "data.subset", "data.system_prompt", "data.use_chat_template",
+                       "environment.action", "environment.action_tool", "environment.factory",
+                       "environment.max_turns", "environment.observation_chars", "environment.observation_field",
+                       "environment.on_error", "environment.openenv", "environment.reward_weight", "loss.advantage", "loss.teacher_kl", "loss.teacher_only", "loss.type", "model.dtype",
+                       "model.name_or_path", "rollout.num_generations", "seed", "teacher", "train.mini_batches",
+                       "train.prompts_per_step"]
+    assert resume_effect("model.lora.r") == resume_effect("model.lora") == "meaning"  # a flagged section, whole
+    assert {k.split(".")[0] for k in keys if resume_effect(k) == "harmless"} == {"output_dir", "train", "eval",
+                                                                                 "checkpoint", "logging"}
+    assert [k for k in keys if k.startswith("train.") and resume_effect(k) == "harmless"] == ["train.max_steps"]
+    assert resume_effect("eval.num_samples") == "harmless" and resume_effect("data.num_samples") == "meaning"
+    assert resume_effect("train.learning_rate") is None  # allowed, with a warning
+    assert resume_effect("loss.options.epsilon_high") is None and resume_effect("no.such.key") is None
+
+
 def test_a_checkpoint_without_a_manifest_is_used_and_said_to_be_unverified(tmp_path):
     """Checkpoints written before manifests existed resume, with a note that nothing was verified."""
     from grpo_trainer.checkpoint import MANIFEST, TRAINER_STATE, find_resume_checkpoint

@@ -301,10 +301,9 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
             assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
         # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
         run = SimpleNamespace(cfg=cfg, geometry=geometry, policy=olds[r], reference=reference, comm=comm,
-                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO),
-                              entropy_control=EntropyControl(entropy_coef))
+                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO))
         add_logprobs(run, batch)
-        term = EntropyTerm.for_step(run, batch) if entropy_coef else None  # a collective: every rank
+        term = EntropyTerm.for_step(run, batch, EntropyControl(entropy_coef)) if entropy_coef else None  # a collective: every rank
         loss, grad, tokens = torch.zeros(()), [torch.zeros_like(p) for p in params], {}
         for mb in batch.micro_batches:
             logp, entropy = policy(**mb.sequences, with_entropy=True, entropy_grad=term is not None)

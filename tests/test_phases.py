@@ -16,6 +16,7 @@ from grpo_trainer.rollout import Rollout
 from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.host_memory import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
+from grpo_trainer.train_state import TrainState
 from grpo_trainer.update import StepStats, update
 from helpers import run_ranks, small_run_overrides
 
@@ -93,7 +94,7 @@ def toy_run(accelerator_factory, overrides=()):
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     return SimpleNamespace(cfg=cfg, geometry=geometry, accelerator=accelerator, policy=policy, optimizer=optimizer,
-                           scheduler=scheduler, nonfinite_in_a_row=0, heap_trimmer=HeapTrimmer(enabled=False))
+                           scheduler=scheduler, heap_trimmer=HeapTrimmer(enabled=False))
 
 
 def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_factory):
@@ -109,10 +110,11 @@ def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_fac
     expected_loss = -sum(a * logp_all[c].mean() for a, c in zip(advantages.tolist(), rollout.completion_ids)) / 4
     expected_loss.backward()
 
-    stats = update(run, batch, step=1)
+    stats, after = update(run, batch, TrainState(step=1))
     assert float(stats.loss) == pytest.approx(-0.25, abs=1e-6)
     assert torch.allclose(run.policy.w.detach(), w0 - w.grad, atol=1e-6)
     assert stats.nonfinite_skipped == 0 and float(stats.trained_tokens) == 3 + 1 + 2 + 4
+    assert after == TrainState(step=1)  # nothing else changed
 
 
 def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(accelerator_factory, caplog):
@@ -124,8 +126,8 @@ def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(ac
                               skip_zero_advantage=False)
     w0 = run.policy.w.detach().clone()
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
-        stats = update(run, batch, step=7)
-    assert stats.nonfinite_skipped == 1 and run.nonfinite_in_a_row == 1
+        stats, after = update(run, batch, TrainState(step=7, nonfinite_in_a_row=1))
+    assert stats.nonfinite_skipped == 1 and after.nonfinite_in_a_row == 2  # counted on from the state given
     assert "step 7: non-finite loss or gradient (loss -inf" in caplog.text
     assert torch.equal(run.policy.w.detach(), w0)
 

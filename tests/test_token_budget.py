@@ -15,6 +15,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.geometry import batch_geometry, geometry_of
 from grpo_trainer.preflight import preflight
 from grpo_trainer.rollout import Rollout
+from grpo_trainer.train_state import TrainState
 from grpo_trainer.update import update
 from helpers import run_ranks
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
@@ -137,7 +138,7 @@ def idle_step_run(accelerator_factory, monkeypatch, shortcut: bool):
         batch = build_train_batch(prompts, rollout, adv, PAD, micro_batch_size=2, mask_truncated=False,
                                   skip_zero_advantage=True, group_size=2)
         calls = counting.calls
-        stats = update(run, batch, step=len(records) + 1)
+        stats, _ = update(run, batch, TrainState(step=len(records) + 1))
         records.append((batch.idle, counting.calls - calls, stats))
         weights.append(counting.inner.w.detach().clone())
     return weights, records

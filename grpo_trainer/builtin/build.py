@@ -8,8 +8,8 @@ and renamed into place, by one process per machine while the others (ranks, para
 
 Why the tiny models' weights are shipped (weights/, 3.4 MB): their recipes (tiny.py, tiny_tools.py, tiny_guess.py) train
 them in the canonical float settings below, which make every machine of a kind (Intel, AMD: see below) get
-the same weights but run on one core at SSE2 speed: ~6 and ~7 minutes of one core on a 2-core Xeon, on every fresh machine, before a demo or a test
-could start. The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;
+the same weights but run on one core at SSE2 speed: minutes on every fresh machine before a demo or a test
+could start (docs/performance.md, "The demo, the install and the test suite"). The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;
 a fresh machine assembles the folder from them in a second (`assembled_from_shipped_weights`: the same code, the warm start replaced by
 loading the weights). `scripts/build_builtins.py` runs the recipes and checks (or, with --write, records)
 that they give exactly the shipped bytes; tests/test_tiny.py checks each recipe's first steps against the
@@ -68,7 +68,7 @@ def cached_build(folder_name: str, build: Callable[[Path], None]) -> Path:
 # others (AVX2, AVX512, ...) are "available only for Intel processors", and elsewhere MKL silently takes its
 # AUTO branch. Version 3 used MKL_CBWR=AVX2: built on an AMD EPYC and on an Intel Xeon, its weights differed
 # (the Xeon's warm start scored mean@4 0.06 on the held-out sums, the EPYC's 0.25), and so did every golden
-# number. COMPATIBLE is not enough either: on an AMD EPYC with AVX-512 (2026-12-02) the short builds of both
+# number. COMPATIBLE is not enough either: on an AMD EPYC with AVX-512 the short builds of both
 # recipes gave other bytes than on the Xeon that built the shipped weights, the same on 1 and 2 threads and
 # with MKL held to AVX2, so the difference is the CPU's, not the settings' (where exactly is not isolated:
 # ATen's elementwise kernels gave the same bytes under every capability there; MKL's sgemm is the suspect).

@@ -27,9 +27,8 @@ tokens only (not the prompt, not the tool's turn).
 Measured (`python scripts/tiny_tools_warm_start.py`; 100 test prompts x 8 samples at temperature 1, the tool
 run on each call, as the multi-turn rollout would):
 
-    build (400 steps of 32 tool-using +         6 min 52 s alone on a 2-core AVX-512 Xeon (canonical: one
-    12 guessing conversations)                  thread, AVX2 kernels); 67 s on 2 threads before builds
-                                                became canonical. Shipped, so done once (build.py)
+    build (400 steps of 32 tool-using +         minutes of one core (canonical: one thread, AVX2 kernels);
+    12 guessing conversations)                  shipped, so done once (build.py; docs/performance.md)
     P(first token is `<`), mean over prompts    0.306 (0.29-0.33 across the test prompts)
     tool-call rate (turns with `<tool_call>`)    0.286
     calls well-formed, printing the product     0.895

@@ -56,21 +56,36 @@ class Rollout:
     # The weight version that sampled each completion (the optimizer step whose weights the sampler held; 0: the
     # initial weights). Set by the loop's rollout queue (rollout_queue.py), which knows what it pushed.
     weight_versions: list[int] | None = None
+    # Environments (`environment:`, grpo_trainer/environments) only; None otherwise.
+    prompt_ids: list[list[int]] | None = None  # each completion's prompt, when a reset text extended the row's
+    episodes: list[Any] | None = None  # environments.EpisodeRecord per completion: how its episode went (picklable)
+    # What reward functions get as `environments` (TRL: the objects). Never pickled: objects stay on their rank.
+    environments: list[Any] | None = None
+    env_seconds: float = 0.0  # wall time spent in environment calls on this rank
 
     PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
-                      "tool_calls", "tool_errors", "turns", "weight_versions")
+                      "tool_calls", "tool_errors", "turns", "weight_versions", "prompt_ids", "episodes")
 
     def select(self, rows: list[int]) -> Rollout:
-        """The given completions, every per-completion field alike (tool seconds are not split)."""
+        """The given completions, every per-completion field alike (tool and environment seconds are not split)."""
         picked = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
                   for name in self.PER_COMPLETION}
-        return Rollout(**picked)
+        environments = None if self.environments is None else [self.environments[j] for j in rows]
+        return Rollout(**picked, environments=environments)
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
         joined = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
                   for name in cls.PER_COMPLETION}
-        return cls(**joined, tool_seconds=sum(p.tool_seconds for p in parts))
+        environments = None
+        if all(p.environments is not None for p in parts):
+            environments = [x for p in parts for x in p.environments]
+        return cls(**joined, environments=environments, tool_seconds=sum(p.tool_seconds for p in parts),
+                   env_seconds=sum(p.env_seconds for p in parts))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without `environments`: environment objects never cross ranks (dynamic sampling gathers rollouts)."""
+        return {**self.__dict__, "environments": None}
 
     def model_tokens(self) -> list[int]:
         """Tokens the model wrote in each completion: what the loss is over (tool output excluded)."""

@@ -1,8 +1,7 @@
 """The hf engine's decode loop kernels: no per-token copies, and of each exact alternative the faster here.
 
-Profiled on SmolLM2-135M (30 layers, 9 query heads sharing 3 key/value heads), 16 rows, 64 new
-tokens on a 2-core CPU (docs/performance.md), a fifth of decode time went to copying the KV cache,
-not to computing with it:
+A profile of SmolLM2-135M's decoding (30 layers, 9 query heads sharing 3 key/value heads; docs/performance.md)
+showed a large share of the time going to copying the KV cache, not to computing with it:
 
 * `DynamicCache` grows each layer's keys and values with `torch.cat`, which copies the whole cache
   on every token (quadratic in the completion length). `reserve_room` swaps its layers for ones
@@ -16,11 +15,11 @@ Then there are alternatives that compute the same products with different kernel
 on the machine (issue 26). `DecodeKernels` picks one of each per shape by measuring them where they run
 (kernels.py, cached per machine):
 
-* linear form: `weight_stationary`, (W @ x^T)^T, which on one AVX-512 CPU read the weights twice as fast
-  as `nn.Linear`'s x @ W^T for a few rows; `linear`, `nn.Linear`'s own; or `onednn_packed`, oneDNN on weights
-  reordered once per decode loop (float32 only), 2.4-3.3x either on a 2-core AMD EPYC (AVX-512). The output is made contiguous:
-  a transposed one sent the attention after it down SDPA's slow "math" path (the flash kernel wants a unit
-  stride on the head dimension), which cost a sixth of the step before this was measured.
+* linear form: `weight_stationary`, (W @ x^T)^T, which on some CPUs reads the weights faster than
+  `nn.Linear`'s x @ W^T does for a few rows; `linear`, `nn.Linear`'s own; or `onednn_packed`, oneDNN on weights
+  reordered once per decode loop (float32 only), where the BLAS's few-row products read the weights well below
+  the memory's rate. The output is made contiguous: a transposed one sent the attention after it down SDPA's
+  slow "math" path (the flash kernel wants a unit stride on the head dimension).
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
   path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). Measured
   on CPUs; on GPUs `grouped`, the same on every rank.
@@ -185,8 +184,9 @@ PACKED = "_decode_packed_weight"  # where onednn_packed_linear keeps a module's 
 def onednn_packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`nn.Linear.forward` through oneDNN, the weights reordered once into its blocked layout (as inductor's
     freezing does for CPU linears): the same products summed in another order (outputs within ~1e-6 of their
-    size of `nn.Linear`'s). On a 2-core AMD EPYC it read SmolLM2's weights at 22-26 GB/s with 16 rows, where
-    MKL's `nn.Linear` and the weight-stationary form read 7-10 GB/s (docs/performance.md).
+    size of `nn.Linear`'s). Why: with a few rows a linear is bound by reading its weights, and MKL's `nn.Linear`
+    reads them well below the memory's rate on some CPUs, where the blocked layout reads them near it
+    (docs/performance.md, "oneDNN's packed linear").
 
     The reordered copy is kept on the module while its weights are unchanged (same storage and version), and
     dropped when the decode loop ends (DecodeKernels.__exit__): it doubles the linears' memory while it lives,

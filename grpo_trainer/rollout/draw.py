@@ -4,8 +4,7 @@
 generator (a Mersenne Twister, mt19937) and returns argmax(p / q). The variates are made one at a time:
 two 32-bit outputs give 53 random bits u in [0, 1), and q = -log1p(-u) in double, rounded to float32
 (ATen's `exponential_` on CPU; its MKL path is compiled out of the public wheels). For SmolLM2's 49,152
-tokens and 16 rows that is 786k logarithms per decode step, a fifth of the step on the machines measured
-(docs/performance.md).
+tokens and 16 rows that is 786k logarithms per decode step, a large share of the step (docs/performance.md).
 
 All three alternatives below give the same token as `torch.multinomial` and leave the generator in the
 same state, so sampling stays reproducible per seed and equal to `generate`'s (tests/test_decode_kernels.py checks

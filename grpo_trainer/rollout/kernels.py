@@ -2,8 +2,8 @@
 
 The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
 path; draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
-and the shapes: the weight-stationary linear that was twice as fast on one AVX-512 machine gained 8% on an
-AVX2 one (issue 26). So each decision is timed where it runs, per shape: every alternative a few times,
+and the shapes: a form that wins clearly on one CPU can gain next to nothing on another (docs/performance.md,
+"Which machine a number holds for"). So each decision is timed where it runs, per shape: every alternative a few times,
 alternating, the best time of each kept (the least disturbed on a busy machine), and the fastest wins.
 
 The linear forms and attention paths round differently (the draws are exact), so a choice changes what a run

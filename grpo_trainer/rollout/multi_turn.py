@@ -1,39 +1,48 @@
-"""Multi-turn rollouts with tool calls (`rollout.tools`), on top of any engine.
+"""Multi-turn rollouts: episodes played against environments (`environment:`, `rollout.tools`), on any engine.
 
-`MultiTurnEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its
-interface, so the loop does not know tools exist: `generate` (with `max_tokens`), and every other member of the
-`RolloutEngine` protocol forwarded explicitly to the wrapped engine (its capabilities `needs_weight_sync`,
-`samples_outside_process`, `can_lose_weights`, `lockstep`; `reconnect` to a server the trainer waits for after
-a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the loop may ask an engine
-is the protocol, and a capability the wrapper lacked would silently change what the loop does with tools
-(tests/test_engines.py checks every member is here). A completion becomes a
-conversation, all of it one token sequence after the prompt:
+`EpisodeEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its interface, so the loop does not
+know environments exist: `generate` (with `max_tokens`, and `episodes=` where the engine `needs_episodes`), and
+every other member of the `RolloutEngine` protocol forwarded explicitly to the wrapped engine (its capabilities
+`needs_weight_sync`, `samples_outside_process`, `can_lose_weights`, `lockstep`; `reconnect` to a server the
+trainer waits for after a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the
+loop may ask an engine is the protocol, and a capability the wrapper lacked would silently change what the loop
+does (tests/test_engines.py checks every member is here). It talks to environments only through the `Episode`
+protocol (grpo_trainer/environments), so the built-in tools environment (`rollout.tools`), a TRL-style class and
+OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
 
-    prompt | model turn 1 ... <tool_call>{...}</tool_call><EOS> | tool tokens | model turn 2 ... <EOS>
+    prompt [+ reset text] | model turn 1 ... <EOS> | environment tokens | model turn 2 ... <EOS> | ...
 
-1. The engine samples the first turn of every completion (G per prompt, as without tools).
-2. Each turn that ended with EOS and holds tool calls has them run: all calls of the batch at once, in
-   threads (tools.ToolBox). A turn without calls, or cut by the length limit, ends its conversation.
-3. The tool messages are rendered by the tokenizer's own chat template, and the tokens between the
-   model's EOS and its next turn (`ToolMessageTokens`) are appended. They are marked 0 in
+0. With `episodes=` (one EpisodeSpec per prompt), G fresh environment objects per prompt are made and reset (all at
+   once, in EnvCalls' threads); a reset text extends the group's prompt (`Rollout.prompt_ids`).
+1. The engine samples the first turn of every completion (G per prompt, as without environments).
+2. Each turn that ended with EOS is answered by its episode (`respond`: its tool calls, or its plain reply), all
+   episodes at once. No answer, the environment's `done`, or a turn cut by the length limit ends the episode.
+3. The environment's messages are rendered by the tokenizer's own chat template, and the tokens between the
+   model's EOS and its next turn (`EnvMessageTokens`) are appended. They are marked 0 in
    `Rollout.completion_mask`: the model did not write them, so they carry no loss (and count in no
    normaliser); they stay in the sequence, so the next turn, and the trainer's single forward pass over
    the whole conversation, condition on them.
-4. The engine continues every conversation that called a tool from its whole context (prompt + everything
-   so far) with one completion each, up to what is left of `rollout.max_completion_length`, which bounds
-   model and tool tokens together. At most `rollout.max_tool_turns` rounds of tool calls are run; a call
-   after the last is left unanswered and ends the conversation.
+4. The engine continues every episode still going from its whole context (prompt + everything so far) with one
+   completion each, up to what is left of `rollout.max_completion_length`, which bounds model and environment
+   tokens together. At most `max_turns` model turns are played (an episode still going then ends: `turns`).
+5. At the end each episode is scored (`reward`), snapshotted for the reward functions and closed.
 
 The tokens the engine sampled are kept exactly, never re-tokenized from text, so the trainer's log-probs
-are those of the tokens the sampler drew (vLLM's sampling log-probs line up token for token; tool tokens
+are those of the tokens the sampler drew (vLLM's sampling log-probs line up token for token; environment tokens
 get 0 there and are masked). Rewards receive each completion as its messages (assistant turns with their
-parsed `tool_calls`, tool results), TRL's form for conversational completions, and a `tool_calls` count.
+parsed `tool_calls`, tool and user messages), TRL's form for conversational completions, and a `tool_calls` count.
 With `rollout.seed_per_prompt`, turn k of completion i of a prompt is drawn from a seed mixed from the
 prompt's seed, i and k: the result does not depend on batching or the number of ranks.
+
+Whatever an environment does (raises, hangs, breaks its protocol, sends a huge message) ends that episode alone:
+its calls run in EnvCalls (timeouts: environment.step_timeout, environment.episode_timeout), a failure is recorded
+in its `EpisodeRecord` (scored by environment.on_error, in Task.score), a message is cut to
+environment.observation_chars.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,25 +51,32 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
+from ..environments import (ENDED_BY_ENVIRONMENT, ENDED_BY_LENGTH, ENDED_BY_MODEL, ENDED_BY_TURNS, FAILED_ERROR,
+                            FAILED_TIMEOUT, Environment, Episode, EpisodeRecord, EpisodeSpec)
+from ..environments.calls import EnvCalls, EpisodeBudget, Outcome
+from .tools import ToolBox, ToolCall, ToolResult, cut, parse_tool_calls
 
 if TYPE_CHECKING:
     from ..config import Config
-from .tools import ToolBox, ToolCall, ToolResult, parse_tool_calls
 
-PLACEHOLDER = "-"  # content of the stand-in conversation tool messages are rendered after
+PLACEHOLDER = "-"  # content of the stand-in conversation environment messages are rendered after
+ABANDONED_PER_WORKER = 4  # hung calls still running, per worker of EnvCalls, before the run stops
 
 
-class ToolMessageTokens:
-    """The tokens the chat template puts between a model turn (ended by EOS) and the model's next turn.
+class EnvMessageTokens:
+    """The tokens the chat template puts between a model turn (ended by EOS) and the model's next turn, for given
+    environment messages (tool or user role).
 
     Rendered from the template itself: a stand-in conversation ending with an assistant turn, with and without
-    the tool messages and the next generation prompt; the difference, plus whatever the template writes after
+    the messages and the next generation prompt; the difference, plus whatever the template writes after
     the assistant's EOS (ChatML: a newline), is what the model would have seen in a real conversation.
+    `where` names the config key in errors.
     """
 
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, where: str = "rollout.tools"):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
+        self.where = where
         base = [{"role": "user", "content": PLACEHOLDER}, {"role": "assistant", "content": PLACEHOLDER}]
         self.base = base
         self.before = self._render(base, add_generation_prompt=False)
@@ -68,7 +84,7 @@ class ToolMessageTokens:
         end = self.before.rfind(eos) if eos else -1
         if end < self.before.rfind(PLACEHOLDER):
             raise ValueError(
-                "rollout.tools: the chat template does not end an assistant turn with the EOS token "
+                f"{where}: the chat template does not end an assistant turn with the EOS token "
                 f"({eos!r}); multi-turn rollouts continue a conversation after the model's EOS"
             )
         self.after_eos = self.before[end + len(eos) :]
@@ -78,32 +94,48 @@ class ToolMessageTokens:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
-    def __call__(self, results: list[ToolResult]) -> list[int]:
-        messages = [{"role": "tool", "name": r.name, "content": r.output} for r in results]
+    def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
         after = self._render(self.base + messages, add_generation_prompt=True)
         if not after.startswith(self.before):
-            raise ValueError("rollout.tools: the chat template renders earlier messages differently once tool messages follow")
+            raise ValueError(f"{self.where}: the chat template renders earlier messages differently once environment messages follow")
         text = self.after_eos + after[len(self.before) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class ToolMessageTokens(EnvMessageTokens):
+    """EnvMessageTokens for tool results (as `rollout.tools` renders them)."""
+
+    def __call__(self, results: list[ToolResult]) -> list[int]:  # type: ignore[override]
+        return super().__call__(_tool_messages(results))
+
+
+def _tool_messages(results: list[ToolResult]) -> list[dict[str, Any]]:
+    return [{"role": "tool", "name": r.name, "content": r.output} for r in results]
+
+
 @dataclass(eq=False)  # compared by identity: two conversations may well hold the same tokens
 class Conversation:
-    """One completion as it grows: its tokens (model and tool), which the model wrote, and its messages."""
+    """One completion as it grows: its tokens (model and environment), which the model wrote, its messages, and
+    the episode behind it."""
 
     prompt: list[int]
     seed: int | None
+    episode: Episode | None = None
+    budget: EpisodeBudget | None = None
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: written by the model
     logprobs: list[float] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     calls: list[ToolCall | ToolResult] = field(default_factory=list)  # the last turn's
+    text: str = ""  # the last turn's, decoded
     ended_with_eos: bool = False
     truncated: bool = False
     done: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
     turns: int = 0
+    record: EpisodeRecord = field(default_factory=lambda: EpisodeRecord(ended_by=ENDED_BY_TURNS))
+    untouchable: bool = False  # a call of its episode timed out: the object is never used again
 
     def add_model_turn(self, tokens: list[int], truncated: bool, logprobs: list[float] | None, tokenizer,
                        eos_token_ids: set[int]) -> None:
@@ -113,36 +145,65 @@ class Conversation:
         self.turns += 1
         self.truncated = truncated
         self.ended_with_eos = bool(tokens) and tokens[-1] in eos_token_ids
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        self.calls = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        self.text = tokenizer.decode(tokens, skip_special_tokens=True)
+        self.calls = parse_tool_calls(self.text)
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
         parsed = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                   for c in self.calls if isinstance(c, ToolCall)]
         if parsed:
             message["tool_calls"] = parsed
         self.messages.append(message)
 
-    def add_tool_results(self, results: list[ToolResult], tokens: list[int]) -> None:
+    def add_environment_messages(self, messages: list[dict[str, Any]], tokens: list[int]) -> None:
         self.ids += tokens
         self.mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
-        self.tool_calls += len(results)
-        self.tool_errors += sum(r.error for r in results)
-        self.messages += [{"role": "tool", "name": r.name, "content": r.output} for r in results]
+        self.messages += messages
+
+    def end(self, ended_by: str, error: str | None = None) -> None:
+        self.done = True
+        self.record.ended_by, self.record.error = ended_by, error
+
+    def fail(self, outcome: Outcome, what: str) -> None:
+        """End the episode as an environment failure (a call that raised or timed out)."""
+        if outcome.timed_out is not None:
+            self.untouchable = True
+            self.end(FAILED_TIMEOUT, f"{what} did not return within environment.{outcome.timed_out}_timeout")
+        else:
+            self.end(FAILED_ERROR, f"{what}: {outcome.error}")
 
 
-class MultiTurnEngine:
-    """An engine whose completions may call tools; see the module docstring."""
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How episodes are run (the `environment` section; for rollout.tools alone, values that reproduce the tool
+    loop that came before: no cutting, no environment limit beyond the tools' own)."""
 
-    def __init__(self, engine: RolloutEngine, toolbox: ToolBox, tokenizer, *, eos_token_ids: list[int],
-                 max_completion_length: int, max_tool_turns: int, template_kwargs: dict[str, Any] | None = None):
+    max_turns: int
+    step_timeout: float
+    episode_timeout: float
+    concurrency: int
+    observation_chars: int | None  # None: messages are not cut (the tool box already cut tool outputs)
+    record: bool  # episodes are recorded in the Rollout (`episodes`, `environments`, env metrics): environments only
+
+
+class EpisodeEngine:
+    """An engine whose completions are episodes in an environment; see the module docstring."""
+
+    def __init__(self, engine: RolloutEngine, environment: Environment, tokenizer, *, eos_token_ids: list[int],
+                 max_completion_length: int, settings: EpisodeSettings, template_kwargs: dict[str, Any] | None = None):
         self.engine = engine
-        self.toolbox = toolbox
+        self.environment = environment
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_completion_length = max_completion_length
-        self.max_tool_turns = max_tool_turns
-        self.tool_tokens = ToolMessageTokens(tokenizer, template_kwargs)
+        self.settings = settings
+        self.env_tokens = EnvMessageTokens(tokenizer, template_kwargs, where=environment.name)
+        self.calls = EnvCalls(settings.concurrency, environment.name, ABANDONED_PER_WORKER * settings.concurrency)
+
+    @property
+    def needs_episodes(self) -> bool:
+        """Whether `generate` wants `episodes=` (one EpisodeSpec per prompt): every environment but rollout.tools'."""
+        return self.settings.record
 
     # ------------------------------------------------------------------ the wrapped engine's, forwarded
     @property
@@ -181,48 +242,57 @@ class MultiTurnEngine:
         self.engine.wake_up()
 
     def close(self) -> None:
+        self.calls.close()
+        self.environment.close()
         self.engine.close()
 
-    # ------------------------------------------------------------------ the multi-turn loop
+    # ------------------------------------------------------------------ the episode loop
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None) -> Rollout:
+                 max_tokens: int | None = None, episodes: list[EpisodeSpec] | None = None) -> Rollout:
         """`max_tokens` lowers rollout.max_completion_length for this call: it bounds each conversation's model and
-        tool tokens together, as that limit does."""
+        environment tokens together, as that limit does. `episodes`: one per prompt (environments that reset from
+        the row and the seed need it; without, episodes start without a reset)."""
         g = num_generations
         limit = min(max_tokens, self.max_completion_length) if max_tokens else self.max_completion_length
-        first = self.engine.generate(prompt_ids, g, seeds=seeds, max_tokens=limit if max_tokens else None)
         conversations = [Conversation(prompt_ids[j // g], None if seeds is None else mix_seed(seeds[j // g], j % g))
-                         for j in range(len(first.completion_ids))]
+                         for j in range(len(prompt_ids) * g)]
+        env_seconds = self._start(conversations, g, episodes) if episodes is not None else self._start_plain(conversations)
+        prompts = [conversations[i * g].prompt for i in range(len(prompt_ids))]
+        first = self.engine.generate(prompts, g, seeds=seeds, max_tokens=limit if max_tokens else None)
         for j, conv in enumerate(conversations):
             conv.add_model_turn(first.completion_ids[j], first.truncated[j], _row(first.sampling_logprobs, j),
                                 self.tokenizer, self.eos_token_ids)
-        tool_seconds = 0.0
+        respond_seconds = 0.0
         # With `lockstep` (the hf engine under FSDP) every rank must make the same generate calls:
         # then a round runs while any rank has a conversation going, the others calling with nothing.
         lockstep = self.engine.lockstep
-        for round_ in range(1, self.max_tool_turns + 1):
-            acting = [c for c in conversations if not c.done and c.calls and c.ended_with_eos]
+        for round_ in range(1, self.settings.max_turns):
+            acting = []
             for conv in conversations:
-                if conv not in acting:
-                    conv.done = True
-            if not (acting if lockstep is None else int(lockstep.max(torch.tensor([len(acting)]))[0])):
-                break
-            started = time.perf_counter()
-            results = self.toolbox.run([call for conv in acting for call in conv.calls])
-            tool_seconds += time.perf_counter() - started
-            going: list[tuple[Conversation, int]] = []  # with the tokens each may still write
-            for conv in acting:
-                mine, results = results[: len(conv.calls)], results[len(conv.calls) :]
-                tokens = self.tool_tokens(mine)
-                room = limit - len(conv.ids) - len(tokens)
-                if room <= 0:  # no room for the answer: the conversation ends at the length limit
-                    conv.truncated, conv.done = True, True
+                if conv.done:
                     continue
-                conv.add_tool_results(mine, tokens)
-                going.append((conv, room))
-            if going or lockstep is not None:
-                self._continue(going, round_)
-        return Rollout(
+                if not conv.ended_with_eos:  # cut by the length limit (or a stop string): its calls are not run
+                    conv.end(ENDED_BY_LENGTH if conv.truncated else ENDED_BY_MODEL)
+                else:
+                    acting.append(conv)
+            tick = time.perf_counter()
+            outcomes = self.calls.run([(_respond(conv), conv.budget) for conv in acting])
+            respond_seconds += time.perf_counter() - tick
+            going: list[tuple[Conversation, int]] = []  # with the tokens each may still write
+            for conv, outcome in zip(acting, outcomes):
+                room = self._answer(conv, outcome, limit)
+                if room is not None:
+                    going.append((conv, room))
+            if not (going if lockstep is None else int(lockstep.max(torch.tensor([len(going)]))[0])):
+                break
+            self._continue(going, round_)
+        for conv in conversations:
+            if not conv.done:  # still going after max_turns model turns (its last turn unanswered), or just cut
+                conv.end(ENDED_BY_TURNS if conv.ended_with_eos else (ENDED_BY_LENGTH if conv.truncated else ENDED_BY_MODEL))
+        tick = time.perf_counter()
+        environments = self._finish(conversations) if self.settings.record else None
+        env_seconds += respond_seconds + time.perf_counter() - tick
+        rollout = Rollout(
             completion_ids=[c.ids for c in conversations],
             truncated=[c.truncated for c in conversations],
             sampling_logprobs=[c.logprobs for c in conversations] if first.sampling_logprobs is not None else None,
@@ -231,8 +301,119 @@ class MultiTurnEngine:
             tool_calls=[c.tool_calls for c in conversations],
             tool_errors=[c.tool_errors for c in conversations],
             turns=[c.turns for c in conversations],
-            tool_seconds=tool_seconds,
+            tool_seconds=respond_seconds,
         )
+        if self.settings.record:
+            for conv in conversations:
+                conv.record.turns = conv.turns
+            rollout.prompt_ids = [c.prompt for c in conversations]
+            rollout.episodes = [c.record for c in conversations]
+            rollout.environments = environments
+            rollout.env_seconds = env_seconds
+        return rollout
+
+    def _start_plain(self, conversations: list[Conversation]) -> float:
+        """Episodes without a reset (rollout.tools; evaluation of an environment without specs is refused)."""
+        if self.settings.record:
+            raise ValueError(f"{self.environment.name}: episodes need their dataset rows and seeds (episodes=)")
+        for conv in conversations:
+            conv.episode = self.environment.episode()
+            conv.budget = EpisodeBudget(self.settings.step_timeout, self.settings.episode_timeout)
+        return 0.0
+
+    def _start(self, conversations: list[Conversation], g: int, episodes: list[EpisodeSpec]) -> float:
+        """Make and reset every episode (all at once); a group's prompt is extended by its episode 0's reset text.
+        An episode that fails here, or whose reset text differs from its episode 0's, is a failure from the start:
+        it is still sampled (its first turn is part of the batched generate) but never answered."""
+        tick = time.perf_counter()
+        for conv in conversations:
+            conv.budget = EpisodeBudget(self.settings.step_timeout, self.settings.episode_timeout)
+        made = self.calls.run([(self.environment.episode, conv.budget) for conv in conversations])
+        ready = []
+        for conv, outcome in zip(conversations, made):
+            if outcome.ok:
+                conv.episode = outcome.value
+                ready.append(conv)
+            else:
+                conv.fail(outcome, "making the environment")
+        index = {id(conv): j for j, conv in enumerate(conversations)}
+        texts = self.calls.run([(_reset(conv.episode, episodes[index[id(conv)] // g], index[id(conv)] % g), conv.budget)
+                                for conv in ready])
+        text_of: dict[int, str | None] = {}
+        for conv, outcome in zip(ready, texts):
+            if outcome.ok:
+                text_of[index[id(conv)]] = outcome.value
+            else:
+                conv.fail(outcome, "reset")
+        for i, spec in enumerate(episodes):
+            text = text_of.get(i * g)
+            prompt = conversations[i * g].prompt
+            if text is not None:
+                try:
+                    prompt = spec.extend_prompt(text)
+                except Exception as exc:  # noqa: BLE001 (e.g. the prompt no longer fits): the group fails
+                    for conv in conversations[i * g : (i + 1) * g]:
+                        if not conv.done:
+                            conv.end(FAILED_ERROR, f"the prompt with reset's text: {type(exc).__name__}: {exc}")
+            for j in range(i * g, (i + 1) * g):
+                conversations[j].prompt = prompt
+                conversations[j].record.group = spec.episode_id
+                if j in text_of and text_of[j] != text and not conversations[j].done:
+                    conversations[j].end(FAILED_ERROR, "reset returned a different text than the group's first episode")
+        return time.perf_counter() - tick
+
+    def _answer(self, conv: Conversation, outcome: Outcome, limit: int) -> int | None:
+        """Take the episode's answer to the model's last turn; the room left for the next turn if it goes on."""
+        if not outcome.ok:
+            conv.fail(outcome, "respond")
+            return None
+        reply = outcome.value
+        conv.tool_calls += reply.tool_calls
+        conv.tool_errors += reply.tool_errors
+        conv.record.invalid_actions += reply.invalid_actions
+        if not reply.messages:
+            conv.end(ENDED_BY_ENVIRONMENT if reply.done else ENDED_BY_MODEL)
+            return None
+        messages = [self._cut(conv, m) for m in reply.messages]
+        if reply.done:  # kept for the rewards; no model turn follows, so no tokens either
+            conv.messages += messages
+            conv.end(ENDED_BY_ENVIRONMENT)
+            return None
+        tokens = self.env_tokens(messages)
+        room = limit - len(conv.ids) - len(tokens)
+        if room <= 0:  # no room for the answer: the conversation ends at the length limit
+            conv.truncated = True
+            conv.end(ENDED_BY_LENGTH)
+            return None
+        conv.add_environment_messages(messages, tokens)
+        return room
+
+    def _cut(self, conv: Conversation, message: dict[str, Any]) -> dict[str, Any]:
+        limit, content = self.settings.observation_chars, message.get("content")
+        if limit is None or not isinstance(content, str) or len(content) <= limit:
+            return message
+        conv.record.observations_cut += 1
+        return {**message, "content": cut(content, limit)}
+
+    def _finish(self, conversations: list[Conversation]) -> list[Any]:
+        """Score, snapshot and close every episode that did not hang (a timed-out object is never touched again)."""
+        alive = [c for c in conversations if c.episode is not None and not c.untouchable]
+        if self.environment.has_reward:
+            scored = [c for c in alive if not c.record.failed]
+            for conv, outcome in zip(scored, self.calls.run([(conv.episode.reward, conv.budget) for conv in scored])):
+                if outcome.ok:
+                    conv.record.env_reward = outcome.value
+                else:
+                    conv.fail(outcome, "the reward")
+        alive = [c for c in alive if not c.untouchable]
+        shots = self.calls.run([(conv.episode.snapshot, conv.budget) for conv in alive])
+        snapshot = {id(conv): outcome.value for conv, outcome in zip(alive, shots)}
+        for conv, outcome in zip(alive, self.calls.run([(conv.episode.close, self.settings.step_timeout) for conv in alive])):
+            if not outcome.ok and not conv.record.failed:
+                conv.fail(outcome, "close")
+        for conv in conversations:
+            conv.record.env_seconds = self.settings.episode_timeout - conv.budget.left if conv.budget else 0.0
+        return [snapshot.get(id(conv)) for conv in conversations]
 
     def _continue(self, going: list[tuple[Conversation, int]], round_: int) -> None:
         """The next model turn of each conversation, from its whole context, within its own room."""
@@ -249,13 +430,56 @@ class MultiTurnEngine:
             conv.add_model_turn(tokens, truncated, logprobs, self.tokenizer, self.eos_token_ids)
 
 
-def with_tools(engine: RolloutEngine, toolbox: ToolBox | None, tokenizer, cfg: Config, sampling: SamplingSettings) -> RolloutEngine:
-    """`engine` itself without tools; with them, the multi-turn loop around it."""
-    if toolbox is None:
+class MultiTurnEngine(EpisodeEngine):
+    """The loop with `rollout.tools` alone (the built-in stateless environment), as it was built before
+    environments: `max_tool_turns` rounds of tool calls, i.e. at most max_tool_turns + 1 model turns."""
+
+    def __init__(self, engine: RolloutEngine, toolbox: ToolBox, tokenizer, *, eos_token_ids: list[int],
+                 max_completion_length: int, max_tool_turns: int, template_kwargs: dict[str, Any] | None = None):
+        from ..environments.tools_env import ToolsEnvironment
+
+        super().__init__(engine, ToolsEnvironment(toolbox), tokenizer, eos_token_ids=eos_token_ids,
+                         max_completion_length=max_completion_length, settings=tools_settings(toolbox, max_tool_turns),
+                         template_kwargs=template_kwargs)
+
+
+def tools_settings(toolbox: ToolBox, max_tool_turns: int) -> EpisodeSettings:
+    """The built-in tools environment's settings: the tool box's own limits apply (its calls answer a timeout
+    themselves), so the environment's are only a backstop far above them."""
+    return EpisodeSettings(max_turns=max_tool_turns + 1, step_timeout=4 * toolbox.timeout + 60, episode_timeout=math.inf,
+                           concurrency=TOOLS_CONCURRENCY, observation_chars=None, record=False)
+
+
+TOOLS_CONCURRENCY = 64  # episodes answered at once (each runs its calls in the tool box's own threads)
+
+
+def with_environment(engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings,
+                     environment: Environment | None = None) -> RolloutEngine:
+    """`engine` itself without an environment; with one (`environment:`, or rollout.tools alone), the episode loop
+    around it. `environment`: one already built (build_environment(cfg)), else built here."""
+    from ..environments import build_environment
+
+    environment = environment if environment is not None else build_environment(cfg)
+    if environment is None:
         return engine
-    return MultiTurnEngine(engine, toolbox, tokenizer, eos_token_ids=sampling.eos_token_ids,
-                           max_completion_length=sampling.max_completion_length,
-                           max_tool_turns=cfg.rollout.max_tool_turns, template_kwargs=cfg.data.chat_template_kwargs)
+    env = cfg.environment
+    if env.kind is None:  # rollout.tools alone
+        settings = tools_settings(environment.box, cfg.rollout.max_tool_turns)
+    else:
+        settings = EpisodeSettings(max_turns=env.max_turns, step_timeout=env.step_timeout,
+                                   episode_timeout=env.episode_timeout, concurrency=env.concurrency,
+                                   observation_chars=env.observation_chars, record=True)
+    return EpisodeEngine(engine, environment, tokenizer, eos_token_ids=sampling.eos_token_ids,
+                         max_completion_length=sampling.max_completion_length, settings=settings,
+                         template_kwargs=cfg.data.chat_template_kwargs)
+
+
+def _respond(conv: Conversation):
+    return lambda: conv.episode.respond(conv.text, conv.calls)
+
+
+def _reset(episode: Episode, spec: EpisodeSpec, j: int):
+    return lambda: episode.reset(spec, j)
 
 
 def _row(values: list | None, j: int):

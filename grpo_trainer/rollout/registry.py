@@ -20,6 +20,7 @@ from .engines import engine_kind
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..environments import Environment
     from .tools import ToolBox
 
 
@@ -34,17 +35,23 @@ def build_engine(
     rank: int = 0,
     is_main_process: bool = True,
     toolbox: ToolBox | None = None,
+    environment: Environment | None = None,
     lockstep=None,
 ) -> RolloutEngine:
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
     the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
-    forward of the model is itself a collective, see HFEngine); with a `toolbox` (rollout.tools), wrapped in
-    the multi-turn loop (multi_turn.py)."""
+    forward of the model is itself a collective, see HFEngine); with an environment (`environment`, built by
+    environments.build_environment; else built here from the config, or from `toolbox` for rollout.tools alone),
+    wrapped in the episode loop (multi_turn.py)."""
     engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
                       full_parameters=full_parameters, rank=rank, is_main_process=is_main_process, lockstep=lockstep)
-    from .multi_turn import with_tools
+    from .multi_turn import with_environment
 
-    return with_tools(engine, toolbox, tokenizer, cfg, sampling)
+    if environment is None and toolbox is not None and cfg.environment.kind is None:
+        from ..environments.tools_env import ToolsEnvironment
+
+        environment = ToolsEnvironment(toolbox)
+    return with_environment(engine, tokenizer, cfg, sampling, environment)
 
 
 def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,

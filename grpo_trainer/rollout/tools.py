@@ -129,7 +129,7 @@ class ToolBox:
             return list(calls)  # type: ignore[arg-type]
         pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(pending)))
         try:
-            futures = {id(c): pool.submit(self._run_one, c) for c in pending}
+            futures = {id(c): pool.submit(self.call, c) for c in pending}
             results = []
             for c in calls:
                 if isinstance(c, ToolResult):
@@ -144,7 +144,8 @@ class ToolBox:
         finally:
             pool.shutdown(wait=False)  # an overrunning user function is left to finish in its thread
 
-    def _run_one(self, call: ToolCall) -> ToolResult:
+    def call(self, call: ToolCall) -> ToolResult:
+        """One call, in the caller's thread (no time limit of its own: the caller's); never raises."""
         tool = self.tools.get(call.name)
         if tool is None:
             known = ", ".join(self.tools)

@@ -1,0 +1,174 @@
+"""Environments: one conversation per environment object, the model's turns answered by it (issue 37).
+
+An *episode* is one completion played against one environment object: reset from the prompt's dataset row and the
+group's seed, the model's turns answered (tool calls and plain replies), ended by the environment, the model or
+the length limit, scored by the environment (`reward()`) beside the config's reward functions. The multi-turn
+loop (`rollout/multi_turn.py`, `EpisodeEngine`) talks to episodes through the `Episode` protocol below and to
+nothing else, so every kind of environment runs on the one loop:
+
+- `tools_env.py`: the built-in stateless environment of `rollout.tools` (and the sandboxed `python` tool);
+- `class_env.py`: a class in the TRL convention (`environment.factory: my_env.py:GuessNumber`);
+- `openenv.py`: an OpenEnv `Environment` subclass in this process (`environment.openenv`);
+- `openenv_ws.py`: a remote OpenEnv server over its `/ws` protocol (`environment.url`).
+
+Each kind is an `Environment`: what is the same for all its episodes (name, tool schemas, whether it scores)
+and a maker of fresh `Episode`s (one object per episode, never reused: an episode's result cannot depend on what
+an object did before, which keeps resumed runs exact). `build_environment(cfg)` picks the kind from the config;
+kinds are imported lazily (`KINDS`), so nothing of OpenEnv's is imported unless it is chosen.
+
+The loop runs every adapter call through `calls.EnvCalls` (daemon threads, timeouts): an adapter is written as
+plain blocking code, and any exception it raises, a timeout, or a breach of this protocol ends that episode as an
+*environment failure*, scored by `environment.on_error`. Model-side mistakes (a malformed call, an unknown tool,
+an invalid action) are never failures: the adapter answers them with a message to the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..rollout.tools import ToolCall, ToolResult
+
+# Why an episode ended (EpisodeRecord.ended_by). The first four are normal ends; the last three are failures.
+ENDED_BY_ENVIRONMENT = "environment"  # the environment said done
+ENDED_BY_MODEL = "model"  # the model's turn got no answer (no tool call and no step(): nothing to say)
+ENDED_BY_LENGTH = "length"  # rollout.max_completion_length reached (a turn cut, or no room for the answer)
+ENDED_BY_TURNS = "turns"  # environment.max_turns model turns were played
+FAILED_ERROR = "error"  # the environment raised or broke the protocol
+FAILED_TIMEOUT = "timeout"  # a call overran environment.step_timeout, or the episode environment.episode_timeout
+FAILED_DISCONNECT = "disconnect"  # a remote environment's connection dropped
+ENDINGS = (ENDED_BY_ENVIRONMENT, ENDED_BY_MODEL, ENDED_BY_LENGTH, ENDED_BY_TURNS)
+FAILURES = (FAILED_ERROR, FAILED_TIMEOUT, FAILED_DISCONNECT)
+
+
+class ProtocolBreach(Exception):
+    """An environment returned what its convention does not allow (an adapter raises it, naming the class and the
+    value): like any exception in its calls, it ends the episode as a failure."""
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What one prompt's episodes start from (the G episodes of a group share it: same row, same seed, so GRPO
+    compares G attempts at the same task). Built by the rollout queue and by evaluate."""
+
+    record: dict[str, Any]  # the dataset row
+    seed: int  # the group's environment seed, in [0, 2**31)
+    episode_id: str  # f"s{step}-d{draw}-p{position}" (eval: f"eval-{index}"); episode j adds f"-g{j}"
+    extend_prompt: Callable[[str], list[int]]  # the row's prompt with this text appended, tokenized (the Task's)
+
+
+@dataclass
+class Reply:
+    """What an environment says after a model turn."""
+
+    messages: list[dict[str, Any]]  # tool messages (role tool, name, content) or one user message; [] = nothing to say
+    done: bool = False
+    reward: float | None = None  # a per-step reward (OpenEnv's, summed by the adapter); class environments: None
+    invalid_actions: int = 0  # model-side errors told to the model (malformed call, validation error)
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One environment object playing one episode. Every method may block, raise or hang: the loop calls it
+    through EnvCalls, and whatever goes wrong ends this episode alone."""
+
+    tools: list[dict[str, Any]]  # the tool schemas shown in the prompt (the same for every episode of a kind)
+
+    def reset(self, spec: EpisodeSpec, j: int) -> str | None:
+        """Start episode j of the group `spec`; text appended to the prompt, or None."""
+
+    def respond(self, text: str, calls: list[ToolCall | ToolResult]) -> Reply:
+        """Answer a model turn: its decoded text (special tokens skipped) and the tool calls parsed from it (a
+        call that could not be parsed is already its error result, rollout/tools.py)."""
+
+    def reward(self) -> float | None:
+        """The episode's reward, at its end (None: no opinion)."""
+
+    def snapshot(self) -> Any:
+        """What reward functions receive for this episode in `environments` (TRL: the object itself)."""
+
+    def close(self) -> None:
+        """Release what the episode holds; it is not used afterwards."""
+
+
+@dataclass
+class EpisodeRecord:
+    """How one episode went, for rewards (`episodes=`), the failure policy and the metrics. Picklable (rollouts
+    cross ranks under dynamic sampling); the environment objects themselves travel separately and never do."""
+
+    ended_by: str  # one of ENDINGS or FAILURES
+    env_reward: float | None = None  # Episode.reward() (None: no opinion, or the environment has no reward)
+    error: str | None = None  # one line, for failures
+    turns: int = 0  # model turns
+    invalid_actions: int = 0
+    observations_cut: int = 0  # environment messages cut to environment.observation_chars
+    env_seconds: float = 0.0  # time in this episode's environment calls
+    state: Any = None  # a remote episode's state snapshot (picklable), else None
+    group: str = ""  # the group's EpisodeSpec.episode_id: episodes of one group share it (on_error skip_group)
+
+    @property
+    def failed(self) -> bool:
+        return self.ended_by in FAILURES
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One configured kind of environment: what its episodes share, and a maker of fresh ones."""
+
+    name: str  # for messages, naming the config key: "environment.factory my_env.py:GuessNumber"
+    tools: list[dict[str, Any]]  # the tool schemas every episode shows the model
+    has_reward: bool  # its episodes' reward() can give a number: the `environment` reward exists
+
+    def episode(self) -> Episode:
+        """A fresh episode object (called in an EnvCalls thread: constructing it may block or raise)."""
+
+    def close(self) -> None:
+        """Release what the kind shares between episodes (a pool of remote sessions); at the end of the run."""
+
+
+# The kinds, by the config key that selects them: "module:function" building an Environment from the Config,
+# imported only when chosen (and never by this module at import time: the adapters import it).
+KINDS: dict[str, str] = {
+    "factory": "grpo_trainer.environments.class_env:build",
+    "openenv": "grpo_trainer.environments.openenv:build",
+    "url": "grpo_trainer.environments.openenv_ws:build",
+}
+TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `rollout.tools` alone selects it
+
+
+MASK64 = 2**64 - 1
+ENV_PART = 2**20 + 1  # mixed into a group's seed for its environment seed: above any G, so never a completion's
+
+
+def environment_seed(group_seed: int) -> int:
+    """The environment seed of a group whose sampling seed would be `group_seed` (mix_seed(cfg.seed, step, draw,
+    position), computed whether or not rollout.seed_per_prompt is set), in [0, 2**31): the queue re-draws the same
+    (step, draw, position) on resume, so the episodes are the same. mix_seed is linear, so its low and high bits
+    alone collide for simple parts (0 and 2**62; 0 and 1): they are scrambled first (splitmix64's finalizer)."""
+    from ..seeds import mix_seed
+
+    z = (mix_seed(group_seed, ENV_PART) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 33
+
+
+def build_environment(cfg: Config) -> Environment | None:
+    """The configured environment: `environment:`'s kind, else the built-in tools environment when
+    `rollout.tools` is set, else None (single-turn rollouts)."""
+    kind = cfg.environment.kind
+    if kind is None and not cfg.rollout.tools:
+        return None
+    module, _, function = (TOOLS if kind is None else KINDS[kind]).partition(":")
+    return getattr(importlib.import_module(module), function)(cfg)
+
+
+__all__ = [
+    "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "ProtocolBreach", "Reply",
+    "build_environment", "environment_seed",
+]

@@ -1,0 +1,77 @@
+"""How episodes are scored and counted: the environment's own reward, the failure policy, the metrics.
+
+- The environment's reward (`Episode.reward()`, recorded at the end of the episode) is one more `Reward` beside the
+  config's functions, named `environment`, weighted by `environment.reward_weight`: it gets per-reward metrics
+  (`rewards/environment/mean|std`) and joins the weighted total like any other reward.
+- An episode the environment failed (it raised, hung or broke its protocol) is scored by `environment.on_error`,
+  after every reward has run (`Task.score`, on the rank that sampled the group, before anything is gathered):
+  `zero`: every reward of the episode 0; `none`: no opinion (NaN: left out of its group's statistics,
+  advantage 0); `skip_group`: its whole group NaN (fewer than two opinions: advantage 0 for the group; the batch
+  keeps its shape). Default `zero`: under `none`, an episode that crashes the environment gets advantage 0 while
+  its siblings that failed at the task get a negative one, so crashing the environment would pay.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import ENDINGS, FAILED_DISCONNECT, FAILED_ERROR, FAILED_TIMEOUT, EpisodeRecord
+
+if TYPE_CHECKING:
+    from ..rewards import Reward, RewardBatch
+
+REWARD_NAME = "environment"
+
+
+def environment_reward(weight: float) -> Reward:
+    """The environment's own reward as a reward function over the `episodes` keyword."""
+    from ..rewards import Reward
+
+    def environment(completions: list[Any], episodes: list[EpisodeRecord], **_: Any) -> list[float | None]:
+        return [e.env_reward for e in episodes]
+
+    return Reward(REWARD_NAME, environment, weight=weight, where="environment")
+
+
+def apply_on_error(batch: RewardBatch, episodes: list[EpisodeRecord], policy: str) -> None:
+    """Score failed episodes by `policy` (zero | none | skip_group), in place."""
+    failed = [j for j, e in enumerate(episodes) if e.failed]
+    if not failed:
+        return
+    if policy == "skip_group":
+        groups = {episodes[j].group for j in failed}
+        failed = [j for j, e in enumerate(episodes) if e.group in groups]
+    value = 0.0 if policy == "zero" else math.nan
+    rows = torch.tensor(failed)
+    batch.per_function[rows] = value
+    batch.total[rows] = value
+
+
+def episode_counts(episodes: list[EpisodeRecord]) -> torch.Tensor:
+    """Per episode [N, 6 + len(ENDINGS)]: turns, errors, timeouts, disconnects, observations cut, invalid actions,
+    then one column per normal ending (a failed episode has none)."""
+    rows = [[e.turns, e.ended_by == FAILED_ERROR, e.ended_by == FAILED_TIMEOUT, e.ended_by == FAILED_DISCONNECT,
+             e.observations_cut, e.invalid_actions, *(e.ended_by == end for end in ENDINGS)] for e in episodes]
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(episodes), 6 + len(ENDINGS))
+
+
+def environment_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """The batch's environment metrics from every rank's `episode_counts`, stacked."""
+    if not len(counts):
+        return {}
+    turns, errors, timeouts, disconnects, cut, invalid = counts[:, :6].T
+    metrics = {
+        "environment/turns_per_episode": float(turns.mean()),
+        "environment/errors": float(errors.sum()),
+        "environment/timeouts": float(timeouts.sum()),
+        "environment/disconnects": float(disconnects.sum()),
+        "environment/frac_failed": float((errors + timeouts + disconnects).mean()),
+        "environment/observations_cut": float(cut.sum()),
+        "environment/invalid_actions_per_episode": float(invalid.mean()),
+    }
+    for k, end in enumerate(ENDINGS):
+        metrics[f"environment/frac_ended_by_{end}"] = float(counts[:, 6 + k].mean())
+    return metrics

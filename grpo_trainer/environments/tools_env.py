@@ -1,0 +1,67 @@
+"""The built-in stateless environment: `rollout.tools` (user functions and the sandboxed `python`) on the episode loop.
+
+Nothing to reset and nothing to score: a turn with tool calls is answered with their results (all of a turn's
+calls at once, `ToolBox.run`: time-limited by rollout.tool_timeout, never raising), a turn without calls ends the
+episode. With `rollout.max_tool_turns` rounds of calls, an episode has at most max_tool_turns + 1 model turns.
+This reproduces the tool loop that came before environments exactly (same conversations, tokens and seeds).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..rollout.tools import ToolBox, ToolCall, ToolResult, build_toolbox
+from . import EpisodeSpec, Reply
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+NAME = "rollout.tools"
+
+
+class ToolsEpisode:
+    """The `Episode` protocol over a tool box; holds no state of its own."""
+
+    def __init__(self, box: ToolBox):
+        self.box = box
+        self.tools = box.schemas
+
+    def reset(self, spec: EpisodeSpec, j: int) -> str | None:
+        return None
+
+    def respond(self, text: str, calls: list[ToolCall | ToolResult]) -> Reply:
+        if not calls:
+            return Reply([])
+        results = self.box.run(calls)
+        return Reply(messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
+                     tool_calls=len(results), tool_errors=sum(r.error for r in results))
+
+    def reward(self) -> float | None:
+        return None
+
+    def snapshot(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ToolsEnvironment:
+    """The `Environment` protocol for `rollout.tools` alone."""
+
+    name = NAME
+    has_reward = False
+
+    def __init__(self, box: ToolBox):
+        self.box = box
+        self.tools = box.schemas
+
+    def episode(self) -> ToolsEpisode:
+        return ToolsEpisode(self.box)
+
+    def close(self) -> None:
+        pass
+
+
+def build(cfg: Config) -> ToolsEnvironment:
+    return ToolsEnvironment(build_toolbox(cfg.rollout))

@@ -1,0 +1,424 @@
+"""Environments (issue 37): the episode loop with a TRL-style class, hostile environments, the failure policy,
+timeouts and concurrency, rewards that receive the episodes, the config; one CLI run on the tiny model (slow).
+
+The loop tests drive EpisodeEngine with a scripted engine (no model): what the model "says" is fixed, so every
+assertion is about what the loop and the environment did with it."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from grpo_trainer.config import ModelConfig, config_from_dict
+from grpo_trainer.environments import EpisodeRecord, EpisodeSpec, environment_seed
+from grpo_trainer.environments.calls import EnvCalls, EnvironmentHangs, EpisodeBudget
+from grpo_trainer.environments.class_env import ClassEnvironment
+from grpo_trainer.environments.scoring import apply_on_error, environment_reward
+from grpo_trainer.errors import ConfigError
+from grpo_trainer.models import load_tokenizer
+from grpo_trainer.rewards import Reward, RewardBatch
+from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
+
+END = "<|im_end|>"
+
+
+class ScriptedModel:
+    """A stand-in engine: the model's turn k in a conversation whose prompt contains `key` is scripts[key][k]
+    (the same for the G completions of a group); sampling log-probs -0.5."""
+
+    needs_weight_sync = False
+    lockstep = None
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+        self.tokenizer, self.scripts = tokenizer, scripts
+        self.calls: list[dict] = []
+
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None):
+        self.calls.append({"contexts": prompt_ids, "n": num_generations, "seeds": seeds})
+        turns = []
+        for context in prompt_ids:
+            text = self.tokenizer.decode(context)
+            key = next(k for k in self.scripts if f"[{k}]" in text)
+            turns += [self.scripts[key][text.count("<|im_start|>assistant") - 1]] * num_generations
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
+        limit = max_tokens or 10_000
+        return Rollout(completion_ids=[t[:limit] for t in ids], truncated=[len(t) > limit for t in ids],
+                       sampling_logprobs=[[-0.5] * len(t[:limit]) for t in ids])
+
+
+class Guess:
+    """Guess my number from 1 to 4; a row's `mode` makes the environment misbehave in one way."""
+
+    def reset(self, seed: int, mode: str = "fair", **row) -> str | None:
+        self.secret, self.mode, self.won, self.guesses = seed % 4 + 1, mode, False, 0
+        if mode == "reset_raises":
+            raise RuntimeError("no such board")
+        return f" Range 1-4, seed {seed}." if mode != "reset_bad" else 42
+
+    def above(self, n: int) -> str:
+        """Whether the secret number is above n.
+
+        Args:
+            n: the number to compare with
+        """
+        if n > 100:
+            raise ValueError("too big")
+        return "yes" if self.secret > n else "no"
+
+    def step(self, reply: str):
+        self.guesses += 1
+        mode = self.mode
+        if mode == "step_raises":
+            raise KeyError("lost the board")
+        if mode == "step_hangs":
+            time.sleep(30)
+        if mode == "huge":
+            return "x" * 1_000_000, False
+        if mode == "never_done":
+            return "again", False
+        if mode == "bad_step":
+            return "yes", "done"
+        if mode == "slow":
+            time.sleep(0.15)
+            return "again", False
+        answer = reply.split("</think>")[-1].strip()  # what follows the model's thinking, if any
+        guess = int(answer) if answer.isdigit() else 0
+        self.won = guess == self.secret
+        return ("yes" if self.won else ("higher" if guess < self.secret else "lower")), self.won or self.guesses >= 3
+
+    def get_reward(self) -> float:
+        if self.mode == "nan_reward":
+            return math.nan
+        return 1.0 if self.won else 0.0
+
+
+def _tokenizer():
+    return load_tokenizer(ModelConfig())
+
+
+def _prompt(tokenizer, key: str, text: str = "") -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": f"Guess [{key}].{text}"}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def _spec(tokenizer, key: str, mode: str = "fair", seed: int = 2) -> EpisodeSpec:
+    return EpisodeSpec({"prompt": f"Guess [{key}].", "mode": mode}, seed, f"s1-d0-p{key}",
+                       lambda text: _prompt(tokenizer, key, text))
+
+
+def _engine(tokenizer, scripts, factory=Guess, **settings) -> tuple[EpisodeEngine, ScriptedModel]:
+    env = ClassEnvironment(factory, "environment.factory test:Guess", {}, extra_tools=[], tool_timeout=5)
+    values = dict(max_turns=4, step_timeout=2.0, episode_timeout=10.0, concurrency=16, observation_chars=200, record=True)
+    model = ScriptedModel(tokenizer, scripts)
+    engine = EpisodeEngine(model, env, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=600,
+                           settings=EpisodeSettings(**{**values, **settings}))
+    return engine, model
+
+
+def test_a_class_environment_answers_tools_and_plain_replies_token_faithfully(tiny_model_path):
+    """The TRL-style class: reset text extends the prompt; a tool call goes to the method (tool message), a plain
+    reply to step() (user message); environment tokens are the template's, masked, log-prob 0; done ends the
+    episode; get_reward is recorded; the whole conversation renders to exactly what is trained."""
+    tokenizer = _tokenizer()
+    call = '<tool_call>{"name": "above", "arguments": {"n": 2}}</tool_call>'
+    scripts = {"a": [call + END, "1" + END, "3" + END, "never"]}  # secret: 2 % 4 + 1 = 3
+    engine, model = _engine(tokenizer, scripts)
+    assert engine.needs_episodes and [t["function"]["name"] for t in engine.environment.tools] == ["above"]
+    out = engine.generate([_prompt(tokenizer, "a")], 2, episodes=[_spec(tokenizer, "a")])
+    assert out.prompt_ids[0] == out.prompt_ids[1] == _prompt(tokenizer, "a", " Range 1-4, seed 2.")
+    assert model.calls[0]["contexts"] == [out.prompt_ids[0]]  # the first turn was sampled from the extended prompt
+    messages = out.conversations[0]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "user", "assistant", "user"]
+    assert messages[1] == {"role": "tool", "name": "above", "content": "yes"} and messages[3]["content"] == "higher"
+    assert messages[-1] == {"role": "user", "content": "yes"}  # the final answer: for the rewards, no tokens
+    record = out.episodes[0]
+    assert (record.ended_by, record.env_reward, record.turns, record.group) == ("environment", 1.0, 3, "s1-d0-pa")
+    assert out.tool_calls == [1, 1] and isinstance(out.environments[0], Guess) and out.environments[0].won
+    ids, mask, logprobs = out.completion_ids[0], out.completion_mask[0], out.sampling_logprobs[0]
+    assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(logprobs, mask)) and len(ids) == len(mask)
+    whole = [{"role": "user", "content": "Guess [a]. Range 1-4, seed 2."}, *messages[:-1]]
+    for m in whole:
+        m.pop("tool_calls", None)
+    rendered = tokenizer.apply_chat_template(whole, tokenize=False)
+    assert tokenizer.decode(out.prompt_ids[0] + ids) + "\n" == rendered  # the template ends the last turn with \n
+    model_text = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert model_text == call + END + "1" + END + "3" + END
+
+
+# A Qwen3-like template: assistant turns before the last user message lose their <think>...</think>.
+DROPS_THINKING = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_a_template_that_rewrites_history_differs_from_what_is_trained_by_exactly_the_earlier_thinking(tiny_model_path):
+    """What is trained is what the model was conditioned on while sampling: with a template that drops earlier
+    <think> spans, rendering the finished conversation differs from the trained tokens by exactly those spans."""
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = DROPS_THINKING
+    engine, _ = _engine(tokenizer, {"k": ["<think>low</think>1" + END, "<think>up</think>3" + END]})
+    out = engine.generate([_prompt(tokenizer, "k")], 2, episodes=[_spec(tokenizer, "k")])
+    messages = out.conversations[0]
+    assert [m["content"] for m in messages] == ["<think>low</think>1", "higher", "<think>up</think>3", "yes"]
+    trained = tokenizer.decode(out.prompt_ids[0] + out.completion_ids[0])
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Guess [k]. Range 1-4, seed 2."}, *messages[:-1]], tokenize=False)
+    assert "<think>low</think>" not in rendered and "<think>up</think>" in rendered
+    assert trained + "\n" == rendered.replace("assistant\n1<|im_end|>", "assistant\n<think>low</think>1<|im_end|>")
+
+
+def test_a_tool_method_that_raises_is_a_message_to_the_model_not_a_failure(tiny_model_path):
+    tokenizer = _tokenizer()
+    calls = ('<tool_call>{"name": "above", "arguments": {"n": 200}}</tool_call>'
+             '<tool_call>{"name": "above", "arguments": {"m": 1}}</tool_call><tool_call>{oops}</tool_call>')
+    engine, _ = _engine(tokenizer, {"t": [calls + END, "3" + END]})
+    out = engine.generate([_prompt(tokenizer, "t")], 2, episodes=[_spec(tokenizer, "t")])
+    told = [m["content"] for m in out.conversations[0] if m["role"] == "tool"]
+    assert told[0] == "error: ValueError: too big" and told[1].startswith("error: bad arguments for above")
+    assert "not valid JSON" in told[2]
+    assert out.tool_calls[0] == 3 and out.tool_errors[0] == 3 and out.episodes[0].invalid_actions == 1
+    assert out.episodes[0].ended_by == "environment" and out.episodes[0].env_reward == 1.0
+
+
+def test_hostile_environments_end_their_own_episode_and_say_why(tiny_model_path):
+    """One batch, one misbehaving environment per group: each ends its own episodes, recorded and one line; the
+    fair group plays on; a hang is abandoned at step_timeout; a huge message is cut and counted."""
+    tokenizer = _tokenizer()
+    modes = ["fair", "reset_raises", "reset_bad", "step_raises", "step_hangs", "huge", "never_done", "bad_step",
+             "nan_reward"]
+    scripts = {mode: ["3" + END] * 4 for mode in modes}
+    engine, _ = _engine(tokenizer, scripts, step_timeout=0.5, max_turns=3)
+    started = time.perf_counter()
+    out = engine.generate([_prompt(tokenizer, m) for m in modes], 2, episodes=[_spec(tokenizer, m, m) for m in modes])
+    assert time.perf_counter() - started < 10  # not the 30 s hang
+    got = {m: out.episodes[2 * i] for i, m in enumerate(modes)}
+    assert got["fair"].ended_by == "environment" and got["fair"].env_reward == 1.0
+    assert got["reset_raises"].ended_by == "error" and "RuntimeError: no such board" in got["reset_raises"].error
+    assert got["reset_bad"].ended_by == "error" and "Guess.reset returned 42" in got["reset_bad"].error
+    assert got["step_raises"].ended_by == "error" and "KeyError" in got["step_raises"].error
+    assert got["step_hangs"].ended_by == "timeout" and "step_timeout" in got["step_hangs"].error
+    assert got["step_hangs"].env_reward is None and out.environments[8] is None  # the hung object is never touched
+    assert got["huge"].ended_by == "turns" and got["huge"].observations_cut == 2 and got["huge"].turns == 3
+    assert len(out.conversations[10][1]["content"]) < 300
+    assert got["never_done"].ended_by == "turns" and got["never_done"].turns == 3
+    assert got["bad_step"].ended_by == "error" and "expected (feedback: str, done: bool)" in got["bad_step"].error
+    assert got["nan_reward"].ended_by == "error" and "finite number" in got["nan_reward"].error
+    for i, m in enumerate(modes):  # a failure from the start is still sampled (one turn) but never answered
+        assert out.episodes[2 * i + 1].ended_by == got[m].ended_by
+    assert out.turns[2] == 1 and out.completion_mask[2] == [1] * len(out.completion_ids[2])
+
+
+def test_an_episode_budget_counts_environment_time_only(tiny_model_path):
+    """Steps of 0.15 s within a 0.4 s episode budget: the third step runs into it (`timeout`, episode)."""
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {"s": ["1" + END] * 6}, max_turns=6, episode_timeout=0.4)
+    out = engine.generate([_prompt(tokenizer, "s")], 2, episodes=[_spec(tokenizer, "s", "slow")])
+    assert out.episodes[0].ended_by == "timeout" and "episode_timeout" in out.episodes[0].error
+    assert 2 <= out.episodes[0].turns <= 4
+
+
+def test_episodes_run_concurrently():
+    """64 calls sleeping 50 ms, three rounds: about 3 sleeps, not 192."""
+    calls = EnvCalls(64, "environment.factory test:Sleepy", 256)
+    started = time.perf_counter()
+    for _ in range(3):
+        outcomes = calls.run([(lambda: time.sleep(0.05) or "ok", 1.0)] * 64)
+        assert all(o.value == "ok" for o in outcomes)
+    assert time.perf_counter() - started < 3.0  # 9.6 s one at a time
+    calls.close()
+
+
+def test_calls_that_keep_hanging_stop_the_run_with_one_line():
+    calls = EnvCalls(2, "environment.factory my_env.py:Hangs", max_abandoned=2)
+    first = calls.run([(lambda: time.sleep(30), 0.05), (lambda: 1 / 0, 1.0)])
+    assert first[0].timed_out == "step" and first[1].error == "ZeroDivisionError: division by zero"
+    with pytest.raises(EnvironmentHangs, match=r"^environment.factory my_env.py:Hangs: 3 calls are still running"):
+        calls.run([(lambda: time.sleep(30), 0.05)] * 2)
+
+
+def test_a_hung_environment_call_does_not_hold_the_process_at_exit():
+    """Daemon threads: a process whose environment call never returns exits when its main code is done."""
+    code = ("from grpo_trainer.environments.calls import EnvCalls; import time\n"
+            "print(EnvCalls(1, 'x', 5).run([(lambda: time.sleep(600), 0.1)])[0].timed_out)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "step", result.stderr[-2000:]
+
+
+def test_the_failure_policy_scores_failed_episodes():
+    """zero: the failed row 0; none: NaN; skip_group: its whole group NaN (G = 2, two groups)."""
+    records = [EpisodeRecord("environment", group="a"), EpisodeRecord("error", group="a"),
+               EpisodeRecord("model", group="b"), EpisodeRecord("turns", group="b")]
+    expected = {"zero": [1.0, 0.0, 1.0, 1.0], "none": [1.0, math.nan, 1.0, 1.0], "skip_group": [math.nan, math.nan, 1.0, 1.0]}
+    for policy, totals in expected.items():
+        batch = RewardBatch(per_function=torch.ones(4, 2), total=torch.ones(4), metrics={})
+        apply_on_error(batch, records, policy)
+        torch.testing.assert_close(batch.total, torch.tensor(totals), equal_nan=True)
+        torch.testing.assert_close(batch.per_function[:, 1], torch.tensor(totals), equal_nan=True)
+
+
+def test_rewards_receive_the_environments_and_the_environment_reward_is_one_more_reward(tiny_model_path):
+    from grpo_trainer.data import PromptSet
+    from grpo_trainer.rewards import reward_statistics
+    from grpo_trainer.task import Task
+
+    tokenizer = _tokenizer()
+    seen = {}
+
+    def won(completions, environments, episodes, **kwargs):
+        seen.update(environments=environments, episodes=episodes)
+        return [1.0 if env is not None and env.won else 0.0 for env in environments]
+
+    engine, _ = _engine(tokenizer, {"r": ["3" + END, "1" + END, "1" + END], "q": ["1" + END, "1" + END, "1" + END]})
+    out = engine.generate([_prompt(tokenizer, "r"), _prompt(tokenizer, "q")], 2,
+                          episodes=[_spec(tokenizer, "r"), _spec(tokenizer, "q", "step_raises")])
+    records = [{"prompt": "Guess [r].", "answer": "3"}, {"prompt": "Guess [q].", "answer": "3"}]
+    task = Task(PromptSet(records, ["", ""], [[], []]), [Reward("won", won), environment_reward(2.0)], tokenizer,
+                "prompt", "answer", False, on_error="zero")
+    scores = task.score([0, 0, 1, 1], out)
+    assert seen["environments"][0] is out.environments[0] and seen["episodes"] is out.episodes
+    assert scores.per_function.tolist() == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    assert scores.total.tolist() == [3.0, 3.0, 0.0, 0.0]
+    stats = reward_statistics(task.rewards, scores.per_function)
+    assert stats["rewards/environment/mean"] == 0.5
+    pickled = __import__("pickle").loads(__import__("pickle").dumps(out))  # objects never cross ranks
+    assert pickled.environments is None and pickled.episodes == out.episodes
+
+
+def test_environment_seeds_are_the_groups_and_fit_31_bits():
+    seeds = {environment_seed(s) for s in (0, 1, 2**62, 12345)}
+    assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
+
+
+class RecordingEngine:
+    """Records what the rollout queue asks of an engine that needs episodes."""
+
+    needs_episodes = True
+    needs_weight_sync = samples_outside_process = can_lose_weights = False
+    lockstep = None
+
+    def __init__(self):
+        self.asked = []
+
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+        self.asked.append((seeds, episodes))
+        n = len(prompt_ids) * num_generations
+        return Rollout([[1]] * n, [False] * n)
+
+
+def test_the_queue_gives_each_group_its_environment_seed_whatever_seed_per_prompt():
+    """Rank 1 of 2, its prompts at batch positions 2 and 3: each group's spec carries its row, the environment seed
+    of (seed, step, draw, position) and an id naming them; the same with and without rollout.seed_per_prompt."""
+    from grpo_trainer.data import PromptSet
+    from grpo_trainer.geometry import Geometry
+    from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
+    from grpo_trainer.seeds import mix_seed
+    from grpo_trainer.task import Task
+
+    records = [{"prompt": f"p{i}"} for i in range(8)]
+    task = Task(PromptSet(records, [""] * 8, [[1, i] for i in range(8)]), [], None, "prompt", "answer", False)
+    specs = {}
+    for per_prompt in (False, True):
+        engine = RecordingEngine()
+        settings = QueueSettings(max_staleness=0, prompts_per_step=4, max_steps=4, seed=5, seed_per_prompt=per_prompt,
+                                 reconnect_timeout=1.0, checkpoints="x")
+        queue = RolloutQueue(engine, settings, geometry=Geometry(world=2, rank=1, prompts_per_rank=2, group_size=2),
+                             comm=None, task=task, sampler=None, push=None)
+        queue._generate([7, 3], step=3, draw=1, version=0)
+        seeds, specs[per_prompt] = engine.asked[0]
+        assert (seeds is not None) == per_prompt
+    for spec, row, position in zip(specs[True], [7, 3], [2, 3]):
+        assert spec.record is records[row] and spec.episode_id == f"s3-d1-p{position}"
+        assert spec.seed == environment_seed(mix_seed(5, 3, 1, position))
+    assert [(s.seed, s.episode_id) for s in specs[True]] == [(s.seed, s.episode_id) for s in specs[False]]
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"environment": {"factory": "a.py:B", "url": "openenv+ws://h:1"}}, "environment: set one of factory, openenv or url"),
+    ({"environment": {"url": "http://h:1"}}, "environment.url: expected openenv+ws://HOST:PORT"),
+    ({"environment": {"url": "openenv+ws://h:1", "kwargs": {"a": 1}}}, "environment.kwargs"),
+    ({"environment": {"factory": "a.py:B", "on_error": "ignore"}}, "environment.on_error"),
+    ({"environment": {"factory": "a.py:B"}, "rollout": {"engine": "vllm_server", "max_staleness": 1}},
+     "rollout.max_staleness 1 with environment.factory is not supported"),
+    ({"environment": {"factory": "a.py:B"}, "data": {"use_chat_template": False}}, "needs data.use_chat_template"),
+    ({"rewards": []}, "rewards: at least one reward is needed"),
+])
+def test_bad_environment_config_is_one_line_naming_the_key(config, says):
+    with pytest.raises(ConfigError, match=says.replace("+", r"\+").replace(".", r"\.")):
+        config_from_dict(config)
+    config_from_dict({"environment": {"factory": "a.py:B"}, "rewards": []})  # an environment may score alone
+
+
+def test_a_class_whose_tool_method_cannot_be_described_is_refused():
+    class Bad:
+        def reset(self, **row):
+            return None
+
+        def move(self, where):  # no type hints, no docstring
+            return where
+
+    with pytest.raises(ConfigError, match=r"cannot describe the method Bad.move to the model"):
+        ClassEnvironment(Bad, "environment.factory x.py:Bad", {}, extra_tools=[], tool_timeout=1)
+
+
+GUESS_ENV = '''
+class Guess:
+    def reset(self, seed, **row):
+        self.secret, self.won, self.n = seed % 3, False, 0
+        return None
+
+    def step(self, reply):
+        self.n += 1
+        self.won = len(reply) % 3 == self.secret
+        return ("yes" if self.won else "no"), self.won or self.n >= 2
+
+    def get_reward(self):
+        return float(self.won)
+'''
+
+
+def train_guess(tmp_path, out, steps: int, resume: str = "never"):
+    from helpers import run_cli, small_run_overrides
+
+    env_file = tmp_path / "guess_env.py"
+    env_file.write_text(GUESS_ENV)
+    overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
+    result = run_cli(["train", "configs/demo_cpu.yaml", *overrides, f"environment.factory={env_file}:Guess",
+                      "environment.max_turns=2", "rewards=[]", "rollout.seed_per_prompt=true", "eval.every=2",
+                      "eval.num_samples=4", "checkpoint.save_every=1", f"checkpoint.resume={resume}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_a_trl_style_class_trains_from_the_cli_and_resumes_exactly(tmp_path):
+    """`environment.factory` on the tiny model (hf engine), the environment the only reward: 2 steps straight and
+    1 + 1 resumed are the same run (environment seeds re-drawn from (step, draw, position)); the environment's
+    metrics and reward are logged, evaluation runs the episodes too."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import assert_same_run
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_guess(tmp_path, straight, 2)
+    train_guess(tmp_path, resumed, 1)
+    assert "resumed from" in train_guess(tmp_path, resumed, 2, resume="auto").stderr
+    assert_same_run(straight, resumed)
+    records = read_metrics(straight)
+    assert len(records) == 2 and any(k.startswith("eval/") for k in records[-1])
+    for r in records:
+        assert 1 <= r["environment/turns_per_episode"] <= 2 and r["environment/errors"] == 0
+        assert 0 <= r["rewards/environment/mean"] <= 1 and r["timing/environment"] >= 0
+        ends = sum(r[f"environment/frac_ended_by_{e}"] for e in ("environment", "model", "length", "turns"))
+        assert abs(ends - 1) < 1e-6
