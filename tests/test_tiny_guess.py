@@ -11,7 +11,7 @@ import pytest
 
 from grpo_trainer.builtin import tiny_guess
 from grpo_trainer.builtin.tiny_guess import PROMPT, guess_number_records
-from helpers import load_script
+from helpers import ROOT, load_script
 
 PROMPT_TEXT = "<|im_start|>user\nGuess my number, 1-8<|im_end|>\n<|im_start|>assistant\n"
 
@@ -138,3 +138,19 @@ def test_warm_start_plays_the_mixed_policy(warm_start, measure):
     greedy = measure.play(model, tokenizer, records[:16], samples=1, greedy=True)
     assert measure.success(greedy) == 1.0  # the midpoint is always its likeliest guess
     assert all(g["text"].endswith(tokenizer.eos_token) and g["guesses"] <= 4 for g in sampled + greedy)
+
+
+def test_the_demo_config_plays_every_guess_through_the_environment_loop(game, monkeypatch):
+    """configs/guess_cpu.yaml, evaluated on 16 test games x 2 through the trainer's environment loop: the warm start
+    wins some, every win is scored, and a game can last its four guesses (a turn past environment.max_turns would
+    never reach step(), so the fourth guess could not win)."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.evaluate import evaluate
+
+    monkeypatch.chdir(ROOT)  # the config names the environment's file from the repository root, as the docs run it
+    cfg = load_config(ROOT / "configs" / "guess_cpu.yaml")
+    assert cfg.environment.factory == "configs/guess_number_env.py:GuessNumber"
+    assert cfg.environment.max_turns > game.guesses_allowed and not cfg.rewards
+    results = evaluate(cfg, k=2, num_prompts=16, progress=False)
+    assert results["eval/num_prompts"] == 16
+    assert 0 < results["eval/environment/mean@2"] == results["eval/reward/mean@2"] < 1  # seeded: 32 games
