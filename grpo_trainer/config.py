@@ -140,7 +140,8 @@ class TeacherConfig(_Section):
 class DataConfig(_Section):
     source: str = Field(
         "builtin:arithmetic",
-        description="`builtin:arithmetic`, `builtin:word_problems` or `builtin:multiplication` (the tools demo), a local "
+        description="`builtin:arithmetic`, `builtin:word_problems`, `builtin:multiplication` (the tools demo) or "
+        "`builtin:guess_number` (the environments demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
         "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
         "in Python (docs/python_api.md).", json_schema_extra=CHANGES_MEANING,

@@ -40,6 +40,7 @@ BUILTIN_MODELS = {
     "builtin:smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
     "builtin:tiny": (None, "apache-2.0"),
     "builtin:tiny-tools": (None, "apache-2.0"),
+    "builtin:tiny-guess": (None, "apache-2.0"),
 }
 VERSIONS = ("grpo-trainer", "torch", "transformers", "accelerate", "peft", "datasets", "vllm", "deepspeed")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

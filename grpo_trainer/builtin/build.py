@@ -6,7 +6,7 @@ named with its recipe's version (`tiny-v3`), so a changed recipe builds a new fo
 stale one. `cached_build` is the one way such a folder comes to exist: built in a staging folder beside it
 and renamed into place, by one process per machine while the others (ranks, parallel tests) wait on a lock.
 
-Why the tiny models' weights are shipped (weights/, 2.1 MB): their recipes (tiny.py, tiny_tools.py) train
+Why the tiny models' weights are shipped (weights/, 3.4 MB): their recipes (tiny.py, tiny_tools.py, tiny_guess.py) train
 them in the canonical float settings below, which make every machine of a kind (Intel, AMD: see below) get
 the same weights but run on one core at SSE2 speed: minutes on every fresh machine before a demo or a test
 could start (docs/performance.md, "The demo, the install and the test suite"). The package ships what those recipes produce instead, with its sha256 in weights/manifest.json;

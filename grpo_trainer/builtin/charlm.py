@@ -27,6 +27,12 @@ CHAT_TEMPLATE = (
 )
 
 
+def next_turn_text(role: str, content: str) -> str:
+    """The template's tokens between the EOS that ends an assistant turn and the next assistant turn, when a
+    `role` message (a tool's result, an environment's answer) comes between them."""
+    return f"\n<|im_start|>{role}\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     """The character tokenizer (99 tokens; EOS `<|im_end|>`, padding `<|endoftext|>` on the left)."""
     from tokenizers import Tokenizer, decoders, models

@@ -21,7 +21,7 @@ The model is charlm.py's family (character vocabulary, 2-layer Llama, 0.31M para
 It has to copy digits: the operands from the prompt into the code, the tool's result into the answer.
 Learnt from scratch, finding the attention heads that do this took 150-400 steps of 64 conversations,
 varying with the seed, so layer 0's first three heads start out looking back the three fixed distances
-involved (`_init_copying_heads`); it then copies after about 50 steps of 32. Loss is on model-written
+involved (`init_copying_heads`); it then copies after about 50 steps of 32. Loss is on model-written
 tokens only (not the prompt, not the tool's turn).
 
 Measured (`python scripts/tiny_tools_warm_start.py`; 100 test prompts x 8 samples at temperature 1, the tool
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .build import assembled_from_shipped_weights, load_weights
-from .charlm import build_char_model, build_tokenizer
+from .charlm import build_char_model, build_tokenizer, next_turn_text
 from .tiny import format_answer
 
 NAME = "tiny-tools"
@@ -63,7 +63,7 @@ SPLIT_SIZES = {"train": 400, "test": 100}
 SEED = 4321
 SHAPE = dict(  # on charlm's defaults (2 layers, 4 query heads, 2 key/value heads)
     hidden_size=128,  # heads of 32, a size vLLM's CPU attention supports
-    attention_bias=True,  # the biases carry the copying heads' positional pattern (`_init_copying_heads`)
+    attention_bias=True,  # the biases carry the copying heads' positional pattern (`init_copying_heads`)
     rope_theta=ROPE_THETA,
 )
 
@@ -138,7 +138,7 @@ def product_code(prompt: str) -> str:
 
 def tool_turn_text(content: str) -> str:
     """The tokens between the end of a tool-calling assistant turn and the next assistant turn."""
-    return "\n<|im_start|>tool\n" + content + "<|im_end|>\n<|im_start|>assistant\n"
+    return next_turn_text("tool", content)
 
 
 # ----------------------------------------------------------------------------- building
@@ -155,7 +155,7 @@ def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights
     tokenizer = build_tokenizer(CHAT_TEMPLATE)
 
     def warm_start(model) -> None:
-        _init_copying_heads(model, _copy_offsets(tokenizer))
+        init_copying_heads(model, _copy_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
 
     build_char_model(folder, tokenizer, SHAPE, seed, load_weights(weights) if weights is not None else warm_start,
@@ -195,7 +195,7 @@ def _copy_offsets(tokenizer) -> list[int]:
     return offsets
 
 
-def _init_copying_heads(model, offsets: list[int], amplitude: float = 2.0) -> None:
+def init_copying_heads(model, offsets: list[int], amplitude: float = 2.0) -> None:
     """Point layer 0's first attention heads at fixed distances back, one head per offset.
 
     The query and key biases alone (no content) then score position n from query position m by
