@@ -423,3 +423,29 @@ def test_a_trl_style_class_trains_from_the_cli_and_resumes_exactly(tmp_path):
         assert 0 <= r["rewards/environment/mean"] <= 1 and r["timing/environment"] >= 0
         ends = sum(r[f"environment/frac_ended_by_{e}"] for e in ("environment", "model", "length", "turns"))
         assert abs(ends - 1) < 1e-6
+
+
+@pytest.mark.slow
+def test_two_ranks_each_run_their_own_episodes_and_agree_with_one_process(tmp_path):
+    """DDP on two ranks (cpu_ddp.yaml): each rank makes and plays the environments of its own prompts. Environment
+    seeds come from (step, draw, position) and, with rollout.seed_per_prompt, so do the samples: step 1 scores
+    the very same episodes as one process does, whatever the split over ranks."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import ROOT, accelerate_launch, free_port, run_cli, small_run_overrides
+
+    env_file = tmp_path / "guess_env.py"
+    env_file.write_text(GUESS_ENV)
+    args = [f"environment.factory={env_file}:Guess", "environment.max_turns=2", "rewards=[]",
+            "rollout.seed_per_prompt=true", "checkpoint.save_final_model=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(one, 1), *args])
+    assert single.returncode == 0, single.stderr[-3000:]
+    launcher = accelerate_launch(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml", "--main_process_port", str(free_port()))
+    ranks = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(two, 1), *args], launcher=launcher,
+                    env={"ACCELERATE_USE_CPU": "1"})
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert "world_size=2" in ranks.stderr
+    (mine,), (theirs,) = read_metrics(one), read_metrics(two)
+    for key in ("rewards/environment/mean", "environment/turns_per_episode", "completions/mean_length",
+                "environment/frac_ended_by_environment"):
+        assert theirs[key] == pytest.approx(mine[key], abs=1e-6), key
