@@ -537,3 +537,40 @@ def test_a_trl_style_class_trains_from_the_cli_and_resumes_exactly(tmp_path):
         assert 0 <= r["rewards/environment/mean"] <= 1 and r["timing/environment"] >= 0
         ends = sum(r[f"environment/frac_ended_by_{e}"] for e in ("environment", "model", "length", "turns"))
         assert abs(ends - 1) < 1e-6
+
+
+LOST_ENV = '''
+from grpo_trainer.environments.openenv_ws import EnvironmentServerLost
+
+
+class Lost:
+    """Plays step 1; from step 2 on, its reset says the server went away for good (as the remote kind's does)."""
+
+    def reset(self, seed, episode_id, **row):
+        if not episode_id.startswith("s1-"):
+            raise EnvironmentServerLost("openenv+ws://127.0.0.1:1 went away and did not come back within 60 s "
+                                        "(environment.reconnect_timeout); stopping")
+        return None
+
+    def step(self, reply):
+        return "no", True
+
+    def get_reward(self):
+        return 0.0
+'''
+
+
+@pytest.mark.slow
+def test_an_environment_that_cannot_go_on_stops_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path):
+    from grpo_trainer.checkpoint import verify
+    from helpers import run_cli, small_run_overrides
+
+    env_file, out = tmp_path / "lost_env.py", tmp_path / "run"
+    env_file.write_text(LOST_ENV)
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 3), f"environment.factory={env_file}:Lost",
+                      "environment.max_turns=2", "rewards=[]", "eval.every=0", "checkpoint.save_every=1"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == ("error: openenv+ws://127.0.0.1:1 went away and did not come back "
+                                                      "within 60 s (environment.reconnect_timeout); stopping")
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    assert latest.name == "step-000001" and verify(latest) is None
