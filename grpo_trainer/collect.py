@@ -166,6 +166,10 @@ def tool_metrics(comm, rollout: Rollout) -> dict[str, float]:
     environment = {}
     if rollout.episodes is not None:
         environment = environment_metrics(comm.gather(episode_counts(rollout.episodes)))
+        names = sorted(rollout.env_counters)  # the same on every rank: one kind of environment
+        if names:  # a remote server's capacity refusals and reconnects, summed over ranks
+            summed = comm.sum(torch.tensor([float(rollout.env_counters[name]) for name in names]))
+            environment.update({f"environment/{name}": float(count) for name, count in zip(names, summed)})
     return {
         **environment,
         "tools/calls_per_completion": float(calls.mean()),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +19,8 @@ from grpo_trainer.config import ModelConfig, config_from_dict
 from grpo_trainer.environments import EpisodeRecord, EpisodeSpec, environment_seed
 from grpo_trainer.environments.calls import EnvCalls, EnvironmentHangs, EpisodeBudget
 from grpo_trainer.environments.class_env import ClassEnvironment
-from grpo_trainer.environments.scoring import apply_on_error, environment_reward
+from grpo_trainer.environments.openenv_ws import EnvironmentServerLost
+from grpo_trainer.environments.scoring import apply_on_error, environment_metrics, environment_reward, episode_counts
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rewards import Reward, RewardBatch
@@ -77,6 +79,10 @@ class Guess:
         mode = self.mode
         if mode == "step_raises":
             raise KeyError("lost the board")
+        if mode == "step_drops":  # what a remote environment's client raises when its connection drops
+            raise ConnectionResetError("peer gone")
+        if mode == "server_lost":  # a UserError: the run cannot go on
+            raise EnvironmentServerLost("openenv+ws://127.0.0.1:1 went away and did not come back; stopping")
         if mode == "step_hangs":
             time.sleep(30)
         if mode == "huge":
@@ -298,6 +304,114 @@ def test_rewards_receive_the_environments_and_the_environment_reward_is_one_more
     assert pickled.environments is None and pickled.episodes == out.episodes
 
 
+def test_a_lost_connection_is_a_disconnect_and_an_environment_user_error_stops_the_run(tiny_model_path):
+    """A ConnectionError ends its episode as `disconnect` (counted apart from errors); a UserError an environment
+    call raises (a remote server that stayed away) is raised from generate, once the batch's calls have ended:
+    the run stops with its one line, where an ordinary exception only fails its episode."""
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {k: ["3" + END] * 2 for k in ("d", "f", "x")})
+    out = engine.generate([_prompt(tokenizer, "d"), _prompt(tokenizer, "f")], 2,
+                          episodes=[_spec(tokenizer, "d", "step_drops"), _spec(tokenizer, "f")])
+    assert [e.ended_by for e in out.episodes] == ["disconnect"] * 2 + ["environment"] * 2
+    assert out.episodes[0].error == "respond: ConnectionResetError: peer gone"
+    metrics = environment_metrics(episode_counts(out.episodes))
+    assert (metrics["environment/disconnects"], metrics["environment/errors"], metrics["environment/frac_failed"]) == (2, 0, 0.5)
+    with pytest.raises(EnvironmentServerLost, match=r"^openenv\+ws://127.0.0.1:1 went away and did not come back; stopping$"):
+        engine.generate([_prompt(tokenizer, "x"), _prompt(tokenizer, "f")], 2,
+                        episodes=[_spec(tokenizer, "x", "server_lost"), _spec(tokenizer, "f")])
+    calls = EnvCalls(2, "environment.url openenv+ws://127.0.0.1:1", 4)
+    done = []
+    with pytest.raises(ConfigError, match="cannot open a session"):  # the lazy session pool's one line
+        calls.run([(lambda: (_ for _ in ()).throw(ConfigError("cannot open a session")), 1.0),
+                   (lambda: time.sleep(0.2) or done.append(1), 1.0)])
+    assert done == [1]  # raised once every call had ended
+
+
+class Counted(Guess):
+    """Guess, counting the episodes alive at once (reset and not yet closed)."""
+
+    lock = threading.Lock()
+    alive = most = 0
+
+    def reset(self, seed: int, mode: str = "fair", **row) -> str | None:
+        with Counted.lock:
+            Counted.alive += 1
+            Counted.most = max(Counted.most, Counted.alive)
+        self.counted = True
+        return super().reset(seed, mode, **row)
+
+    def close(self) -> None:
+        if getattr(self, "counted", False):
+            with Counted.lock:
+                Counted.alive -= 1
+
+
+class Lockstep:
+    """A stand-in for ranks in lockstep where another rank has more to do: it asks for at least `floor` of
+    everything (waves, and rounds of turns)."""
+
+    def __init__(self, floor: int):
+        self.floor = floor
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(tensor, min=self.floor)
+
+
+def test_episodes_play_in_waves_of_whole_groups_within_the_capacity_and_give_the_same_results(tiny_model_path):
+    """Three groups of 2: with capacity 2 (a remote pool's sessions), one group per wave and never more than 2
+    episodes alive; with 4, two waves; under lockstep with a rank that plays 5 waves, empty ones follow. The
+    completions, their tokens, messages and records are the same whatever the waves; a group larger than the
+    capacity is refused in one line."""
+    tokenizer = _tokenizer()
+    keys = ["w0", "w1", "w2"]
+    scripts = {k: ["1" + END, "2" + END, "3" + END, "4" + END] for k in keys}
+    seeds = [11, 12, 13]
+
+    def play(capacity, lockstep=None):
+        engine, model = _engine(tokenizer, scripts, factory=Counted)
+        engine.environment.capacity = capacity
+        model.lockstep = lockstep
+        Counted.most = 0
+        out = engine.generate([_prompt(tokenizer, k) for k in keys], 2, seeds=seeds,
+                              episodes=[_spec(tokenizer, k, seed=3 * i) for i, k in enumerate(keys)])
+        first_turns = [c for c in model.calls if c["n"] == 2]
+        records = [(e.ended_by, e.env_reward, e.turns, e.group) for e in out.episodes]
+        return (out.completion_ids, out.completion_mask, out.sampling_logprobs, out.conversations, out.prompt_ids,
+                records), first_turns, Counted.most
+
+    whole, first, most = play(None)
+    assert len(first) == 1 and first[0]["seeds"] == seeds and most == 6
+    assert {r[0] for r in whole[-1]} == {"environment"} and len({r[1] for r in whole[-1]}) == 2  # won and lost
+    for capacity, lockstep, waves in [(2, None, [[11], [12], [13]]), (4, None, [[11, 12], [13]]),
+                                      (2, Lockstep(5), [[11], [12], [13], [], []])]:
+        got, first, most = play(capacity, lockstep)
+        assert got == whole and [c["seeds"] for c in first] == waves and most <= capacity
+    engine, _ = _engine(tokenizer, scripts)
+    engine.environment.capacity = 1
+    with pytest.raises(ConfigError, match=r"a group's 2 episodes must play at once, and this rank can run 1 "):
+        engine.generate([_prompt(tokenizer, "w0")], 2, episodes=[_spec(tokenizer, "w0")])
+
+
+def test_environment_counters_are_logged_per_batch_summed_over_ranks():
+    from grpo_trainer.collect import tool_metrics
+
+    class OneRank:
+        def gather(self, tensor):
+            return tensor
+
+        def sum(self, tensor):
+            return tensor
+
+    part = Rollout(completion_ids=[[1]], truncated=[False], tool_calls=[0], tool_errors=[0], turns=[1],
+                   episodes=[EpisodeRecord("model")], env_counters={"capacity_refusals": 1, "reconnects": 2})
+    joined = Rollout.concat([part, part])
+    assert joined.env_counters == {"capacity_refusals": 2, "reconnects": 4}
+    metrics = tool_metrics(OneRank(), joined)
+    assert (metrics["environment/capacity_refusals"], metrics["environment/reconnects"]) == (2, 4)
+    part.env_counters = {}  # environments that count nothing log nothing of it
+    assert "environment/reconnects" not in tool_metrics(OneRank(), part)
+
+
 def test_environment_seeds_are_the_groups_and_fit_31_bits():
     seeds = {environment_seed(s) for s in (0, 1, 2**62, 12345)}
     assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
@@ -449,3 +563,40 @@ def test_two_ranks_each_run_their_own_episodes_and_agree_with_one_process(tmp_pa
     for key in ("rewards/environment/mean", "environment/turns_per_episode", "completions/mean_length",
                 "environment/frac_ended_by_environment"):
         assert theirs[key] == pytest.approx(mine[key], abs=1e-6), key
+
+
+LOST_ENV = '''
+from grpo_trainer.environments.openenv_ws import EnvironmentServerLost
+
+
+class Lost:
+    """Plays step 1; from step 2 on, its reset says the server went away for good (as the remote kind's does)."""
+
+    def reset(self, seed, episode_id, **row):
+        if not episode_id.startswith("s1-"):
+            raise EnvironmentServerLost("openenv+ws://127.0.0.1:1 went away and did not come back within 60 s "
+                                        "(environment.reconnect_timeout); stopping")
+        return None
+
+    def step(self, reply):
+        return "no", True
+
+    def get_reward(self):
+        return 0.0
+'''
+
+
+@pytest.mark.slow
+def test_an_environment_that_cannot_go_on_stops_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path):
+    from grpo_trainer.checkpoint import verify
+    from helpers import run_cli, small_run_overrides
+
+    env_file, out = tmp_path / "lost_env.py", tmp_path / "run"
+    env_file.write_text(LOST_ENV)
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 3), f"environment.factory={env_file}:Lost",
+                      "environment.max_turns=2", "rewards=[]", "eval.every=0", "checkpoint.save_every=1"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == ("error: openenv+ws://127.0.0.1:1 went away and did not come back "
+                                                      "within 60 s (environment.reconnect_timeout); stopping")
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    assert latest.name == "step-000001" and verify(latest) is None

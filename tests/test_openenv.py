@@ -237,14 +237,14 @@ def test_a_server_that_drops_is_reconnected_and_one_that_stays_away_stops_the_ru
         again[1].close()
     finally:
         stop(proc)
+    # Through the loop: episodes that cannot get a session fail as `disconnect` meanwhile; then generate raises.
     env.pool.reconnect_timeout = 1.0
     start = time.monotonic()
     with pytest.raises(EnvironmentServerLost, match=rf"^{re.escape(url)} went away and did not come back within 1 s \(environment.reconnect_timeout\); stopping$"):
-        while time.monotonic() - start < 10:  # episodes that cannot get a session fail as disconnected meanwhile
-            try:
-                env.episode().reset(spec(), 2)
-            except Disconnected:
-                pass
+        while time.monotonic() - start < 10:
+            out, _ = play(env, WON, step_timeout=3.0)  # above the pool's 2 s of backoff per session
+            assert [r.ended_by for r in out.episodes] == ["disconnect"] * 2
+            assert out.episodes[0].error.startswith(f"reset: Disconnected: {url}")
     env.close()
 
 
@@ -284,11 +284,29 @@ def test_remote_episodes_through_the_loop(servers, tiny_model_path):
     assert not [m for m in sys.modules if m.split(".")[0] in ("openenv", "fastmcp")]  # the remote kind needs no openenv
 
 
+def test_remote_episodes_play_in_waves_of_the_sessions_held_and_refusals_are_counted(servers):
+    """Six episodes on two sessions play in three waves (before waves, four of them waited step_timeout for a
+    session and failed); a server that accepts one session is counted in environment/capacity_refusals, and a
+    group larger than what it accepts is refused in one line."""
+    env = remote(servers[0], sessions=2)
+    out, _ = play(env, WON, groups=3)
+    assert [(r.ended_by, r.env_reward) for r in out.episodes] == [("environment", 1.0)] * 6
+    assert out.env_counters == {"capacity_refusals": 0, "reconnects": 0}
+    env.close()
+    one = remote(servers[1], sessions=3)
+    out, _ = play(one, WON, groups=2, g=1)
+    assert [(r.ended_by, r.env_reward) for r in out.episodes] == [("environment", 1.0)] * 2
+    assert out.env_counters == {"capacity_refusals": 1, "reconnects": 0}
+    with pytest.raises(ConfigError, match=rf"^environment.url {re.escape(servers[1])}: a group's 2 episodes must play at once, and this rank can run 1 "):
+        play(one, WON)
+    one.close()
+
+
 def test_a_run_trains_against_an_openenv_server_from_the_cli(servers, tmp_path):
     """`environment.url` on the tiny model (hf engine): a step and an evaluation play their episodes over /ws (the
     server has 32 sessions: the 16 of the run, and room for steps still hanging from earlier tests; the
     tiny model writes no valid guess: its turns are invalid actions, told to the model), the
-    environment's metrics are logged and nothing fails. (A turn cut by the length limit gets no answer.)"""
+    environment's metrics, the session pool's counters included, are logged and nothing fails. (A turn cut by the length limit gets no answer.)"""
     from grpo_trainer.metrics import read_metrics
     from helpers import run_cli, small_run_overrides
 
@@ -299,4 +317,5 @@ def test_a_run_trains_against_an_openenv_server_from_the_cli(servers, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     [record] = read_metrics(out)
     assert record["environment/errors"] == record["environment/disconnects"] == record["environment/frac_failed"] == 0
+    assert record["environment/capacity_refusals"] == record["environment/reconnects"] == 0  # the pool's, logged
     assert record["environment/invalid_actions_per_episode"] > 0 and "eval/environment/mean@4" in record

@@ -124,6 +124,13 @@ class Environment(Protocol):
     name: str  # for messages, naming the config key: "environment.factory my_env.py:GuessNumber"
     tools: list[dict[str, Any]]  # the tool schemas every episode shows the model
     has_reward: bool  # its episodes' reward() can give a number: the `environment` reward exists
+    # Episodes this rank can have alive at once (a remote server's sessions held), or None: no limit (objects in
+    # this process; their calls still run at most environment.concurrency at once). The loop plays in waves of it.
+    capacity: int | None
+
+    def counters(self) -> dict[str, int]:
+        """Events so far, by name, logged per batch as environment/<name> (a remote server's capacity refusals and
+        reconnects); {} for kinds that count none."""
 
     def episode(self) -> Episode:
         """A fresh episode object (called in an EnvCalls thread: constructing it may block or raise)."""

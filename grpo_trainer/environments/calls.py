@@ -41,10 +41,12 @@ class EnvironmentHangs(UserError):
 
 @dataclass
 class Outcome:
-    """What one call gave: its value, or the one-line error it raised, or that it timed out."""
+    """What one call gave: its value, or the one-line error it raised (and the exception itself, which says what
+    kind of failure it is: a lost connection, or a UserError that stops the run), or that it timed out."""
 
     value: Any = None
     error: str | None = None  # "ValueError: unlucky" (first line of the message)
+    exception: BaseException | None = None  # what the call raised, when it raised
     timed_out: str | None = None  # STEP or EPISODE: which limit it ran into
     seconds: float = 0.0  # time the call ran (up to its timeout)
 
@@ -102,8 +104,10 @@ class EnvCalls:
 
     def run(self, calls: list[tuple[Callable[[], Any], EpisodeBudget | float]]) -> list[Outcome]:
         """Run every call, at most `workers` at once, each within its limit (a budget's next limit, charged with
-        the time the call took; or a plain number of seconds); outcomes in the order of the calls. Never raises
-        for what a call does; raises EnvironmentHangs when too many abandoned calls are still running."""
+        the time the call took; or a plain number of seconds); outcomes in the order of the calls. Whatever a
+        call raises is its outcome, except a UserError (the environment says the run cannot go on: a remote server
+        that stayed away, sessions that cannot be opened), raised here once every call has ended; raises
+        EnvironmentHangs when too many abandoned calls are still running."""
         jobs = []
         for fn, limit in calls:
             seconds, kind = limit.timeout() if isinstance(limit, EpisodeBudget) else (float(limit), STEP)
@@ -135,6 +139,9 @@ class EnvCalls:
         for (_, limit), outcome in zip(calls, outcomes):
             if isinstance(limit, EpisodeBudget):
                 limit.spend(outcome.seconds)
+        stop = next((o.exception for o in outcomes if isinstance(o.exception, UserError)), None)
+        if stop is not None:
+            raise stop
         if self.abandoned > self.max_abandoned:
             raise EnvironmentHangs(
                 f"{self.name}: {self.abandoned} calls are still running after their timeout "
@@ -190,4 +197,4 @@ def _call(fn: Callable[[], Any]) -> Outcome:
         return Outcome(value=fn())
     except BaseException as exc:  # noqa: BLE001 (the environment's code: whatever it raises ends its episode only)
         message = str(exc).strip().splitlines()
-        return Outcome(error=f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__)
+        return Outcome(error=f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__, exception=exc)

@@ -145,6 +145,8 @@ class ClassEpisode:
 class ClassEnvironment:
     """`environment.factory`: the class, and what its episodes share (the `Environment` protocol)."""
 
+    capacity: int | None = None  # objects in this process: no limit
+
     def __init__(self, factory: Callable[..., Any], name: str, kwargs: dict[str, Any], *, extra_tools: list[Tool],
                  tool_timeout: float):
         self.factory = factory
@@ -171,6 +173,9 @@ class ClassEnvironment:
 
     def episode(self) -> ClassEpisode:
         return ClassEpisode(self, self._make())
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         pass

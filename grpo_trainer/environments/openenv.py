@@ -289,6 +289,7 @@ class OpenEnvEnvironment:
     """`environment.openenv`: the class, its Action, and what its episodes share (the `Environment` protocol)."""
 
     has_reward = True  # OpenEnv observations carry rewards
+    capacity: int | None = None  # objects in this process: no limit
 
     def __init__(self, env_cls: Callable[..., Any], action_cls: Any, name: str, kwargs: dict[str, Any], *,
                  action_tool: str | None = None, observation_field: str | None = None):
@@ -308,6 +309,9 @@ class OpenEnvEnvironment:
 
     def episode(self) -> OpenEnvEpisode:
         return OpenEnvEpisode(self, self.env_cls(**self.kwargs))
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         pass

@@ -447,6 +447,11 @@ class OpenEnvRemote:
         """Episodes this rank can run at once: its sessions (environment.concurrency, or what the server took)."""
         return self.pool.capacity
 
+    def counters(self) -> dict[str, int]:
+        """The pool's capacity refusals and reconnects (0 before it is opened: its opening's refusals count)."""
+        pool = self._pool
+        return {"capacity_refusals": pool.capacity_refusals if pool else 0, "reconnects": pool.reconnects if pool else 0}
+
     def episode(self) -> RemoteEpisode:
         return RemoteEpisode(self)
 

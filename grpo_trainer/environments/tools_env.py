@@ -51,10 +51,14 @@ class ToolsEnvironment:
 
     name = NAME
     has_reward = False
+    capacity: int | None = None  # stateless: no limit
 
     def __init__(self, box: ToolBox):
         self.box = box
         self.tools = box.schemas
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
     def episode(self) -> ToolsEpisode:
         return ToolsEpisode(self.box)

@@ -25,7 +25,7 @@ engine: the engines import it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -62,6 +62,9 @@ class Rollout:
     # What reward functions get as `environments` (TRL: the objects). Never pickled: objects stay on their rank.
     environments: list[Any] | None = None
     env_seconds: float = 0.0  # wall time spent in environment calls on this rank
+    # Events of this rank's environment while it sampled these completions, by name (a remote server's
+    # capacity_refusals and reconnects; {} for environments that count none): logged as environment/<name>.
+    env_counters: dict[str, int] = field(default_factory=dict)
 
     PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
                       "tool_calls", "tool_errors", "turns", "weight_versions", "prompt_ids", "episodes")
@@ -80,8 +83,12 @@ class Rollout:
         environments = None
         if all(p.environments is not None for p in parts):
             environments = [x for p in parts for x in p.environments or ()]
+        counters: dict[str, int] = {}
+        for part in parts:
+            for name, count in part.env_counters.items():
+                counters[name] = counters.get(name, 0) + count
         return cls(**joined, environments=environments, tool_seconds=sum(p.tool_seconds for p in parts),
-                   env_seconds=sum(p.env_seconds for p in parts))
+                   env_seconds=sum(p.env_seconds for p in parts), env_counters=counters)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without `environments`: environment objects never cross ranks (dynamic sampling gathers rollouts)."""

@@ -13,7 +13,9 @@ OpenEnv all run on this one loop. A completion becomes an episode, all of it one
     prompt [+ reset text] | model turn 1 ... <EOS> | environment tokens | model turn 2 ... <EOS> | ...
 
 0. With `episodes=` (one EpisodeSpec per prompt), G fresh environment objects per prompt are made and reset (all at
-   once, in EnvCalls' threads); a reset text extends the group's prompt (`Rollout.prompt_ids`).
+   once, in EnvCalls' threads); a reset text extends the group's prompt (`Rollout.prompt_ids`). Steps 0-5 run
+   in waves of whole groups when the environment has a `capacity` (a remote server's sessions) smaller than the
+   batch's episodes: no more episodes hold a session than the rank has.
 1. The engine samples the first turn of every completion (G per prompt, as without environments).
 2. Each turn that ended with EOS is answered by its episode (`respond`: its tool calls, or its plain reply), all
    episodes at once. No answer, the environment's `done`, or a turn cut by the length limit ends the episode.
@@ -55,6 +57,7 @@ from ..environments import (
     ENDED_BY_LENGTH,
     ENDED_BY_MODEL,
     ENDED_BY_TURNS,
+    FAILED_DISCONNECT,
     FAILED_ERROR,
     FAILED_TIMEOUT,
     Environment,
@@ -63,6 +66,7 @@ from ..environments import (
     EpisodeSpec,
 )
 from ..environments.calls import EnvCalls, EpisodeBudget, Outcome
+from ..errors import ConfigError
 from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
 from .tools import ToolBox, ToolCall, ToolResult, cut, parse_tool_calls
 
@@ -187,10 +191,13 @@ class Conversation:
         self.record.ended_by, self.record.error = ended_by, error
 
     def fail(self, outcome: Outcome, what: str) -> None:
-        """End the episode as an environment failure (a call that raised or timed out)."""
+        """End the episode as an environment failure: a call that timed out, lost its connection (a remote
+        server's ConnectionError: `disconnect`, counted apart from the environment's own errors) or raised."""
         if outcome.timed_out is not None:
             self.untouchable = True
             self.end(FAILED_TIMEOUT, f"{what} did not return within environment.{outcome.timed_out}_timeout")
+        elif isinstance(outcome.exception, ConnectionError):
+            self.end(FAILED_DISCONNECT, f"{what}: {outcome.error}")
         else:
             self.end(FAILED_ERROR, f"{what}: {outcome.error}")
 
@@ -273,8 +280,45 @@ class EpisodeEngine:
                  max_tokens: int | None = None, episodes: list[EpisodeSpec] | None = None) -> Rollout:
         """`max_tokens` lowers rollout.max_completion_length for this call: it bounds each conversation's model and
         environment tokens together, as that limit does. `episodes`: one per prompt (environments that reset from
-        the row and the seed need it; without, episodes start without a reset)."""
+        the row and the seed need it; without, episodes start without a reset).
+
+        The prompts are played in waves of whole groups, no more episodes alive at once than the environment's
+        `capacity` (a remote server's sessions held by this rank; one wave when it has no limit). Each
+        completion's tokens depend only on its prompt, its seed and its episode, so the waves change nothing but
+        the time taken (with rollout.seed_per_prompt; without, the sampler's batches differ, as with any batch size)."""
         g = num_generations
+        before = self.environment.counters()
+        parts = [self._play(prompt_ids[a:b], g, None if seeds is None else seeds[a:b], max_tokens,
+                            None if episodes is None else episodes[a:b]) for a, b in self._waves(len(prompt_ids), g)]
+        played = [part for part in parts if part.completion_ids] or parts[:1]  # a lockstep rank's empty waves: none
+        rollout = played[0] if len(played) == 1 else Rollout.concat(played)
+        if self.settings.record:
+            after = self.environment.counters()
+            rollout.env_counters = {name: after[name] - before.get(name, 0) for name in after}
+        return rollout
+
+    def _waves(self, prompts: int, g: int) -> list[tuple[int, int]]:
+        """The waves, as ranges of prompts: as many whole groups as `environment.capacity` holds. With `lockstep`,
+        every rank plays as many waves as the rank with the most (the others' last waves are empty), since every
+        rank must make the same generate calls."""
+        capacity = self.environment.capacity
+        lockstep = self.engine.lockstep
+        if capacity is None or (prompts * g <= capacity and lockstep is None):
+            return [(0, prompts)]
+        if g > capacity:
+            raise ConfigError(
+                f"{self.environment.name}: a group's {g} episodes must play at once, and this rank can run {capacity} "
+                f"(environment.concurrency, or the sessions the server accepts): start the server with more sessions "
+                f"(max_concurrent_envs), or sample fewer completions per prompt")
+        per = capacity // g
+        waves = [(a, min(a + per, prompts)) for a in range(0, prompts, per)] or [(0, 0)]
+        if lockstep is not None:
+            waves += [(prompts, prompts)] * (int(lockstep.max(torch.tensor([len(waves)]))[0]) - len(waves))
+        return waves
+
+    def _play(self, prompt_ids: list[list[int]], g: int, seeds: list[int] | None, max_tokens: int | None,
+              episodes: list[EpisodeSpec] | None) -> Rollout:
+        """One wave: its episodes made, reset, played to their end, scored and closed."""
         limit = min(max_tokens, self.max_completion_length) if max_tokens else self.max_completion_length
         conversations = [Conversation(prompt_ids[j // g], None if seeds is None else mix_seed(seeds[j // g], j % g))
                          for j in range(len(prompt_ids) * g)]
