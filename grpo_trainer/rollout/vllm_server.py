@@ -91,6 +91,7 @@ if TYPE_CHECKING:
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
 INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
 LOAD_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
 PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
 
 
@@ -148,6 +149,8 @@ class Server:
                                     f"{reason}") from None
         if path == "/health":
             return None  # vLLM's is empty; what else a server says there is judged by /v1/models
+        if path in (LOAD_ADAPTER, UNLOAD_ADAPTER) and kind == "text/plain":
+            return raw.decode(errors="replace")  # vLLM's answer to these: "Success: LoRA adapter ..."
         try:
             answer = json.loads(raw) if raw else None
         except ValueError:
@@ -556,7 +559,7 @@ class VLLMServerEngine(VendorKernels):
                 server.request("POST", LOAD_ADAPTER, {"lora_name": adapter.name, "lora_path": str(adapter.path.resolve())})
             for name in held:  # the previous one, and any a run that died left
                 if name != adapter.name:
-                    server.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+                    server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
             server.request("POST", "/update_weight_version", {"new_version": str(version)})
 
         with self._paused():
