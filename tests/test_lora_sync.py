@@ -189,3 +189,28 @@ def test_adapter_mode_stops_when_the_server_refuses(tmp_path):
     engine = engine_with(NoLoraServer(), "adapter", tmp_path)
     with pytest.raises(ServerError, match=f"no {LOAD_ADAPTER}"):
         engine.sync_weights(tiny_peft(), version=0)
+
+
+def test_the_registry_hands_the_decision_to_the_vllm_engines(monkeypatch):
+    from grpo_trainer.rollout import registry
+
+    built = {}
+    monkeypatch.setattr("grpo_trainer.rollout.vllm_colocate.VLLMColocateEngine",
+                        lambda *args, **kwargs: built.setdefault("colocate", kwargs))
+    monkeypatch.setattr("grpo_trainer.rollout.vllm_server.VLLMServerEngine",
+                        lambda *args, **kwargs: built.setdefault("server", kwargs))
+    monkeypatch.setattr(lora_sync, "_vllm_embedding_lora", lambda architecture: True)
+    model = tiny_peft()
+    sampling = SamplingSettings(eos_token_ids=[2], max_completion_length=8)
+
+    def build(*overrides):
+        built.clear()
+        registry._sampler(config(*overrides), sampling, get_model=lambda: model, pad_token_id=0, tokenizer=None,
+                          full_parameters=None, rank=0, is_main_process=True)
+        return next(iter(built.values()))
+
+    assert build("rollout.lora_sync=adapter")["lora_rank"] == 8
+    assert build("rollout.lora_sync=merged")["lora_rank"] is None
+    server = ["rollout.engine=vllm_server", "rollout.vllm_server.weights_dir=/shared/w"]
+    assert build(*server, "rollout.lora_sync=auto")["lora_sync"] == "auto"
+    assert build("rollout.engine=vllm_server", "rollout.lora_sync=auto")["lora_sync"] == "merged"  # no weights_dir
