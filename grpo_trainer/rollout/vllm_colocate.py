@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import InProcess, Rollout, SamplingSettings, VendorKernels
-from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .lora_sync import SLOTS, AdapterFolders, vllm_lora_rank
+from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
 if TYPE_CHECKING:

@@ -81,8 +81,8 @@ import torch
 
 from ..errors import UserError
 from . import Rollout, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
-from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .lora_sync import ADAPTER_PREFIX, Adapter, AdapterFolders, log_fallback
+from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
 if TYPE_CHECKING:
