@@ -35,6 +35,7 @@ from vllm_helpers import (  # noqa: E402
 
 RANK = 8
 G = 4
+TOKENS = 12  # completions of up to 12 tokens: enough to tell the adapters apart, quick on vLLM's CPU LoRA
 SEEDS = [11, 12, 13, 14]  # the same seeds before and after a push: only the weights differ
 EXPANDED = [p for p in PROMPTS for _ in range(G)]
 SAMPLING = SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE)
@@ -71,14 +72,14 @@ def base_logprobs(model, completions):
 def check_pushes(engine, model, sample_base) -> None:
     """Push 1 (sampler = trainer), push 2 with a changed adapter (sampler follows), a base-model request."""
     engine.sync_weights(model, version=1)
-    v1 = engine.generate(PROMPTS, G, seeds=SEEDS)
+    v1 = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
     assert_close(v1.sampling_logprobs, trainer_logprobs(model, EXPANDED, v1.completion_ids, TEMPERATURE))
     assert max_diff(v1.sampling_logprobs, base_logprobs(model, v1.completion_ids)) > 0.1  # the adapter counts
 
     before = trainer_logprobs(model, EXPANDED, v1.completion_ids, TEMPERATURE)
     change_adapter(model)
     engine.sync_weights(model, version=2)
-    v2 = engine.generate(PROMPTS, G, seeds=SEEDS)
+    v2 = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
     assert_close(v2.sampling_logprobs, trainer_logprobs(model, EXPANDED, v2.completion_ids, TEMPERATURE))
     assert max_diff(before, trainer_logprobs(model, EXPANDED, v1.completion_ids, TEMPERATURE)) > 0.1
     assert v2.completion_ids != v1.completion_ids  # same seeds, new adapter: other samples
@@ -102,11 +103,10 @@ def test_colocated_adapter_pushes(model_dir, monkeypatch):
         def sample_base():
             with monkeypatch.context() as m:
                 m.setattr(engine, "lora_request", lambda: None)
-                return engine.generate(PROMPTS, G, seeds=SEEDS)
+                return engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
 
         check_pushes(engine, model, sample_base)
-        for _ in range(2):  # more decode steps with the current adapter: no reload
-            engine.generate(PROMPTS, G)
+        engine.generate(PROMPTS, G)  # more decode steps with the current adapter: no reload
         assert len(loads) == 2 and len(set(loads)) == 2  # one load per push, each under its own name
         assert engine.llm.llm_engine.list_loras() == {engine.adapters.current.lora_id}  # the previous one removed
     finally:
@@ -136,25 +136,24 @@ def test_server_adapter_pushes(server, model_dir, monkeypatch):
     def sample_base():
         with monkeypatch.context() as m:
             m.setattr(engine, "sampled_model", lambda: engine.model_name)
-            return engine.generate(PROMPTS, G, seeds=SEEDS)
+            return engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
 
     check_pushes(engine, model, sample_base)
     current = engine.adapters.current
     assert engine.servers[0].adapters() == [current.name]  # the previous one unloaded
-    v2 = engine.generate(PROMPTS, G, seeds=SEEDS)
+    v2 = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
 
     # The server does not read the folder again: replacing the adapter's file in place changes nothing.
     (current.path / "adapter_model.safetensors").write_bytes(b"")
-    for _ in range(2):
-        assert engine.generate(PROMPTS, G, seeds=SEEDS).sampling_logprobs == v2.sampling_logprobs
+    assert engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS).sampling_logprobs == v2.sampling_logprobs
 
     # A server that restarts comes back with the base model: the engine says so, and the next push restores it.
     proc.kill()
     proc.start()
     proc.wait_healthy()
     with pytest.raises(WeightsLost):
-        engine.generate(PROMPTS, G, seeds=SEEDS)
+        engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
     engine.sync_weights(model, version=3)
-    again = engine.generate(PROMPTS, G, seeds=SEEDS)
+    again = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
     assert_close(again.sampling_logprobs, trainer_logprobs(model, EXPANDED, again.completion_ids, TEMPERATURE))
     assert engine.servers[0].adapters() == [engine.adapters.current.name] and engine.adapters.current.name != current.name
