@@ -20,7 +20,8 @@ from grpo_trainer.serve import serve_command
 from helpers import ROOT
 
 CONFIG = str(ROOT / "configs" / "demo_cpu.yaml")
-LLAMA = ModelFacts("LlamaForCausalLM", moe=False, embedding_lora=True)
+LLAMA = ModelFacts("LlamaForCausalLM", moe=False)
+EMBEDDING_LORA = {"LlamaForCausalLM": True, "Qwen2ForCausalLM": False}  # as vLLM's classes declare (None: unknown)
 
 
 def config(*overrides: str, lora: str = "model.lora.r=8"):
@@ -52,14 +53,15 @@ def test_vllm_lora_rank_rounds_up_to_an_allowed_value():
     (["model.lora.target_modules=[q_proj,lm_head]"], LLAMA, False, None),
     ([], LLAMA, True, "FSDP"),
     (["model.lora.r=600"], LLAMA, False, "model.lora.r=600 is above vLLM's largest max_lora_rank (512)"),
-    ([], ModelFacts("Qwen3MoeForCausalLM", moe=True, embedding_lora=True), False, "Qwen3MoeForCausalLM is a mixture of experts"),
-    (["model.lora.target_modules=[q_proj,embed_tokens]"], ModelFacts("Qwen2ForCausalLM", False, False), False,
+    ([], ModelFacts("Qwen3MoeForCausalLM", moe=True), False, "Qwen3MoeForCausalLM is a mixture of experts"),
+    (["model.lora.target_modules=[q_proj,embed_tokens]"], ModelFacts("Qwen2ForCausalLM", False), False,
      "model.lora.target_modules has embed_tokens on Qwen2ForCausalLM: vLLM has no embedding LoRA for it"),
-    (["model.lora.target_modules=[lm_head]"], ModelFacts("LlamaForCausalLM", False, None), False,
+    (["model.lora.target_modules=[lm_head]"], ModelFacts("MyForCausalLM", False), False,
      "vLLM is not installed here to check"),
     (["rollout.engine=vllm_server"], LLAMA, False, "rollout.vllm_server.weights_dir is not set"),
 ])
-def test_adapter_refusal_names_the_reason(overrides, facts, fsdp, says):
+def test_adapter_refusal_names_the_reason(overrides, facts, fsdp, says, monkeypatch):
+    monkeypatch.setattr(lora_sync, "vllm_embedding_lora", EMBEDDING_LORA.get)
     reason = adapter_refusal(config(*overrides), facts, fsdp=fsdp)
     assert reason is None if says is None else says in reason
 
@@ -68,14 +70,12 @@ def test_no_lora_is_a_reason_too():
     assert "model.lora is not set" in adapter_refusal(config(lora="seed=0"), LLAMA, fsdp=False)
 
 
-def test_moe_is_read_from_the_model_config(monkeypatch):
-    monkeypatch.setattr(lora_sync, "_vllm_embedding_lora", lambda architecture: True)
+def test_moe_is_read_from_the_model_config():
     assert ModelFacts.of(SimpleNamespace(architectures=["MixtralForCausalLM"], num_local_experts=8)).moe
     assert not ModelFacts.of(SimpleNamespace(architectures=["LlamaForCausalLM"])).moe
 
 
 def test_push_adapters_per_mode(monkeypatch, caplog):
-    monkeypatch.setattr(lora_sync, "_vllm_embedding_lora", lambda architecture: True)
     model = SimpleNamespace(config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
     assert not push_adapters(config("rollout.lora_sync=merged"), model, fsdp=False)
     assert push_adapters(config("rollout.lora_sync=adapter"), model, fsdp=False)
@@ -199,7 +199,6 @@ def test_the_registry_hands_the_decision_to_the_vllm_engines(monkeypatch):
                         lambda *args, **kwargs: built.setdefault("colocate", kwargs))
     monkeypatch.setattr("grpo_trainer.rollout.vllm_server.VLLMServerEngine",
                         lambda *args, **kwargs: built.setdefault("server", kwargs))
-    monkeypatch.setattr(lora_sync, "_vllm_embedding_lora", lambda architecture: True)
     model = tiny_peft()
     sampling = SamplingSettings(eos_token_ids=[2], max_completion_length=8)
 

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.xdist_group("vllm_lora"), pytest.mark.slow]  # one wor
 
 from grpo_trainer.config import VLLMConfig, VLLMServerConfig  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings, WeightsLost  # noqa: E402
+from grpo_trainer.rollout.lora_sync import vllm_embedding_lora  # noqa: E402
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
 from grpo_trainer.rollout.vllm_server import VLLMServerEngine  # noqa: E402
 from vllm_helpers import (  # noqa: E402
@@ -39,6 +40,11 @@ TOKENS = 12  # completions of up to 12 tokens: enough to tell the adapters apart
 SEEDS = [11, 12, 13, 14]  # the same seeds before and after a push: only the weights differ
 EXPANDED = [p for p in PROMPTS for _ in range(G)]
 SAMPLING = SamplingSettings(eos_token_ids=[EOS], max_completion_length=MAX_LEN, temperature=TEMPERATURE)
+
+
+def test_embedding_lora_is_what_vllms_model_classes_declare():
+    assert vllm_embedding_lora("LlamaForCausalLM") and vllm_embedding_lora("Qwen3ForCausalLM")
+    assert vllm_embedding_lora("Qwen2ForCausalLM") is False and vllm_embedding_lora("NoSuchForCausalLM") is None
 
 
 @pytest.fixture(scope="module")

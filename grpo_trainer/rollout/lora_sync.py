@@ -65,22 +65,21 @@ def vllm_lora_rank(r: int) -> int | None:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the decision reads from the model: its architecture, whether it is MoE, and whether vLLM's class for
-    it takes embedding/head LoRA (None: unknown, vLLM is not installed here)."""
+    """What the decision reads from the model's config: its architecture, and whether it is a mixture of experts."""
 
     architecture: str
     moe: bool
-    embedding_lora: bool | None
 
     @classmethod
     def of(cls, hf_config) -> ModelFacts:
         architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
-        moe = any((getattr(hf_config, key, 0) or 0) > 1 for key in MOE_KEYS)
-        return cls(architecture, moe, _vllm_embedding_lora(architecture))
+        return cls(architecture, any((getattr(hf_config, key, 0) or 0) > 1 for key in MOE_KEYS))
 
 
-def _vllm_embedding_lora(architecture: str) -> bool | None:
-    """Whether vLLM's model class for `architecture` declares embedding/head LoRA (its `embedding_modules`)."""
+def vllm_embedding_lora(architecture: str) -> bool | None:
+    """Whether vLLM's model class for `architecture` declares embedding/head LoRA (its `embedding_modules`); None:
+    unknown (vLLM is not installed here, or has no class of that name). Asked only for embedding/head targets:
+    importing vLLM's model registry takes seconds."""
     try:
         from vllm.model_executor.models import ModelRegistry
     except ImportError:
@@ -102,8 +101,9 @@ def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None
         return f"{facts.architecture} is a mixture of experts: vLLM's MoE LoRA does not match PEFT's"
     targets = [lora.target_modules] if isinstance(lora.target_modules, str) else lora.target_modules
     embedding = [t for t in targets if t in EMBEDDING_TARGETS]
-    if embedding and not facts.embedding_lora:
-        why = "vLLM is not installed here to check" if facts.embedding_lora is None else "vLLM has no embedding LoRA for it"
+    supported = vllm_embedding_lora(facts.architecture) if embedding else True
+    if not supported:
+        why = "vLLM is not installed here to check" if supported is None else "vLLM has no embedding LoRA for it"
         return f"model.lora.target_modules has {', '.join(embedding)} on {facts.architecture}: {why}"
     if engine_kind(cfg.rollout.engine).vllm_servers and not cfg.rollout.vllm_server.weights_dir:
         return ("rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
@@ -111,24 +111,16 @@ def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None
     return None
 
 
-def push_adapters(cfg: Config, model: torch.nn.Module | None = None, *, fsdp: bool | None = None) -> bool:
+def push_adapters(cfg: Config, model: torch.nn.Module, *, fsdp: bool | None = None) -> bool:
     """Whether this run pushes adapters (True) or merged weights (False), per `rollout.lora_sync`: `adapter` refuses
-    what vLLM cannot take (ConfigError naming the reason), `auto` logs the reason and pushes merged weights."""
+    what vLLM cannot take (ConfigError naming the reason), `auto` logs the reason and pushes merged weights.
+    `model`: the trainer's (its config says the architecture); `fsdp`: None reads Accelerate's launch setting."""
     mode = cfg.rollout.lora_sync
     if mode == "merged" or (mode == "auto" and cfg.model.lora is None):
         return False
     if fsdp is None:
         fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # as distributed.check_distributed_setup
-    if model is None:
-        from transformers import AutoConfig
-
-        from ..builtin import resolve_model_path
-
-        hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path),
-                                               trust_remote_code=cfg.model.trust_remote_code)
-    else:
-        hf_config = model.config
-    reason = adapter_refusal(cfg, ModelFacts.of(hf_config), fsdp=fsdp)
+    reason = adapter_refusal(cfg, ModelFacts.of(model.config), fsdp=fsdp)
     if reason is None:
         return True
     if mode == "adapter":
