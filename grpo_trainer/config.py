@@ -237,7 +237,8 @@ class VLLMServerConfig(_Section):
     )
     weights_dir: str | None = Field(
         None, description="With weight_sync `disk`: a folder both trainer and server can read (None: a fresh temporary "
-        "folder of the run's own, removed at its end; for a server on this machine, run by the same user)."
+        "folder of the run's own, removed at its end; for a server on this machine, run by the same user). LoRA adapter "
+        "pushes (rollout.lora_sync) need it set: the adapters are written under its `adapters/`."
     )
     transfer_host: str | None = Field(
         None, description="nccl/gloo: the trainer's address as the servers reach it (None: the one routing to them)."
@@ -344,6 +345,12 @@ class RolloutConfig(_Section):
         False,
         description="Draw each prompt's group from its own seed, so samples do not depend on the number of ranks "
         "(the hf engine then generates one prompt at a time).",
+    )
+    lora_sync: Literal["merged", "adapter", "auto"] = Field(
+        "merged",
+        description="LoRA runs on vLLM engines: push the merged weights after each step (`merged`), only the adapter "
+        "(`adapter`: loaded under a new name per version; refused where vLLM cannot take it), or the adapter where "
+        "vLLM can take it and merged weights, with one logged reason, where not (`auto`). docs/lora.md.",
     )
     max_staleness: int = Field(
         0, ge=0,

@@ -10,6 +10,11 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
 - the weight push of `rollout.vllm_server.weight_sync`: `--weight-transfer-config '{"backend": "gloo"}'`
   (or "nccl"), or for `disk` our worker extension; `VLLM_SERVER_DEV_MODE=1` for the RL endpoints (none for
   `none`).
+- LoRA adapter pushes (`rollout.lora_sync` adapter or auto, with `model.lora`): `--enable-lora`,
+  `--max-lora-rank` (`model.lora.r` rounded up to a value vLLM allows), `--max-loras`, and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (which vLLM refuses with several API servers: `--api-server-count`
+  above 1 after `--` is refused for `adapter`, and leaves LoRA off for `auto`, whose trainer then pushes merged
+  weights). A rank above vLLM's largest is refused for `adapter` and leaves LoRA off for `auto`.
 - `--seed`, `--max-model-len`, `--enforce-eager`, `--tensor-parallel-size`, the KV cache size from
   `rollout.vllm`; `builtin:` model names resolved to their cached folders; host and port from the (first)
   server URL in the config unless given.
@@ -35,6 +40,7 @@ from collections.abc import Sequence
 
 from .config import Config
 from .errors import ConfigError
+from .rollout.lora_sync import SLOTS, vllm_lora_rank
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # as the colocate engine: plenty for small models, RAM stays free
 DEFAULT_PORTS = {"http": 80, "https": 443}  # where the trainer connects for a URL without a port
@@ -54,6 +60,9 @@ OWN_FLAGS = {
     "--trust-remote-code": "model.trust_remote_code",
     "--weight-transfer-config": "rollout.vllm_server.weight_sync",
     "--worker-extension-cls": "rollout.vllm_server.weight_sync",
+    "--enable-lora": "rollout.lora_sync",
+    "--max-lora-rank": "model.lora.r",
+    "--max-loras": None,  # the adapter pushes': the current adapter and the previous
 }
 FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
 
@@ -91,8 +100,34 @@ def serve_command(cfg: Config, *, host: str | None = None, port: int | None = No
     elif server.weight_sync == "disk":
         command += ["--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync"]
     env = {} if server.weight_sync == "none" else {"VLLM_SERVER_DEV_MODE": "1"}
+    if server.weight_sync != "none" and cfg.model.lora is not None and _serves_adapters(cfg, list(vllm_args)):
+        command += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(cfg.model.lora.r)), "--max-loras", str(SLOTS)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     check_extra_args(command, list(vllm_args))
     return command + list(vllm_args), env
+
+
+def _serves_adapters(cfg: Config, vllm_args: list[str]) -> bool:
+    """Whether the server takes LoRA adapter pushes: the config asks for them (`rollout.lora_sync`) and vLLM can
+    (a rank it allows, one API server). What only the trainer knows (the model class, FSDP) it decides itself; a
+    server started with LoRA still takes merged pushes."""
+    if cfg.rollout.lora_sync == "merged" or cfg.model.lora is None:
+        return False
+    reason = None
+    if vllm_lora_rank(cfg.model.lora.r) is None:
+        reason = f"model.lora.r={cfg.model.lora.r} is above vLLM's largest max_lora_rank"
+    for i, arg in enumerate(vllm_args):
+        if flag_name(arg) == "--api-server-count":
+            count = arg.split("=", 1)[1] if "=" in arg else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "1")
+            if count != "1":
+                reason = f"{arg} {'' if '=' in arg else count}".strip() + (
+                    ": vLLM loads adapters at run time with one API server only")
+    if reason is None:
+        return True
+    if cfg.rollout.lora_sync == "adapter":
+        raise ConfigError(f"serve: rollout.lora_sync=adapter: {reason} (rollout.lora_sync=auto serves merged pushes)")
+    print(f"serve: rollout.lora_sync=auto: LoRA off, the trainer will push merged weights: {reason}", file=sys.stderr)
+    return False
 
 
 def flag_name(arg: str) -> str | None:

@@ -18,6 +18,8 @@
 #   vllm_nccl_push    a vLLM server (`grpo_trainer serve`, GPU 1) takes the trainer's weights (GPU 0) over vLLM's NCCL
 #                     backend; its log-probs follow them, the tied head included (gpu_check_push.py); needs 2 GPUs
 #   vllm_gloo_push    the same over our gloo backend (through host memory), server and trainer on GPU 0
+#   vllm_lora_push    LoRA rank 16 pushed as the adapter alone against the merged model, colocated, bf16: seconds
+#                     and bytes per push, and vLLM's generation time with the adapter against without (docs/lora.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -75,6 +77,12 @@ if python3 -c "import vllm" 2>/dev/null; then
   check vllm_gloo_push 420 python3 scripts/gpu_check_push.py --backend gloo --json "$out/gpu_check_gloo_push.json"
 else
   skip vllm_gloo_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
+fi
+if python3 -c "import vllm" 2>/dev/null; then
+  check vllm_lora_push 420 python3 scripts/bench_lora_push.py --model random-qwen2.5-0.5b --dtype bfloat16 --reps 3 \
+    --json "$out/gpu_check_lora_push.json"
+else
+  skip vllm_lora_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
 # Asynchronous rollouts (docs/async.md): a vLLM server on the same GPU (30% of it) samples the next batch while the
 # trainer updates; step time with rollout.max_staleness 1 against 0 (scripts/async_speed.py --gpu).

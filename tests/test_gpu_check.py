@@ -27,7 +27,7 @@ def commands(tmp_path_factory) -> dict[str, list[str]]:
     lines = result.stdout.splitlines()
     listed = {line.split()[1].rstrip(":") for line in lines if line.startswith(("CHECK ", "SKIP "))}
     assert listed == {"hf_bf16", "hf_bf16_packed", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2",
-                      "vllm_nccl_push", "vllm_gloo_push", "async_k1"}
+                      "vllm_nccl_push", "vllm_gloo_push", "vllm_lora_push", "async_k1"}
     return {line.split()[1]: shlex.split(line)[2:] for line in lines if line.startswith("CHECK ")}
 
 
@@ -46,6 +46,13 @@ def test_every_python_check_parses_and_the_hf_one_runs_on_cpu_in_its_small_shape
     result = subprocess.run([sys.executable, *hf], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RESULT device=cpu" in result.stdout and out.is_file()
+
+
+def test_the_lora_push_check_parses(commands):
+    command = commands.get("vllm_lora_push")
+    if command is not None:  # listed as a SKIP where vLLM is not installed
+        assert command[:2] == ["python3", "scripts/bench_lora_push.py"]
+        load_script("bench_lora_push").build_parser().parse_args(command[2:])
 
 
 def test_every_launch_check_names_a_shipped_file_and_a_valid_training_config(commands):

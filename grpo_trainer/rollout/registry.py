@@ -67,6 +67,9 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
             compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
         )
     seed = cfg.seed + rank  # ranks must not share a random stream
+    from .lora_sync import push_adapters
+
+    adapters = push_adapters(cfg, get_model())  # rollout.lora_sync: ConfigError or one logged line where it cannot
     if name == "vllm_colocate":
         from ..builtin import resolve_model_path
         from .vllm_colocate import VLLMColocateEngine
@@ -76,11 +79,13 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
             # The trainer's dtype. vLLM's own "auto" runs a float32 checkpoint in bfloat16, and the
             # sampler/trainer log-prob gap grows from ~3e-7 to ~5e-3 nats (measured, tests/test_vllm.py).
             settings = settings.model_copy(update={"dtype": cfg.model.dtype})
-        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed)
+        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed,
+                                  lora_rank=cfg.model.lora.r if adapters and cfg.model.lora else None)
     if name == "vllm_server":
         from .vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process)
+        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process,
+                                lora_sync=cfg.rollout.lora_sync if adapters else "merged")
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
 
 

@@ -29,6 +29,10 @@ it, and after every optimizer step receives the trainer's weights in place
   With the engine core in another process (`in_process=False`) the tensors travel
   through vLLM's RPC serialisation. LoRA models are pushed
   merged (see weight_sync.py); the training model is not modified.
+- LoRA adapter pushes (`rollout.lora_sync`, lora_sync.py; `lora_rank` here): vLLM starts with LoRA enabled,
+  each push writes the adapter as a new version folder in a temporary folder of the engine's own and
+  `add_lora`s it under a new name and id, then removes the previous one and resets the prefix cache;
+  `generate` asks for the current adapter. Before the first push it samples from the base model.
 - By default the vLLM engine core runs in this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported unless the
   user set it): start-up is seconds instead of tens of seconds and the weight
@@ -45,11 +49,13 @@ Nothing from vLLM is imported until an engine is built.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import InProcess, Rollout, SamplingSettings, VendorKernels
+from .lora_sync import SLOTS, AdapterFolders, vllm_lora_rank
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
@@ -97,8 +103,10 @@ class VLLMColocateEngine(InProcess, VendorKernels):
         return_logprobs: bool = True,
         tokenizer: str | None = None,
         extra_llm_kwargs: dict[str, Any] | None = None,
+        lora_rank: int | None = None,
     ):
-        """`settings` is the `rollout.vllm` section; the keyword arguments are for tests and scripts."""
+        """`settings` is the `rollout.vllm` section; `lora_rank`: push LoRA adapters of that rank, not merged
+        weights (lora_sync.push_adapters decides); the other keyword arguments are for tests and scripts."""
         from ..config import VLLMConfig
 
         settings = settings or VLLMConfig()
@@ -141,6 +149,11 @@ class VLLMColocateEngine(InProcess, VendorKernels):
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if self.enable_sleep_mode and not self.cpu:
             kwargs["enable_sleep_mode"] = True
+        self.adapters: AdapterFolders | None = None
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=SLOTS)
+            self._adapters_dir = tempfile.TemporaryDirectory(prefix="grpo_trainer_lora_")  # removed with the engine
+            self.adapters = AdapterFolders(self._adapters_dir.name)
         kwargs.update(extra_llm_kwargs or {})
         self.llm = LLM(**kwargs)
 
@@ -172,7 +185,7 @@ class VLLMColocateEngine(InProcess, VendorKernels):
                                       max_tokens)
                 for i in range(len(chunk))
             ]
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request())
             c, t, lp = completions_from_outputs(outputs, self.sampling.eos_token_ids, self.return_logprobs)
             completions += c
             truncated += t
@@ -184,16 +197,33 @@ class VLLMColocateEngine(InProcess, VendorKernels):
             sampling_logprobs=logprobs if self.return_logprobs else None,
         )
 
+    def lora_request(self):
+        """The current adapter as vLLM's LoRARequest (None: the base model, or merged pushes)."""
+        adapter = self.adapters and self.adapters.current
+        if not adapter:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
+
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Gather | None = None) -> None:
-        """Copy `model`'s current weights (LoRA merged) into vLLM, in place; then drop cached KV blocks.
+        """Copy `model`'s current weights (LoRA merged) into vLLM, in place, or load its adapter as a new one
+        (`lora_rank`); then drop cached KV blocks.
 
         Every rank holds its own vLLM, so under ZeRO-3 every rank needs the whole model: with `gather`
         (weight_sync.zero3_gather) it is assembled one layer at a time, into one copy."""
         self.wake_up()
-        weights = list(MergedWeights(model, gather))
-        self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
+        if self.adapters is not None:
+            previous = self.adapters.current
+            self.adapters.write(model, gather)
+            self.llm.llm_engine.add_lora(self.lora_request())
+            if previous is not None:
+                self.llm.llm_engine.remove_lora(previous.lora_id)
+        else:
+            weights = list(MergedWeights(model, gather))
+            self.llm.collective_rpc("grpo_reload_weights", kwargs=dict(weights=weights))
         self.llm.reset_prefix_cache()
         self._pushes += 1
         self.weight_version = self._pushes if version is None else version

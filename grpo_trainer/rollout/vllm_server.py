@@ -37,6 +37,14 @@ against vLLM 0.32 and tested for real against its CPU build.
     runs on one machine never share it. It suits a server on the same machine run by the same user; any
     other set-up names a shared folder in `weights_dir`.
   - `none`: never pushed (the servers keep the weights they started with).
+  - LoRA adapters (`rollout.lora_sync`, lora_sync.py; whatever `weight_sync` says but `none`): the adapter is
+    written as a new version folder under `weights_dir`, loaded on every server under a new name
+    (`/v1/load_lora_adapter`), every other adapter of ours unloaded (the previous one, and any a crashed run
+    left); requests then ask for it by name. Needs servers started with `--enable-lora` and
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (`serve` adds both). Under `lora_sync: auto`, a first push that a
+    server refuses (no LoRA, a folder it cannot read, a rank above its `--max-lora-rank`) switches the run to
+    merged pushes, logging the server's answer. Ranks other than the main process read the adapter's name
+    from the first server after each push (`/v1/models`).
   Every push is wrapped in `/pause?mode=wait` (requests in flight finish with the weights they started
   with) and `/resume`, and ends with `/reset_prefix_cache` (cached KV blocks belong to the old weights).
   These endpoints exist only on a server started with `VLLM_SERVER_DEV_MODE=1`: they let any client
@@ -74,6 +82,7 @@ import torch
 
 from ..errors import UserError
 from . import Rollout, Sampler, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
+from .lora_sync import ADAPTER_PREFIX, Adapter, AdapterFolders, log_fallback
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
@@ -82,6 +91,8 @@ if TYPE_CHECKING:
 
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
 INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
+LOAD_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
 PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
 
 
@@ -113,6 +124,12 @@ class Server:
             detail = e.read().decode(errors="replace")[:500]
             if path in ("/health", "/v1/models") and 400 <= e.code < 500:  # every vLLM server has both
                 raise self.not_vllm(method, path, f"HTTP {e.code} {_snippet(detail.encode())}") from None
+            if e.code == 404 and path == LOAD_ADAPTER:
+                raise ServerError(
+                    f"vLLM server at {self.url} has no {LOAD_ADAPTER}: start it with --enable-lora and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as one API server (`python -m grpo_trainer serve` does when "
+                    "rollout.lora_sync asks for adapters)"
+                ) from None
             if e.code == 404 and path.split("?")[0] not in ("/v1/completions", "/v1/models", "/health"):
                 raise ServerError(
                     f"vLLM server at {self.url} has no {path.split('?')[0]}: start it with VLLM_SERVER_DEV_MODE=1 "
@@ -133,6 +150,8 @@ class Server:
                                     f"{reason}") from None
         if path == "/health":
             return None  # vLLM's is empty; what else a server says there is judged by /v1/models
+        if path in (LOAD_ADAPTER, UNLOAD_ADAPTER) and kind == "text/plain":
+            return raw.decode(errors="replace")  # vLLM's answer to these: "Success: LoRA adapter ..."
         try:
             answer = json.loads(raw) if raw else None
         except ValueError:
@@ -181,6 +200,11 @@ class Server:
     def workers(self) -> int:
         """Workers across the server's data-parallel replicas: its ranks in a transfer group."""
         return int(self.request("GET", "/get_world_size", read=("world_size",)))
+
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters of ours (lora_sync.ADAPTER_PREFIX) the server holds."""
+        return [m.get("id", "") for m in self.request("GET", "/v1/models", read=("data",))
+                if str(m.get("id", "")).startswith(ADAPTER_PREFIX)]
 
     def model(self) -> str:
         """The model the server serves (also the check that it is a vLLM server at all)."""
@@ -287,8 +311,10 @@ class VLLMServerEngine(Sampler, VendorKernels):
         seed: int | None = 0,
         model_name: str | None = None,
         is_main_process: bool = True,
+        lora_sync: str = "merged",
     ):
-        """`settings` is the `rollout.vllm_server` section (defaults: one server on 127.0.0.1:8000)."""
+        """`settings` is the `rollout.vllm_server` section (defaults: one server on 127.0.0.1:8000); `lora_sync`:
+        `adapter` or `auto` to push LoRA adapters (lora_sync.push_adapters decides; `auto` may still fall back)."""
         from ..config import VLLMServerConfig
 
         settings = settings or VLLMServerConfig()
@@ -305,6 +331,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
         self._calls = 0
         self._client: AllServers | None = None
         self._transfer: Any = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
+        self.lora_sync = lora_sync
+        self.adapters = None if lora_sync == "merged" else AdapterFolders(Path(settings.weights_dir or "") / "adapters")
+        self._adapter: tuple[Any, str | None] = (None, None)  # (weight version, the adapter name sampled from)
         self.wait_until_healthy(settings.startup_timeout)
         names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
@@ -373,10 +402,23 @@ class VLLMServerEngine(Sampler, VendorKernels):
         out = []
         for group in groups:
             seed = request_seed(self.seed, call, first + group[0], n, None if seeds is None else seeds[group[0]])
-            body = {"model": self.model_name, "prompt": [list(prompt_ids[i]) for i in group], "return_token_ids": True,
+            body = {"model": self.sampled_model(), "prompt": [list(prompt_ids[i]) for i in group], "return_token_ids": True,
                     **sampling_fields(self.sampling, n, seed=seed if len(group) == 1 else None, max_tokens=max_tokens)}
             out.append((group, body))
         return out
+
+    def sampled_model(self) -> str:
+        """The name requests ask for: the current adapter's, or the base model's (merged pushes; nothing pushed)."""
+        if self.adapters is None or self.weight_version is None:
+            return self.model_name
+        if self.adapters.current is not None:
+            return self.adapters.current.name
+        version, name = self._adapter
+        if version != self.weight_version:  # another rank pushed: the first server says what it loaded
+            adapters = self.servers[0].adapters()
+            name = adapters[0] if len(adapters) == 1 else None
+            self._adapter = (self.weight_version, name)
+        return name or self.model_name
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
@@ -460,6 +502,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
         version = self._pushes if version is None else version
         if self.weight_sync == "none":
             return
+        if self.adapters is not None:
+            self._sync_adapter(model, version, gather)
+            return
         source = _Tracked(MergedWeights(model, gather))
         if not self.is_main_process:
             if gather is not None:
@@ -481,6 +526,48 @@ class VLLMServerEngine(Sampler, VendorKernels):
                 raise WeightsLost([s.url for s in gone] or [s.url for s in self.servers], self.weight_version) from error
             self._push(_Tracked(MergedWeights(model, gather)), version)  # the servers (re)join a new transfer group
         self.weight_version = version
+
+    def _sync_adapter(self, model: torch.nn.Module, version: Any, gather: Gather | None) -> None:
+        """Write the adapter as a new version and load it on every server (main process; the others take part in
+        the ZeRO-3 gathers). A first push refused under `lora_sync: auto` turns the run to merged pushes."""
+        assert self.adapters is not None, "adapter pushes only under rollout.lora_sync adapter or auto"
+        first = self.adapters.count == 0
+        adapter = self.adapters.write(model, gather, write=self.is_main_process)
+        if not self.is_main_process:
+            self.adapters.current = None  # the main process named it: read from the server (`sampled_model`)
+            self.weight_version = version
+            return
+        try:
+            self._load_adapter(adapter, version)
+        except ServerError as error:
+            if not (first and self.lora_sync == "auto"):
+                raise
+            if gather is not None:  # the other ranks gathered the adapter, not the merged weights
+                raise ServerError(f"rollout.lora_sync=auto: {error}; under ZeRO-3 set rollout.lora_sync=merged") from None
+            log_fallback(str(error))
+            self.adapters, self._pushes = None, self._pushes - 1
+            self.sync_weights(model, version)
+            return
+        except Exception as error:
+            gone = [s for s in self.servers if not s.healthy()]
+            if not gone and not _lost_connection(error):
+                raise
+            self._await(gone, " during a weight push")
+            self._load_adapter(adapter, version)  # the folder is written: loading it again needs no other rank
+        self.weight_version = version
+
+    def _load_adapter(self, adapter: Adapter, version: Any) -> None:
+        def load(server: Server) -> None:
+            held = server.adapters()
+            if adapter.name not in held:  # held already: a push repeated after another server went away
+                server.request("POST", LOAD_ADAPTER, {"lora_name": adapter.name, "lora_path": str(adapter.path.resolve())})
+            for name in held:  # the previous one, and any a run that died left
+                if name != adapter.name:
+                    server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
+            server.request("POST", "/update_weight_version", {"new_version": str(version)})
+
+        with self._paused():
+            each(self.servers, load)
 
     def _push(self, source: _Tracked, version: Any) -> None:
         expected = FRESH_VERSION if self.weight_version is None else str(self.weight_version)
