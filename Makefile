@@ -54,9 +54,10 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	@touch $@
 
-# ruff's lint rules and mypy over grpo_trainer/ and rewards/ (configured in pyproject.toml). mypy reads torch,
+# ruff's formatter and lint rules and mypy over grpo_trainer/ and rewards/ (configured in pyproject.toml). mypy reads torch,
 # transformers, vLLM, ... as Any and keeps its cache in .mypy_cache/: seconds on a fresh clone, ~1 s after.
 lint: $(STAMP)
+	$(PY) -m ruff format --check grpo_trainer rewards
 	$(PY) -m ruff check grpo_trainer rewards
 	$(PY) -m mypy
 

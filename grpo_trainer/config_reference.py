@@ -78,8 +78,11 @@ def missing_descriptions(model: type[BaseModel] = Config, prefix: str = "") -> l
         sub, is_list = _sub_model(field.annotation)
         if sub is not None and issubclass(sub, LossOptions):
             for variant in LOSS_VARIANTS.values():
-                missing += [f"{path}.{o} ({variant.name})" for o, f in variant.options.model_fields.items()
-                            if not (f.description or "").strip()]
+                missing += [
+                    f"{path}.{o} ({variant.name})"
+                    for o, f in variant.options.model_fields.items()
+                    if not (f.description or "").strip()
+                ]
         elif sub is not None:
             missing += missing_descriptions(sub, f"{path}.{LIST_INDEX}" if is_list else path)
     return list(dict.fromkeys(missing))
@@ -126,9 +129,16 @@ def loss_variant_table() -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for v in LOSS_VARIANTS.values():
-        cells = [f"`{v.name}`", v.ratio, f"`{v.surrogate.__name__}`", v.aggregation, "yes" if v.per_micro_batch else "no",
-                 "yes" if v.exact_zero_advantage_skip else "no",
-                 ", ".join(f"`{o}`" for o in v.options.model_fields) or "none", v.paper]
+        cells = [
+            f"`{v.name}`",
+            v.ratio,
+            f"`{v.surrogate.__name__}`",
+            v.aggregation,
+            "yes" if v.per_micro_batch else "no",
+            "yes" if v.exact_zero_advantage_skip else "no",
+            ", ".join(f"`{o}`" for o in v.options.model_fields) or "none",
+            v.paper,
+        ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines + [""]
 
@@ -148,9 +158,14 @@ def loss_options_table() -> list[str]:
     for model, variants in models.items():
         for name, field in model.model_fields.items():
             flat = sorted({k for v in variants for k, o in v.legacy_keys.items() if o == name})
-            cells = [f"`loss.options.{name}`", _code(type_name(field.annotation, field)), _code(_default(field)),
-                     ", ".join(f"`{v.name}`" for v in variants), ", ".join(f"`loss.{k}`" for k in flat),
-                     field.description or ""]
+            cells = [
+                f"`loss.options.{name}`",
+                _code(type_name(field.annotation, field)),
+                _code(_default(field)),
+                ", ".join(f"`{v.name}`" for v in variants),
+                ", ".join(f"`loss.{k}`" for k in flat),
+                field.description or "",
+            ]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines + [""]
 
@@ -217,7 +232,9 @@ def _type(annotation: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
     if isinstance(annotation, type):
-        return {"str": "str", "int": "int", "float": "float", "bool": "bool"}.get(annotation.__name__, annotation.__name__)
+        return {"str": "str", "int": "int", "float": "float", "bool": "bool"}.get(
+            annotation.__name__, annotation.__name__
+        )
     return str(annotation).replace("typing.", "")
 
 

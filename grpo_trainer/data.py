@@ -64,7 +64,9 @@ def _load_with_datasets(source: str, subset: str | None, split: str) -> list[dic
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; the user needs the source and the reason
-        raise DataError(f"data.source: could not load {source!r} (split {split!r}): {type(exc).__name__}: {exc}") from None
+        raise DataError(
+            f"data.source: could not load {source!r} (split {split!r}): {type(exc).__name__}: {exc}"
+        ) from None
     return ds.to_list()
 
 
@@ -79,7 +81,9 @@ def read_json_records(path: Path) -> list[dict[str, Any]]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(f"data.source: {path}, line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})") from None
+            raise DataError(
+                f"data.source: {path}, line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})"
+            ) from None
     else:
         rows = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -124,8 +128,13 @@ class PromptSet:
         return columns
 
 
-def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], context_length: int | None,
-                     tools: list[dict[str, Any]] | None = None) -> PromptSet:
+def build_prompt_set(
+    cfg: DataConfig,
+    tokenizer,
+    records: list[dict[str, Any]],
+    context_length: int | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> PromptSet:
     """Check the columns, format every prompt and tokenize it; fail before training on any bad record.
     `tools` (JSON schemas, rollout.tools) reach the chat template as its `tools=` argument."""
     missing = [c for c in (cfg.prompt_column,) if c not in records[0]]
@@ -140,7 +149,9 @@ def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], 
             "set data.chat_template to a Jinja template, or data.use_chat_template=false for plain-text prompts"
         )
     if tools and not cfg.use_chat_template:
-        raise DataError("rollout.tools needs data.use_chat_template=true: tools are described through the chat template")
+        raise DataError(
+            "rollout.tools needs data.use_chat_template=true: tools are described through the chat template"
+        )
     texts = [format_prompt(cfg, tokenizer, r[cfg.prompt_column], i, tools) for i, r in enumerate(records)]
     token_ids = [tokenizer(t, add_special_tokens=not cfg.use_chat_template)["input_ids"] for t in texts]
     limit = cfg.max_prompt_length or context_length
@@ -148,11 +159,15 @@ def build_prompt_set(cfg: DataConfig, tokenizer, records: list[dict[str, Any]], 
         for i, ids in enumerate(token_ids):
             if len(ids) > limit:
                 key = "data.max_prompt_length" if cfg.max_prompt_length else "the model's context length"
-                raise DataError(f"record {i}: the prompt has {len(ids)} tokens, more than {key} ({limit}): {texts[i][:200]!r}")
+                raise DataError(
+                    f"record {i}: the prompt has {len(ids)} tokens, more than {key} ({limit}): {texts[i][:200]!r}"
+                )
     return PromptSet(records=records, texts=texts, token_ids=token_ids)
 
 
-def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int, tools: list[dict[str, Any]] | None = None) -> str:
+def format_prompt(
+    cfg: DataConfig, tokenizer, prompt: Any, index: int, tools: list[dict[str, Any]] | None = None
+) -> str:
     """One prompt (a string or a list of chat messages) as the text the model is given."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -169,8 +184,9 @@ def format_prompt(cfg: DataConfig, tokenizer, prompt: Any, index: int, tools: li
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + messages[0]["content"]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools or None,
-                                         **cfg.chat_template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, tools=tools or None, **cfg.chat_template_kwargs
+    )
 
 
 def is_conversational(records: list[dict[str, Any]], prompt_column: str) -> bool:

@@ -142,14 +142,28 @@ def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_p
     data_cfg = cfg.data.model_copy(update={"source": s.source, "num_samples": s.num_samples})
     one_split = Path(s.source).suffix.lower() in LOCAL_FORMATS  # a local file has no splits: the split is ignored
     if s.source == cfg.data.source and (s.split == cfg.data.split or one_split):
-        logger.warning("eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split", s.source, s.split)
+        logger.warning(
+            "eval: prompts come from the training data (%s, split %r); set data.eval_source or data.eval_split",
+            s.source,
+            s.split,
+        )
     try:
         environment = build_environment(cfg)
-        return load_task(data_cfg, cfg.rewards, tokenizer, max_context, split=s.split, policy_dtype=cfg.model.dtype,
-                         tools=environment.tools or None if environment else None, environment=environment,
-                         environment_config=cfg.environment)
+        return load_task(
+            data_cfg,
+            cfg.rewards,
+            tokenizer,
+            max_context,
+            split=s.split,
+            policy_dtype=cfg.model.dtype,
+            tools=environment.tools or None if environment else None,
+            environment=environment,
+            environment_config=cfg.environment,
+        )
     except DataError as exc:
-        raise DataError(f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)") from None
+        raise DataError(
+            f"eval data: {exc} (set data.eval_split / data.eval_source to choose held-out prompts)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -184,9 +198,16 @@ def evaluate_model(
     if task is None:
         task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
-    engine: RolloutEngine = HFEngine(sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
-                      share_prompt=cfg.model.share_prompt, full_parameters=full_parameters, lockstep=lockstep,
-                      kernel_plan=kernel_plan)
+    engine: RolloutEngine = HFEngine(
+        sampling,
+        get_model=lambda: lm,
+        pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
+        share_prompt=cfg.model.share_prompt,
+        full_parameters=full_parameters,
+        lockstep=lockstep,
+        kernel_plan=kernel_plan,
+    )
     engine = with_environment(engine, tokenizer, cfg, sampling)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)
@@ -237,7 +258,9 @@ def evaluate(
 
 def format_results(results: dict[str, float]) -> str:
     """One `key: value` line per metric, for the console."""
-    return "\n".join(f"{key}: {value:.4f}" if key != "eval/num_prompts" else f"{key}: {int(value)}" for key, value in results.items())
+    return "\n".join(
+        f"{key}: {value:.4f}" if key != "eval/num_prompts" else f"{key}: {int(value)}" for key, value in results.items()
+    )
 
 
 # ----------------------------------------------------------------------------- loading
@@ -253,13 +276,17 @@ def load_for_eval(cfg: Config, checkpoint: str | Path | None):
         return load_causal_lm(cfg.model), load_tokenizer(cfg.model, cfg.data.chat_template)
     path = Path(checkpoint)
     if not path.is_dir():
-        raise ConfigError(f"checkpoint: {path} is not a folder (expected OUTPUT_DIR/model or OUTPUT_DIR/checkpoints/step-N)")
+        raise ConfigError(
+            f"checkpoint: {path} is not a folder (expected OUTPUT_DIR/model or OUTPUT_DIR/checkpoints/step-N)"
+        )
     if (path / "config.json").is_file():  # a save_pretrained folder
         model_cfg = cfg.model.model_copy(update={"name_or_path": str(path)})
         has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         tokenizer = load_tokenizer(model_cfg if has_tokenizer else cfg.model, cfg.data.chat_template)
         return load_causal_lm(model_cfg), tokenizer
-    if (path / "adapter_config.json").is_file():  # a PEFT adapter folder: the base model from cfg.model, then the adapter
+    if (
+        path / "adapter_config.json"
+    ).is_file():  # a PEFT adapter folder: the base model from cfg.model, then the adapter
         from peft import PeftModel
 
         base_cfg = cfg.model.model_copy(update={"lora": None})

@@ -21,8 +21,9 @@ from .model_card import Setup, write_model_card
 from .models import base_model, is_lora
 
 
-def save_model(lm, tokenizer, folder: Path | None = None, *, adapter_folder: Path | None = None,
-               state_dict: dict | None = None) -> None:
+def save_model(
+    lm, tokenizer, folder: Path | None = None, *, adapter_folder: Path | None = None, state_dict: dict | None = None
+) -> None:
     """Write `lm` with `tokenizer` as a plain `save_pretrained` folder (`folder`; a LoRA model merged) and, for a
     LoRA model, its adapter alone (`adapter_folder`). Either may be None.
 

@@ -98,9 +98,15 @@ def geometry_of(cfg: Any, world: int = 1, rank: int = 0) -> Geometry:
         )
     budget = train.micro_batch_tokens
     geometry = Geometry(
-        world=world, rank=rank, prompts_per_rank=train.prompts_per_step // world, group_size=g,
-        mini_batches=train.mini_batches, micro_batch_size=None if budget else train.micro_batch_size,
-        micro_batch_tokens=budget, num_iterations=train.num_iterations, max_steps=train.max_steps,
+        world=world,
+        rank=rank,
+        prompts_per_rank=train.prompts_per_step // world,
+        group_size=g,
+        mini_batches=train.mini_batches,
+        micro_batch_size=None if budget else train.micro_batch_size,
+        micro_batch_tokens=budget,
+        num_iterations=train.num_iterations,
+        max_steps=train.max_steps,
     )
     scope = "per step" if world == 1 else "per process"
     formula = "train.prompts_per_step" + ("" if world == 1 else f" / {world} processes") + " x rollout.num_generations"

@@ -37,7 +37,12 @@ REWARD_PREFIX = "reward/"
 FINGERPRINT_CHARS = 16
 
 # What the user passes to grpo_trainer.train() for each kind of reference (for messages).
-ARGUMENTS = {"train_dataset": "train_dataset=", "eval_dataset": "eval_dataset=", "model": "model=", "tokenizer": "tokenizer="}
+ARGUMENTS = {
+    "train_dataset": "train_dataset=",
+    "eval_dataset": "eval_dataset=",
+    "model": "model=",
+    "tokenizer": "tokenizer=",
+}
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,14 @@ def is_reference(value: Any) -> bool:
 
 def parse(ref: str) -> tuple[str, str | None]:
     """`object:NAME@FINGERPRINT` -> (NAME, FINGERPRINT or None)."""
-    name, _, fingerprint = ref[len(PREFIX):].partition("@")
+    name, _, fingerprint = ref[len(PREFIX) :].partition("@")
     return name, fingerprint or None
 
 
 def what_to_pass(name: str) -> str:
     """How the user gives the object a reference names, e.g. `train_dataset=` or `my_reward in rewards=`."""
     if name.startswith(REWARD_PREFIX):
-        return f"the reward function {name[len(REWARD_PREFIX):]!r} in rewards="
+        return f"the reward function {name[len(REWARD_PREFIX) :]!r} in rewards="
     return ARGUMENTS.get(name, f"{name}=")
 
 

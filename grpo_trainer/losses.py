@@ -72,7 +72,9 @@ class ClipOptions(LossOptions):
         None, ge=0, description="Upper clip range (DAPO clip-higher); None means equal to epsilon_low."
     )
     delta: float | None = Field(
-        None, gt=1, description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off)."
+        None,
+        gt=1,
+        description="Dual-clip bound for negative advantages: the token loss is at most -delta*A (None: off).",
     )
 
     @property
@@ -101,8 +103,10 @@ class SoftGate(LossOptions):
     every unsampled token, so it is let to decay faster as the ratio drifts."""
 
     temperature_pos: float = Field(
-        1.0, gt=0, description="Temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for tokens with "
-        "advantage > 0 (larger: the gradient decays faster as the ratio leaves 1)."
+        1.0,
+        gt=0,
+        description="Temperature tau of the soft gate sigmoid(tau (r - 1)) * 4 / tau for tokens with "
+        "advantage > 0 (larger: the gradient decays faster as the ratio leaves 1).",
     )
     temperature_neg: float = Field(
         1.05, gt=0, description="The gate temperature for advantage <= 0; the paper keeps it above the positive one."
@@ -115,8 +119,10 @@ class GammaShape(LossOptions):
     A >= 0: k = 2, lambda = 3; A < 0: k = 3, lambda = 2."""
 
     k_pos: float = Field(
-        2.0, ge=0, description="Power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, for "
-        "advantage >= 0 (c1 in the paper)."
+        2.0,
+        ge=0,
+        description="Power k of the weight phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W, for "
+        "advantage >= 0 (c1 in the paper).",
     )
     lambda_pos: float = Field(3.0, ge=0, description="Decay lambda of phi(W) for advantage >= 0 (c2 in the paper).")
     k_neg: float = Field(3.0, ge=0, description="Power k of phi(W) for advantage < 0.")
@@ -188,7 +194,9 @@ class LossVariant:
         if not self.title:
             object.__setattr__(self, "title", self.name)
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss type {self.name!r}: unknown aggregation {self.aggregation!r}; one of {AGGREGATIONS}")
+            raise ValueError(
+                f"loss type {self.name!r}: unknown aggregation {self.aggregation!r}; one of {AGGREGATIONS}"
+            )
         unknown = set(self.legacy_keys.values()) - set(self.options.model_fields)
         if unknown:
             raise ValueError(f"loss type {self.name!r}: legacy_keys name options its model lacks: {sorted(unknown)}")
@@ -201,14 +209,14 @@ class LossVariant:
     def __call__(self, inputs: TokenInputs, options: LossOptions):
         """The surrogate (a variant is callable so that `file.py:NAME` resolves it like a reward function)."""
         return self.surrogate(inputs, options)
+
+
 # VESPO's log W is kept in [ln 1e-8, 20], as in the authors' code: phi stays finite at any drift (a sampler
 # correction of 0, i.e. a masked token, gives W ~ 1e-8 and phi ~ 0 instead of log 0).
 VESPO_LOG_W_RANGE = (math.log(1e-8), 20.0)
 # Each token's log ratio is clamped to this range before the sum that forms ln W, as the authors' code and TRL's
 # get_gamma_weights do: a token beyond +-20 counts as +-20, so log ratios +25 and -24.5 give W = 1, not e^0.5.
 VESPO_TOKEN_LOG_RATIO_RANGE = (-20.0, 20.0)
-
-
 
 
 def token_loss(
@@ -239,10 +247,20 @@ def token_loss(
         options = gamma
     else:
         given: dict[str, Any] = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
-        options = variant.options.model_construct(**{k: v for k, v in given.items() if k in variant.options.model_fields})
+        options = variant.options.model_construct(
+            **{k: v for k, v in given.items() if k in variant.options.model_fields}
+        )
     return per_token_loss(
-        variant, options, logp, old_logp, advantages[:, None].expand_as(logp), mask, ref_logp=ref_logp, beta=beta,
-        policy_weight=policy_weight, sampler_weight=sampler_weight,
+        variant,
+        options,
+        logp,
+        old_logp,
+        advantages[:, None].expand_as(logp),
+        mask,
+        ref_logp=ref_logp,
+        beta=beta,
+        policy_weight=policy_weight,
+        sampler_weight=sampler_weight,
     )
 
 
@@ -369,8 +387,10 @@ def _gamma(logp, log_ratio, advantages, mask, shape: GammaShape, sampler_weight)
     # advantages are per token [B, T]: phi for either sign of A over the completions [B] (detached), then each
     # token's by the sign of its A (the authors' code and TRL: A = 0 takes the positive branch; its loss is 0 anyway).
     phi_pos, phi_neg = (
-        torch.exp(log_w.new_full(log_w.shape, k, dtype=advantages.dtype) * log_w
-                  + log_w.new_full(log_w.shape, lam, dtype=advantages.dtype) * (1 - torch.exp(log_w)))
+        torch.exp(
+            log_w.new_full(log_w.shape, k, dtype=advantages.dtype) * log_w
+            + log_w.new_full(log_w.shape, lam, dtype=advantages.dtype) * (1 - torch.exp(log_w))
+        )
         for k, lam in ((shape.k_pos, shape.lambda_pos), (shape.k_neg, shape.lambda_neg))
     )
     phi = torch.where(advantages >= 0, phi_pos[:, None], phi_neg[:, None])  # [B, T]
@@ -405,58 +425,122 @@ _AS_GRPO = "as `grpo`"
 
 for _variant in (
     LossVariant(
-        "grpo", clipped_token_ratio, "sequence_mean", ClipOptions, "Shao et al. 2024, DeepSeekMath, eq. 3",
-        exact_zero_advantage_skip=True, title="GRPO", legacy_keys=_CLIP_KEYS, formula="-min(r_t A_t, clip(r_t) A_t)",
+        "grpo",
+        clipped_token_ratio,
+        "sequence_mean",
+        ClipOptions,
+        "Shao et al. 2024, DeepSeekMath, eq. 3",
+        exact_zero_advantage_skip=True,
+        title="GRPO",
+        legacy_keys=_CLIP_KEYS,
+        formula="-min(r_t A_t, clip(r_t) A_t)",
         use="you want the reference GRPO behaviour; note it makes right answers short and wrong answers long (below)",
     ),
     LossVariant(
-        "bnpo", clipped_token_ratio, "micro_batch_token_mean", ClipOptions, "Xiao et al. 2025, BNPO",
-        title="BNPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        "bnpo",
+        clipped_token_ratio,
+        "micro_batch_token_mean",
+        ClipOptions,
+        "Xiao et al. 2025, BNPO",
+        title="BNPO",
+        legacy_keys=_CLIP_KEYS,
+        formula=_AS_GRPO,
         use="reproducing TRL's `bnpo`; the loss depends on how the batch is cut into micro-batches (by definition)",
     ),
     LossVariant(
-        "dr_grpo", clipped_token_ratio, "max_length", ClipOptions, "Liu et al. 2025, Dr. GRPO, eq. 7",
-        exact_zero_advantage_skip=True, title="Dr. GRPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        "dr_grpo",
+        clipped_token_ratio,
+        "max_length",
+        ClipOptions,
+        "Liu et al. 2025, Dr. GRPO, eq. 7",
+        exact_zero_advantage_skip=True,
+        title="Dr. GRPO",
+        legacy_keys=_CLIP_KEYS,
+        formula=_AS_GRPO,
         use="removing the length bias; pair with `scale_rewards: none`; raise the learning rate (the loss is divided "
         "by L_max, not by lengths)",
     ),
     LossVariant(
-        "dapo", clipped_token_ratio, "batch_token_mean", ClipOptions, "Yu et al. 2025, DAPO, eq. 12",
-        exact_zero_advantage_skip=True, title="DAPO", legacy_keys=_CLIP_KEYS, formula=_AS_GRPO,
+        "dapo",
+        clipped_token_ratio,
+        "batch_token_mean",
+        ClipOptions,
+        "Yu et al. 2025, DAPO, eq. 12",
+        exact_zero_advantage_skip=True,
+        title="DAPO",
+        legacy_keys=_CLIP_KEYS,
+        formula=_AS_GRPO,
         use="long reasoning: every token weighs the same, so long completions are not diluted; pair with clip-higher",
     ),
     LossVariant(
-        "gspo", clipped_sequence_ratio, "sequence_mean", ClipOptions, "Zheng et al. 2025, GSPO, eq. 7",
-        exact_zero_advantage_skip=True, ratio="sequence", title="GSPO", legacy_keys=_CLIP_KEYS,
+        "gspo",
+        clipped_sequence_ratio,
+        "sequence_mean",
+        ClipOptions,
+        "Zheng et al. 2025, GSPO, eq. 7",
+        exact_zero_advantage_skip=True,
+        ratio="sequence",
+        title="GSPO",
+        legacy_keys=_CLIP_KEYS,
         formula="-min(s_i A_t, clip(s_i) A_t), one ratio per completion s_i = exp(mean_t log r_t)",
         use="MoE models or noisy per-token ratios; use a narrow clip range (3e-4 / 4e-4)",
     ),
     LossVariant(
-        "cispo", cispo, "batch_token_mean", CispoOptions, "MiniMax 2025, MiniMax-M1, eq. 4",
-        exact_zero_advantage_skip=True, title="CISPO", legacy_keys={"epsilon_high": "epsilon_high"},
+        "cispo",
+        cispo,
+        "batch_token_mean",
+        CispoOptions,
+        "MiniMax 2025, MiniMax-M1, eq. 4",
+        exact_zero_advantage_skip=True,
+        title="CISPO",
+        legacy_keys={"epsilon_high": "epsilon_high"},
         formula="-sg(min(r_t, 1 + epsilon_high)) A_t log pi_theta(o_t)",
         use="many updates per batch (`num_iterations` > 1): the weight is clipped but no token loses its gradient",
     ),
     LossVariant(
-        "sapo", soft_gate, "sequence_mean", SoftGate, "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347",
+        "sapo",
+        soft_gate,
+        "sequence_mean",
+        SoftGate,
+        "Gao et al. 2025, SAPO (Qwen), arXiv 2511.20347",
         exact_zero_advantage_skip=True,
-        title="SAPO", legacy_keys={"sapo_temperature_pos": "temperature_pos", "sapo_temperature_neg": "temperature_neg"},
+        title="SAPO",
+        legacy_keys={"sapo_temperature_pos": "temperature_pos", "sapo_temperature_neg": "temperature_neg"},
         formula="-f(r_t) A_t, f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = `temperature_pos` if A_t > 0 else "
         "`temperature_neg`",
         use="off-policy updates (batch reuse, MoE routing noise) where a hard clip silences tokens or, in GSPO, whole "
         "sequences: the gate fades each token's gradient smoothly; on-policy it is GRPO",
     ),
     LossVariant(
-        "luspo", clipped_sequence_ratio, "sequence_sum", ClipOptions, "Liu et al. 2026, LUSPO, arXiv 2602.05261",
-        exact_zero_advantage_skip=True, ratio="sequence", title="LUSPO", legacy_keys=_CLIP_KEYS, formula="as `gspo`",
+        "luspo",
+        clipped_sequence_ratio,
+        "sequence_sum",
+        ClipOptions,
+        "Liu et al. 2026, LUSPO, arXiv 2602.05261",
+        exact_zero_advantage_skip=True,
+        ratio="sequence",
+        title="LUSPO",
+        legacy_keys=_CLIP_KEYS,
+        formula="as `gspo`",
         use="GSPO's sequence ratio without GSPO's length bias (its responses shrink as training goes on); GSPO-like "
         "narrow clip, 2e-3 / 2.5e-3",
     ),
     LossVariant(
-        "vespo", gamma, "batch_token_mean", GammaShape, "Shen et al. 2026, VESPO, arXiv 2602.10693, sec. 3.4",
-        exact_zero_advantage_skip=True, sampler_weight_in_ratio=True, ratio="sequence_product",
-        title="VESPO", legacy_keys={"vespo_k_pos": "k_pos", "vespo_lambda_pos": "lambda_pos", "vespo_k_neg": "k_neg",
-                     "vespo_lambda_neg": "lambda_neg"},
+        "vespo",
+        gamma,
+        "batch_token_mean",
+        GammaShape,
+        "Shen et al. 2026, VESPO, arXiv 2602.10693, sec. 3.4",
+        exact_zero_advantage_skip=True,
+        sampler_weight_in_ratio=True,
+        ratio="sequence_product",
+        title="VESPO",
+        legacy_keys={
+            "vespo_k_pos": "k_pos",
+            "vespo_lambda_pos": "lambda_pos",
+            "vespo_k_neg": "k_neg",
+            "vespo_lambda_neg": "lambda_neg",
+        },
         formula="-sg(phi(W_i)) A_t log pi_theta(o_t), W_i = prod_t r_t, phi(W) = W^k e^(lambda (1 - W)), "
         "(k, lambda) by the sign of A_t",
         use="stale batches (many mini-batches, asynchronous rollouts) and sampler mismatch: a smooth sequence-level "
@@ -493,7 +577,9 @@ def loss_variant(loss_type: str) -> LossVariant:
 
     found = resolve_function(loss_type, "loss.type", "loss type", ConfigError)
     if not isinstance(found, LossVariant):
-        raise ConfigError(f"loss.type: {loss_type!r} is a {type(found).__name__}, not a grpo_trainer.losses.LossVariant")
+        raise ConfigError(
+            f"loss.type: {loss_type!r} is a {type(found).__name__}, not a grpo_trainer.losses.LossVariant"
+        )
     if not issubclass(found.options, LossOptions):
         raise ConfigError(f"loss.type: {loss_type!r}: its options model must subclass grpo_trainer.losses.LossOptions")
     return found
@@ -537,7 +623,9 @@ def aggregate(
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def teacher_advantage(teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+def teacher_advantage(
+    teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, coef: float
+) -> torch.Tensor:
     """On-policy distillation's per-token advantage term [B, T] (detached), added to the group advantage:
 
         coef * (log pi_teacher(y_t) - log mu(y_t))
@@ -553,7 +641,11 @@ def teacher_advantage(teacher_logp: torch.Tensor, behaviour_logp: torch.Tensor, 
 
 
 def importance_weight(
-    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float, mode: str = "token_truncate",
+    old_logp: torch.Tensor,
+    sampling_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    mode: str = "token_truncate",
     floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rollout correction for a sampler (e.g. vLLM) that scores tokens slightly differently from the trainer, or

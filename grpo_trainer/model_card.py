@@ -44,6 +44,8 @@ BUILTIN_MODELS = {
 }
 VERSIONS = ("grpo-trainer", "torch", "transformers", "accelerate", "peft", "datasets", "vllm", "deepspeed")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 @dataclass(frozen=True)
 class Setup:
     """Where the run trained: what the card says under hardware and processes (None: not recorded)."""
@@ -73,7 +75,9 @@ def describe_hardware(device) -> str:
     return f"CPU: {cpu} ({os.cpu_count()} cores)"
 
 
-def write_model_card(folder: str | Path, cfg: Config, metrics_dir: str | Path, setup: Setup, adapter: bool = False) -> Path:
+def write_model_card(
+    folder: str | Path, cfg: Config, metrics_dir: str | Path, setup: Setup, adapter: bool = False
+) -> Path:
     """Write `folder`/README.md (and the reward curve beside it) for the model trained as `cfg` says, from
     `metrics_dir`/metrics.jsonl (the run's folder, or a checkpoint's). `adapter`: the folder holds a PEFT adapter."""
     folder = Path(folder)
@@ -85,7 +89,9 @@ def write_model_card(folder: str | Path, cfg: Config, metrics_dir: str | Path, s
     return path
 
 
-def model_card_text(cfg: Config, rows: list[dict[str, Any]], setup: Setup, curve: str | None, adapter: bool = False) -> str:
+def model_card_text(
+    cfg: Config, rows: list[dict[str, Any]], setup: Setup, curve: str | None, adapter: bool = False
+) -> str:
     """The card: metadata, then the body (see the module docstring)."""
     from huggingface_hub import ModelCardData
 
@@ -173,8 +179,10 @@ def _hub_dataset(source: str | None) -> str | None:
 def _title(cfg: Config, base: str | None) -> str:
     name = Path(cfg.output_dir).name
     origin = f"[{base}](https://huggingface.co/{base})" if base else f"`{_describe_model(cfg)}`"
-    return (f"# {name}\n\n{origin}, trained by grpo-trainer with reinforcement learning from verifiable rewards, "
-            f"loss `{cfg.loss.type}`.")
+    return (
+        f"# {name}\n\n{origin}, trained by grpo-trainer with reinforcement learning from verifiable rewards, "
+        f"loss `{cfg.loss.type}`."
+    )
 
 
 def _describe_loss(cfg: Config) -> str:
@@ -182,10 +190,13 @@ def _describe_loss(cfg: Config) -> str:
     the options it was trained with."""
     variant = cfg.loss.variant
     options = ", ".join(f"{k} {_option(v)}" for k, v in cfg.loss.options.model_dump().items() if v is not None)
-    return (f"`{cfg.loss.type}`" + (f" ({variant.paper})" if variant.paper else "")
-            + f"; aggregation: {AGGREGATION_DOCS[variant.aggregation]}"
-            + (f"; options {options}" if options else "")
-            + f"; advantages `{cfg.loss.advantage}`, scaled by `{cfg.loss.scale_rewards}`; KL beta {cfg.loss.beta:g}")
+    return (
+        f"`{cfg.loss.type}`"
+        + (f" ({variant.paper})" if variant.paper else "")
+        + f"; aggregation: {AGGREGATION_DOCS[variant.aggregation]}"
+        + (f"; options {options}" if options else "")
+        + f"; advantages `{cfg.loss.advantage}`, scaled by `{cfg.loss.scale_rewards}`; KL beta {cfg.loss.beta:g}"
+    )
 
 
 def _option(value: Any) -> str:
@@ -224,7 +235,11 @@ def _training_section(cfg: Config, rows: list[dict[str, Any]], setup: Setup) -> 
         ("max completion length", f"{cfg.rollout.max_completion_length} tokens"),
         ("learning rate", lr),
         ("training data", _describe_data(cfg.data.source, cfg.data.split)),
-        ("model", f"`{cfg.model.dtype}`" + (f", LoRA r={cfg.model.lora.r} alpha={cfg.model.lora.alpha}" if cfg.model.lora else ", all weights")),
+        (
+            "model",
+            f"`{cfg.model.dtype}`"
+            + (f", LoRA r={cfg.model.lora.r} alpha={cfg.model.lora.alpha}" if cfg.model.lora else ", all weights"),
+        ),
         ("sampling", f"`{cfg.rollout.engine}` engine, temperature {cfg.rollout.temperature:g}"),
         ("hardware", setup.hardware or "not recorded"),
         ("processes", f"{setup.processes}" + (f" ({setup.distributed_type})" if setup.distributed_type else "")),
@@ -252,10 +267,15 @@ def _reward_section(rows: list[dict[str, Any]], curve: str | None) -> str:
     if curve:
         lines += [f"![Training reward]({curve})", ""]
     else:
-        lines += ["(No curve: drawing it needs matplotlib, `pip install 'grpo-trainer[plot]'`; "
-                  "`python -m grpo_trainer plot OUTPUT_DIR` draws it from the run's metrics.)", ""]
-    lines.append(f"Mean training reward over the first 10% of logged steps: **{sum(rewards[:k]) / k:.3f}**; "
-                 f"over the last 10%: **{sum(rewards[-k:]) / k:.3f}**.")
+        lines += [
+            "(No curve: drawing it needs matplotlib, `pip install 'grpo-trainer[plot]'`; "
+            "`python -m grpo_trainer plot OUTPUT_DIR` draws it from the run's metrics.)",
+            "",
+        ]
+    lines.append(
+        f"Mean training reward over the first 10% of logged steps: **{sum(rewards[:k]) / k:.3f}**; "
+        f"over the last 10%: **{sum(rewards[-k:]) / k:.3f}**."
+    )
     return "\n".join(lines)
 
 
@@ -263,14 +283,22 @@ def _eval_section(rows: list[dict[str, Any]]) -> str:
     evaluated = [r for r in rows if any(key.startswith("eval/") for key in r)]
     if not evaluated:
         return ""
-    keys = [key for key in dict.fromkeys(k for r in evaluated for k in r)
-            if key.startswith("eval/") and key != "eval/num_prompts"]
+    keys = [
+        key
+        for key in dict.fromkeys(k for r in evaluated for k in r)
+        if key.startswith("eval/") and key != "eval/num_prompts"
+    ]
     header = [key.removeprefix("eval/") for key in keys]
     prompts = evaluated[-1].get("eval/num_prompts")
-    lines = ["## Held-out evaluation", "",
-             f"On {int(prompts) if prompts else 'the'} held-out prompts during training (mean@k: the mean reward of k "
-             "samples; pass@k: the chance one of k is correct, reward > 0):", "",
-             "| step | " + " | ".join(header) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines = [
+        "## Held-out evaluation",
+        "",
+        f"On {int(prompts) if prompts else 'the'} held-out prompts during training (mean@k: the mean reward of k "
+        "samples; pass@k: the chance one of k is correct, reward > 0):",
+        "",
+        "| step | " + " | ".join(header) + " |",
+        "|---" * (len(keys) + 1) + "|",
+    ]
     for row in evaluated:
         cells = [f"{row[key]:.3f}" if isinstance(row.get(key), (int, float)) else "" for key in keys]
         lines.append(f"| {int(row['step'])} | " + " | ".join(cells) + " |")
@@ -280,9 +308,14 @@ def _eval_section(rows: list[dict[str, Any]]) -> str:
 def _config_section(cfg: Config) -> str:
     data = cfg.model_dump(mode="json")
     given = sorted({in_memory.parse(v)[0] for v in _leaves(data) if in_memory.is_reference(v)})
-    how = ("`python -m grpo_trainer train config.yaml` reruns it" if not given else
-           "`object:...` names what was given in Python (" + ", ".join(given) + "): `grpo_trainer.train(config, ...)` "
-           "with the same objects reruns it")
+    how = (
+        "`python -m grpo_trainer train config.yaml` reruns it"
+        if not given
+        else "`object:...` names what was given in Python ("
+        + ", ".join(given)
+        + "): `grpo_trainer.train(config, ...)` "
+        "with the same objects reruns it"
+    )
     return f"## Configuration\n\nThe resolved configuration ({how}):\n\n```yaml\n{cfg.to_yaml()}```"
 
 

@@ -147,8 +147,14 @@ class TokenLogprobs(nn.Module):
       but the slack at the end of a row; works under gradient checkpointing too (no cache).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int | None = None, share_prompt: bool = True,
-                 agree_chunks: Callable[[int], int] | None = None):
+    def __init__(
+        self,
+        lm: nn.Module,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        share_prompt: bool = True,
+        agree_chunks: Callable[[int], int] | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.temperature = temperature
@@ -173,7 +179,14 @@ class TokenLogprobs(nn.Module):
         if "input_ids" in layout:  # PackedBatch
             return self._packed(decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, **layout)
         checkpointing = self.training and getattr(base, "is_gradient_checkpointing", False)
-        args = (decoder, layout["prompt_ids"], layout["prompt_mask"], layout["prompt_index"], completion_ids, completion_mask)
+        args = (
+            decoder,
+            layout["prompt_ids"],
+            layout["prompt_mask"],
+            layout["prompt_index"],
+            completion_ids,
+            completion_mask,
+        )
         if self.share_prompt and not checkpointing:
             hidden = self._hidden_shared_prompt(*args, always_two_passes=self.agree_chunks is not None)
         else:
@@ -200,7 +213,9 @@ class TokenLogprobs(nn.Module):
         With one completion position (C = 1) the second pass has nothing to score and is skipped, unless
         `always_two_passes` (ranks that must call every module equally often, ZeRO-3 and FSDP, whose C differ):
         then it runs on that one token and its states are dropped (their gradient is zero)."""
-        out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask), use_cache=True)
+        out = decoder(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask), use_cache=True
+        )
         first = out.last_hidden_state[prompt_index, -1:]  # [B, 1, H]: predicts completion token 0
         c = completion_ids.shape[1]
         if c == 1 and not always_two_passes:
@@ -220,12 +235,26 @@ class TokenLogprobs(nn.Module):
         ).last_hidden_state
         return torch.cat([first, rest if c > 1 else rest[:, :0]], 1)  # [B, C, H]
 
-    def _packed(self, decoder, head, completion_ids, completion_mask, with_entropy, entropy_grad, input_ids, position_ids,
-                piece_ids, member_ids, score_index):
+    def _packed(
+        self,
+        decoder,
+        head,
+        completion_ids,
+        completion_mask,
+        with_entropy,
+        entropy_grad,
+        input_ids,
+        position_ids,
+        piece_ids,
+        member_ids,
+        score_index,
+    ):
         """The packed rows [R, L] through the model once; only the N states that predict a completion token go
         through the LM head, and the results are laid out as [B, C] again for the loss."""
         mask = packed_attention_mask(piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder))
-        hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         scored = completion_mask > 0  # [B, C]
         states = hidden.flatten(0, 1)[score_index[scored]]  # [N, H]
         logp, entropy = self._score(head, states[None], completion_ids[scored][None], with_entropy, entropy_grad)
@@ -258,7 +287,13 @@ class TokenLogprobs(nn.Module):
             # Past this rank's own chunks (calls agreed across ranks), an empty chunk: the head is still called,
             # forward and backward, so its weight gathers pair up with the other ranks'.
             start = min(k * positions, targets.shape[1])
-            chunk = (head, hidden[:, start : start + positions], targets[:, start : start + positions], with_entropy, entropy_grad)
+            chunk = (
+                head,
+                hidden[:, start : start + positions],
+                targets[:, start : start + positions],
+                with_entropy,
+                entropy_grad,
+            )
             if recompute:
                 logp, entropy = checkpoint(self._score_chunk, *chunk, use_reentrant=False)
             else:
@@ -278,9 +313,13 @@ class TokenLogprobs(nn.Module):
         """`head(hidden)`; for a head tied to the input embeddings, by lm_head.tied_head_logits (the same numbers,
         less memory) where nothing else wraps the head's calls (no sharded weights, no autocast casting its
         operands: autograd's path then holds the casts' gradients as well)."""
-        tied = (self.agree_chunks is None and torch.is_grad_enabled() and head.weight.device == hidden.device
-                and not torch.is_autocast_enabled(hidden.device.type)
-                and head.weight is base_model(self.lm).get_input_embeddings().weight)
+        tied = (
+            self.agree_chunks is None
+            and torch.is_grad_enabled()
+            and head.weight.device == hidden.device
+            and not torch.is_autocast_enabled(hidden.device.type)
+            and head.weight is base_model(self.lm).get_input_embeddings().weight
+        )
         return lm_head.tied_head_logits(head, hidden) if tied else head(hidden)
 
     def _positions_per_chunk(self, rows: int) -> int:
@@ -444,14 +483,19 @@ def make_packed_batch(prompts: list[list[int]], completions: list[list[int]], pa
                 # token 0 is predicted by the prompt's last state, token t > 0 by the state of token t - 1
                 score_index[b, :n] = torch.tensor([last_prompt_state] + list(range(first, first + n - 1)))[:n]
     return PackedBatch(
-        input_ids=ids, position_ids=positions, piece_ids=piece_ids, member_ids=member_ids, score_index=score_index,
+        input_ids=ids,
+        position_ids=positions,
+        piece_ids=piece_ids,
+        member_ids=member_ids,
+        score_index=score_index,
         completion_ids=torch.tensor([c + [pad_id] * (c_len - len(c)) for c in completions], dtype=torch.long),
         completion_mask=torch.tensor([[1.0] * len(c) + [0.0] * (c_len - len(c)) for c in completions]),
     )
 
 
-def packed_attention_mask(piece_ids: torch.Tensor, member_ids: torch.Tensor, implementation: str,
-                          dtype: torch.dtype) -> torch.Tensor:
+def packed_attention_mask(
+    piece_ids: torch.Tensor, member_ids: torch.Tensor, implementation: str, dtype: torch.dtype
+) -> torch.Tensor:
     """The [R, 1, L, L] mask of packed rows: token q sees token k <= q of its own piece when k is a prompt token or
     a token of q's own completion. Slack sees earlier slack (never a real token), so no row of the softmax is empty.
 
@@ -466,9 +510,13 @@ def packed_attention_mask(piece_ids: torch.Tensor, member_ids: torch.Tensor, imp
     if implementation == "sdpa":
         return allowed
     if implementation == "eager":
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    raise ValueError(f"packed rows need an attention path that takes a 4D mask ({', '.join(PACKED_ATTENTION)}), "
-                     f"not {implementation!r} (models.check_packing_support)")
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+    raise ValueError(
+        f"packed rows need an attention path that takes a 4D mask ({', '.join(PACKED_ATTENTION)}), "
+        f"not {implementation!r} (models.check_packing_support)"
+    )
 
 
 PACKED_ATTENTION = ("sdpa", "eager")
@@ -487,7 +535,9 @@ def check_packing_support(lm) -> None:
         )
     layer_types = getattr(config, "layer_types", None) or []
     sliding = [t for t in layer_types if t != "full_attention"]
-    if sliding or (not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+    if sliding or (
+        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    ):
         raise ConfigError(
             f"train.packing: {type(base).__name__} has sliding-window attention layers ({sliding[:1] or 'sliding_window'}); "
             "packing builds one full-attention mask; set train.packing=false"
@@ -503,5 +553,7 @@ def check_same_vocabulary(policy_tokenizer, other_tokenizer, what: str) -> None:
         return
     differ = sorted(token for token in mine.keys() | theirs.keys() if mine.get(token) != theirs.get(token))
     shown = ", ".join(f"{t!r}: {mine.get(t)} vs {theirs.get(t)}" for t in differ[:3])
-    raise ConfigError(f"{what}: its tokenizer's vocabulary differs from the policy's ({len(mine)} vs {len(theirs)} "
-                      f"tokens; {len(differ)} differ, e.g. {shown}): a teacher must share the policy's tokenizer")
+    raise ConfigError(
+        f"{what}: its tokenizer's vocabulary differs from the policy's ({len(mine)} vs {len(theirs)} "
+        f"tokens; {len(differ)} differ, e.g. {shown}): a teacher must share the policy's tokenizer"
+    )

@@ -64,8 +64,9 @@ def check(output_dir: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def claimed(output_dir: str | Path, is_main_process: bool = True,
-            share: Callable[[str | None], str | None] | None = None) -> Iterator[Path]:
+def claimed(
+    output_dir: str | Path, is_main_process: bool = True, share: Callable[[str | None], str | None] | None = None
+) -> Iterator[Path]:
     """Check `output_dir`, create it and hold its lock for the block (main process only).
 
     `share(verdict)` gives every rank the main process's verdict (None, or the refusal's message), so all ranks
@@ -143,8 +144,11 @@ class _FolderLock:
                         f"output_dir: {self.folder} is in use by another run ({holder}); wait for it to end, or "
                         "give this run another output_dir"
                     ) from None
-                logger.warning("output_dir: %s cannot be locked (%s): a second run into it at once would not be "
-                               "detected", self.folder, exc.strerror or exc)
+                logger.warning(
+                    "output_dir: %s cannot be locked (%s): a second run into it at once would not be detected",
+                    self.folder,
+                    exc.strerror or exc,
+                )
                 return
             # The holder removes the file as it releases the lock: locking a removed file locks nothing.
             try:
@@ -219,12 +223,18 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
         # Stopped between its last checkpoint and the end of its final model (the card is written last, after every
         # weight file): resuming saves the model.
         return None
-    ckpt.check_resume_compatible(ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), None, 1,
-                                 cfg.checkpoint.force_resume)
+    ckpt.check_resume_compatible(
+        ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), None, 1, cfg.checkpoint.force_resume
+    )
     setup_logging(cfg, is_main_process)
-    logger.info("the run in %s is complete (checkpoint %s, step %d; train.max_steps=%d): nothing to train; raise "
-                "train.max_steps to train on, or set checkpoint.resume=never to start over",
-                cfg.output_dir, found.name, step, cfg.train.max_steps)
+    logger.info(
+        "the run in %s is complete (checkpoint %s, step %d; train.max_steps=%d): nothing to train; raise "
+        "train.max_steps to train on, or set checkpoint.resume=never to start over",
+        cfg.output_dir,
+        found.name,
+        step,
+        cfg.train.max_steps,
+    )
     history = read_metrics(found) if (found / ckpt.METRICS_HISTORY).is_file() else []
     return history[-1] if history else {}
 

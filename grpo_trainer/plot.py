@@ -33,7 +33,14 @@ from .errors import DataError, UserError
 
 logger = logging.getLogger("grpo_trainer")
 
-TIMING_ORDER = ["timing/rollout", "timing/reward", "timing/logprobs", "timing/update", "timing/weight_sync", "timing/checkpoint"]
+TIMING_ORDER = [
+    "timing/rollout",
+    "timing/reward",
+    "timing/logprobs",
+    "timing/update",
+    "timing/weight_sync",
+    "timing/checkpoint",
+]
 SMOOTH_MIN_POINTS = 20  # add a rolling mean to noisy curves with at least this many points
 MARKERS_MAX_POINTS = 40  # draw point markers on short runs, so 1-2 steps are visible
 
@@ -110,8 +117,14 @@ def _line(ax, run: RunMetrics, key: str, label: str | None = None, smooth: bool 
     few = len(xs) <= MARKERS_MAX_POINTS
     (handle,) = ax.plot(run.steps, run.get(key), label=label or key, marker="o" if few else None, markersize=3, **kw)
     if smooth and len(xs) >= SMOOTH_MIN_POINTS:
-        ax.plot(xs, _rolling_mean(ys, max(3, len(xs) // 10)), color=handle.get_color(), linewidth=2.2, alpha=0.9,
-                label=f"{label or key} (rolling mean)")
+        ax.plot(
+            xs,
+            _rolling_mean(ys, max(3, len(xs) // 10)),
+            color=handle.get_color(),
+            linewidth=2.2,
+            alpha=0.9,
+            label=f"{label or key} (rolling mean)",
+        )
         handle.set_alpha(0.35)
     return handle
 
@@ -123,8 +136,15 @@ def panel_reward(ax, run: RunMetrics) -> str | None:
     if run.has("reward_std"):
         lo = [r - s for r, s in zip(run.get("reward"), run.get("reward_std"))]
         hi = [r + s for r, s in zip(run.get("reward"), run.get("reward_std"))]
-        ax.fill_between(run.steps, lo, hi, color=handle.get_color(), alpha=0.15, linewidth=0,
-                        label="± reward_std (mean std within a group)")
+        ax.fill_between(
+            run.steps,
+            lo,
+            hi,
+            color=handle.get_color(),
+            alpha=0.15,
+            linewidth=0,
+            label="± reward_std (mean std within a group)",
+        )
     per_reward = [k for k in run.keys("rewards/") if k.endswith("/mean")]
     if len(per_reward) > 1:  # with one reward its mean is the total (up to its weight): no second line
         for key in per_reward:
@@ -259,7 +279,9 @@ PANELS: list[tuple[str, Callable[..., str | None]]] = [
 # ----------------------------------------------------------------------------- drawing
 
 
-def plot_run(output_dir: str | Path, out_dir: str | Path | None = None, on_skip: Callable[[str], None] | None = None) -> list[Path]:
+def plot_run(
+    output_dir: str | Path, out_dir: str | Path | None = None, on_skip: Callable[[str], None] | None = None
+) -> list[Path]:
     """Write the PNGs for OUTPUT_DIR/metrics.jsonl into `out_dir` (default OUTPUT_DIR/plots); return their paths.
 
     Panels without data are skipped; each skip is reported through `on_skip`

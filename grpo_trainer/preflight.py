@@ -118,7 +118,9 @@ def model_head_dim(cfg: Config) -> int | None:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code
+        )
     except Exception:  # a hub id offline, a missing folder: loading the model will say what is wrong
         return None
     config = getattr(config, "text_config", None) or config

@@ -31,9 +31,13 @@ def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra:
     with_sampler_gap = scored.rollout.sampling_logprobs is not None
     corrected = with_sampler_gap and run.cfg.loss.correction_on
     step_metrics = stats.metrics(
-        batch.total_tokens, run.geometry.total_completions, with_kl=run.cfg.loss.kl_on,
-        with_sampler_gap=with_sampler_gap, tis_mode=run.cfg.loss.tis_mode if corrected else None,
-        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None, with_teacher=run.cfg.loss.teacher_on,
+        batch.total_tokens,
+        run.geometry.total_completions,
+        with_kl=run.cfg.loss.kl_on,
+        with_sampler_gap=with_sampler_gap,
+        tis_mode=run.cfg.loss.tis_mode if corrected else None,
+        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None,
+        with_teacher=run.cfg.loss.teacher_on,
     )
     return {
         "step": step,
@@ -67,7 +71,9 @@ def report(run, step: int, record: dict, scored, advantages: torch.Tensor, log_t
     if log_this_step:
         run.metrics.write(record)
         if run.trackers:
-            run.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+            run.accelerator.log(
+                {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
+            )
     every = run.cfg.logging.completions_every
     if every and step % every == 0 and run.is_main_process:
         n = run.geometry.completions_per_rank
@@ -97,7 +103,10 @@ def write_completions(path: Path, samples: list[dict], echo: bool) -> None:
         width = 48
         cut = lambda text: (text.replace("\n", " ")[-width:]).ljust(width)  # noqa: E731 (prompt ends matter most)
         lines = [f"{'prompt (end)':<{width}} | {'completion':<{width}} | reward | advantage"]
-        lines += [f"{cut(s['prompt'])} | {s['completion'].replace(chr(10), ' ')[:width]:<{width}} | {s['reward']:6.3f} | {s['advantage']:+.3f}" for s in samples]
+        lines += [
+            f"{cut(s['prompt'])} | {s['completion'].replace(chr(10), ' ')[:width]:<{width}} | {s['reward']:6.3f} | {s['advantage']:+.3f}"
+            for s in samples
+        ]
         logger.info("completions at step %d:\n%s", samples[0]["step"], "\n".join(lines))
 
 
@@ -149,7 +158,12 @@ class ProgressBar:
             self.bar.set_postfix(summary, refresh=False)
             self.bar.update(1)
         else:
-            logger.info("step %d %s step_time=%.2fs", record["step"], " ".join(f"{k}={v}" for k, v in summary.items()), record["step_time"])
+            logger.info(
+                "step %d %s step_time=%.2fs",
+                record["step"],
+                " ".join(f"{k}={v}" for k, v in summary.items()),
+                record["step_time"],
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -62,7 +62,9 @@ class RewardModel:
         self.chat_template = chat_template  # None: plain text
         self.pad_token_id = model.config.get_text_config().pad_token_id
 
-    def __call__(self, prompts: list[Any], completions: list[Any], log_metric: Callable[[str, float], None] | None = None):
+    def __call__(
+        self, prompts: list[Any], completions: list[Any], log_metric: Callable[[str, float], None] | None = None
+    ):
         ids = self.token_ids(prompts, completions)
         truncated = sum(len(row) > self.max_length for row in ids) if self.max_length else 0
         if self.max_length:
@@ -99,7 +101,9 @@ class RewardModel:
             for j, i in enumerate(rows):
                 input_ids[j, : len(ids[i])] = torch.tensor(ids[i])
                 attention_mask[j, : len(ids[i])] = 1
-            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False).logits
+            logits = self.model(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+            ).logits
             for i, value in zip(rows, logits[:, 0].float().tolist()):  # logits: [b, 1]
                 scores[i] = value
         return scores
@@ -120,7 +124,9 @@ def _plain(value: Any) -> str:
 _LOADED: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # (path, dtype, device) -> (model, tokenizer)
 
 
-def load_reward_model(cfg: RewardModelConfig, where: str, policy_dtype: str, device: torch.device | str | None = None) -> RewardModel:
+def load_reward_model(
+    cfg: RewardModelConfig, where: str, policy_dtype: str, device: torch.device | str | None = None
+) -> RewardModel:
     """The reward model of `cfg` (config path `where`, e.g. `rewards.1.model`) as a reward function.
 
     dtype `auto` is the policy's `policy_dtype`; `device` None is the trainer's (Accelerate's process device).
@@ -134,18 +140,32 @@ def load_reward_model(cfg: RewardModelConfig, where: str, policy_dtype: str, dev
         device = partial_state().device
     dtype = policy_dtype if cfg.dtype == "auto" else cfg.dtype
     local = Path(cfg.path).expanduser()
-    source = str(local.resolve()) if local.exists() else cfg.path  # a folder (relative to the launch directory), or a hub id
+    source = (
+        str(local.resolve()) if local.exists() else cfg.path
+    )  # a folder (relative to the launch directory), or a hub id
     key = (source, dtype, str(torch.device(device)))
     if key not in _LOADED:
         _LOADED[key] = _load(source, where, DTYPES[dtype], device)
         model = _LOADED[key][0]
-        logger.info("%s: reward model %s (%s, %s parameters, %s on %s)", where, cfg.path, type(model).__name__,
-                    f"{sum(p.numel() for p in model.parameters()):,}", dtype, device)
+        logger.info(
+            "%s: reward model %s (%s, %s parameters, %s on %s)",
+            where,
+            cfg.path,
+            type(model).__name__,
+            f"{sum(p.numel() for p in model.parameters()):,}",
+            dtype,
+            device,
+        )
     model, tokenizer = _LOADED[key]
     template = cfg.chat_template or getattr(tokenizer, "chat_template", None)
     if template is None:
-        logger.warning("%s: the reward model's tokenizer (%s) has no chat template: prompt + completion are scored as "
-                       "plain text; set %s.chat_template if the model was trained on a chat format", where, cfg.path, where)
+        logger.warning(
+            "%s: the reward model's tokenizer (%s) has no chat template: prompt + completion are scored as "
+            "plain text; set %s.chat_template if the model was trained on a chat format",
+            where,
+            cfg.path,
+            where,
+        )
     max_length = cfg.max_length or context_length(model)
     return RewardModel(model, tokenizer, cfg.batch_size, max_length, template)
 
@@ -154,7 +174,9 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     def failed(what: str, exc: Exception) -> RewardError:
-        return RewardError(f"{where}.path: cannot load the reward model's {what} from {path!r}: {type(exc).__name__}: {exc}")
+        return RewardError(
+            f"{where}.path: cannot load the reward model's {what} from {path!r}: {type(exc).__name__}: {exc}"
+        )
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -167,7 +189,9 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
         )
     try:
         with whole_parameters_on_load():  # never prepared by Accelerate: each rank needs all of its weights
-            model, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, output_loading_info=True)
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=dtype, output_loading_info=True
+            )
     except Exception as exc:
         raise failed("weights", exc) from None
     if info.get("missing_keys"):  # e.g. a causal LM: its score head would be random
@@ -185,8 +209,8 @@ def _load(path: str, where: str, dtype: torch.dtype, device) -> tuple[Any, Any]:
         # Padding needs an id the model pools past; without one, batches > 1 cannot be scored.
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
-            raise RewardError(f"{where}.path: {path!r}: neither the reward model nor its tokenizer has a pad or EOS token")
+            raise RewardError(
+                f"{where}.path: {path!r}: neither the reward model nor its tokenizer has a pad or EOS token"
+            )
         text_config.pad_token_id = pad
     return model.to(device).eval().requires_grad_(False), tokenizer
-
-

@@ -101,7 +101,9 @@ def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", dev
         if cfg.model is not None:
             from .reward_model import load_reward_model
 
-            fn: Callable[..., Any] = load_reward_model(cfg.model, where=f"rewards.{i}.model", policy_dtype=policy_dtype, device=device)
+            fn: Callable[..., Any] = load_reward_model(
+                cfg.model, where=f"rewards.{i}.model", policy_dtype=policy_dtype, device=device
+            )
         else:
             fn = resolve_reward(cfg.name, where=f"rewards.{i}.name")
         own_name: str = cfg.name if cfg.name in BUILTIN_REWARDS or cfg.model else getattr(fn, "__name__", cfg.name)
@@ -113,8 +115,17 @@ def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", dev
                 raise RewardError(f"rewards.{i}.kwargs.{key}: '{key}' is passed by the trainer and cannot be set")
             if not takes_any and key not in params:
                 raise RewardError(f"rewards.{i}.kwargs.{key}: reward '{name}' has no parameter '{key}'")
-        rewards.append(Reward(name=name, fn=fn, weight=cfg.weight, kwargs=dict(cfg.kwargs), timeout=cfg.timeout,
-                              on_timeout=cfg.on_timeout, where=f"rewards.{i}"))
+        rewards.append(
+            Reward(
+                name=name,
+                fn=fn,
+                weight=cfg.weight,
+                kwargs=dict(cfg.kwargs),
+                timeout=cfg.timeout,
+                on_timeout=cfg.on_timeout,
+                where=f"rewards.{i}",
+            )
+        )
     duplicate = first_duplicate([r.name for r in rewards])
     if duplicate:
         raise RewardError(f"rewards: two rewards are named '{duplicate}'; give one an `alias`")
@@ -188,7 +199,12 @@ def compute_rewards(
         def log_metric(key: str, value: float) -> None:
             metrics[f"rewards/{reward.name}/{key}"] = metrics.get(f"rewards/{reward.name}/{key}", 0.0) + float(value)
 
-        offered: dict[str, Any] = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+        offered: dict[str, Any] = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+        }
         if rows is not None:
             offered = {k: [v[i] for i in rows] for k, v in offered.items()}
         offered.update(reward.kwargs)
@@ -261,8 +277,11 @@ def _timed_out(reward: Reward, hung_sample: int | None, prompts: list[Any], metr
     if reward.on_timeout == "none":
         metrics[f"rewards/{reward.name}/timed_out_batches"] = 1.0
         return [None] * len(prompts)
-    where = f"on sample {hung_sample} (prompt: {_short(prompts[hung_sample])})" if hung_sample is not None else (
-        f"on a batch of {len(prompts)} completions (no single sample hung on its own)")
+    where = (
+        f"on sample {hung_sample} (prompt: {_short(prompts[hung_sample])})"
+        if hung_sample is not None
+        else (f"on a batch of {len(prompts)} completions (no single sample hung on its own)")
+    )
     raise RewardError(
         f"reward '{reward.name}' did not return within {reward.timeout:g} s ({reward.where}.timeout) {where}; "
         f"raise the timeout, or set {reward.where}.on_timeout=none to score such batches None"
@@ -298,7 +317,10 @@ def _within(timeout: float | None, thunk: Callable[[], Any]) -> Any:
 
 def _hung_sync(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
     """The first sample that, alone, does not return within the timeout (all probed at once)."""
-    threads = [threading.Thread(target=lambda i=i: _ignore_errors(lambda: call(reward, rows=[i])), daemon=True) for i in range(n)]
+    threads = [
+        threading.Thread(target=lambda i=i: _ignore_errors(lambda: call(reward, rows=[i])), daemon=True)
+        for i in range(n)
+    ]
     for thread in threads:
         thread.start()
     assert reward.timeout is not None, "only a reward with a timeout times out"
@@ -365,7 +387,9 @@ def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float |
     if values is None:
         raise RewardError(f"reward '{reward.name}' must return a list of {n} floats (or None), got {_kind(out)}")
     if len(values) != n:
-        raise RewardError(f"reward '{reward.name}' returned {len(values)} values for {n} completions; it must return one per completion")
+        raise RewardError(
+            f"reward '{reward.name}' returned {len(values)} values for {n} completions; it must return one per completion"
+        )
     checked: list[float | None] = []
     for i, value in enumerate(values):
         number = reward_value(value)

@@ -96,10 +96,15 @@ class QueueSettings:
 
     @classmethod
     def of(cls, cfg: Config) -> QueueSettings:
-        return cls(max_staleness=cfg.rollout.max_staleness, prompts_per_step=cfg.train.prompts_per_step,
-                   max_steps=cfg.train.max_steps, seed=cfg.seed, seed_per_prompt=cfg.rollout.seed_per_prompt,
-                   reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout,
-                   checkpoints=str(checkpoint_root(cfg.output_dir)))
+        return cls(
+            max_staleness=cfg.rollout.max_staleness,
+            prompts_per_step=cfg.train.prompts_per_step,
+            max_steps=cfg.train.max_steps,
+            seed=cfg.seed,
+            seed_per_prompt=cfg.rollout.seed_per_prompt,
+            reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout,
+            checkpoints=str(checkpoint_root(cfg.output_dir)),
+        )
 
 
 class PromptSource(Protocol):
@@ -151,8 +156,17 @@ class RolloutQueue:
 
     Versions: during step t, before its update, the trainer holds version t-1; after it, version t."""
 
-    def __init__(self, engine: RolloutEngine, settings: QueueSettings, *, geometry: Geometry, comm: Collectives,
-                 task: PromptSource, sampler: PromptSampler, push: Callable[[int], None]):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        settings: QueueSettings,
+        *,
+        geometry: Geometry,
+        comm: Collectives,
+        task: PromptSource,
+        sampler: PromptSampler,
+        push: Callable[[int], None],
+    ):
         self.engine, self.settings, self.push = engine, settings, push
         self.geometry, self.comm, self.task, self.sampler = geometry, comm, task, sampler
         self.max_staleness = settings.max_staleness
@@ -184,7 +198,9 @@ class RolloutQueue:
             self.pending.append(_Batch(step, self._draw()))
         batch = self.pending[0]
         mine = self.geometry.my_prompts(batch.prompts)
-        rollout = self._sample_now(mine, step, 0, current=step - 1) if batch.future is None else self._settled(batch, step)
+        rollout = (
+            self._sample_now(mine, step, 0, current=step - 1) if batch.future is None else self._settled(batch, step)
+        )
         self.pending.popleft()
         if self.max_staleness:
             rollout = self._within_staleness(mine, rollout, step)
@@ -214,7 +230,11 @@ class RolloutQueue:
             self._busy, self._busy_since = 0.0, (now if self._busy_since is not None else None)
         out = self._step_metrics
         if self.engine.needs_weight_sync:  # docs/async.md: every engine that samples outside the training model
-            out = {**out, "timing/rollout_wait": self._waited, "timing/server_idle": max(0.0, now - self._window - busy)}
+            out = {
+                **out,
+                "timing/rollout_wait": self._waited,
+                "timing/server_idle": max(0.0, now - self._window - busy),
+            }
         self._step_metrics, self._waited, self._window = {}, 0.0, now
         return out
 
@@ -265,8 +285,14 @@ class RolloutQueue:
         stale = [j for j in range(len(mine)) if max(age[j * g : (j + 1) * g]) > self.max_staleness]
         if int(self.comm.max(torch.tensor([float(len(stale))]))[0]):  # every rank resamples together
             for j in stale:
-                logger.warning("step %d: prompt %d was sampled by weights %d versions old (rollout.max_staleness=%d): "
-                               "left out and sampled again", step, mine[j], max(age[j * g : (j + 1) * g]), self.max_staleness)
+                logger.warning(
+                    "step %d: prompt %d was sampled by weights %d versions old (rollout.max_staleness=%d): "
+                    "left out and sampled again",
+                    step,
+                    mine[j],
+                    max(age[j * g : (j + 1) * g]),
+                    self.max_staleness,
+                )
             fresh = self._sample_now([mine[j] for j in stale], step, 0, current=step - 1, positions=stale)
             parts = [rollout.select(list(range(j * g, (j + 1) * g))) for j in range(len(mine))]
             for n, j in enumerate(stale):
@@ -274,15 +300,19 @@ class RolloutQueue:
             rollout = Rollout.concat(parts)
         assert rollout.weight_versions is not None
         trained = self.comm.gather(torch.tensor([step - 1 - v for v in rollout.weight_versions], dtype=torch.float32))
-        self._step_metrics.update({
-            "rollout/staleness_mean": float(trained.mean()),
-            "rollout/staleness_max": float(trained.max()),
-            "rollout/stale_resampled": float(self.comm.sum(torch.tensor([float(len(stale))]))[0]),
-        })
+        self._step_metrics.update(
+            {
+                "rollout/staleness_mean": float(trained.mean()),
+                "rollout/staleness_max": float(trained.max()),
+                "rollout/stale_resampled": float(self.comm.sum(torch.tensor([float(len(stale))]))[0]),
+            }
+        )
         return rollout
 
     # ------------------------------------------------------------------ sampling and recovery
-    def _sample_now(self, mine: list[int], step: int, draw: int, current: int, positions: list[int] | None = None) -> Rollout:
+    def _sample_now(
+        self, mine: list[int], step: int, draw: int, current: int, positions: list[int] | None = None
+    ) -> Rollout:
         """Sample on the main thread, after this rank's queued generations; recover from a lost server and retry."""
         for _ in range(MAX_RECOVERIES + 1):
             if self._worker is not None:
@@ -326,15 +356,22 @@ class RolloutQueue:
         agreed = int(self.comm.max(torch.tensor([float(status)]))[0])
         if agreed == FATAL:
             if isinstance(error, ConnectionError):
-                raise ServerLostError(f"{error}; stopping: the last checkpoint in {self.settings.checkpoints} "
-                                      "is intact (resume with checkpoint.resume=auto once the server is back)") from None
+                raise ServerLostError(
+                    f"{error}; stopping: the last checkpoint in {self.settings.checkpoints} "
+                    "is intact (resume with checkpoint.resume=auto once the server is back)"
+                ) from None
             raise error or ServerLostError(f"step {step}: another rank's rollouts failed (see its error); stopping")
         if agreed == OK:
             return False
         if self._worker is not None:
             self._wait(list(self._queued()))
-        logger.warning("step %d: the rollout server lost its weights (restarted?): pushing version %d again and "
-                       "sampling the %d untrained batches again", step, current, len(self.pending))
+        logger.warning(
+            "step %d: the rollout server lost its weights (restarted?): pushing version %d again and "
+            "sampling the %d untrained batches again",
+            step,
+            current,
+            len(self.pending),
+        )
         self.push(current)
         self.version, self._broken = current, False
         for batch in self.pending:
@@ -343,15 +380,24 @@ class RolloutQueue:
         return True
 
     def _too_many_losses(self, step: int) -> ServerLostError:
-        return ServerLostError(f"step {step}: the rollout server lost its weights {MAX_RECOVERIES + 1} times in a row; stopping")
+        return ServerLostError(
+            f"step {step}: the rollout server lost its weights {MAX_RECOVERIES + 1} times in a row; stopping"
+        )
 
     def _wait(self, futures: list[Future]) -> None:
         tick = time.perf_counter()
         wait_for_futures(futures)
         self._waited += time.perf_counter() - tick
 
-    def _generate(self, mine: list[int], step: int, draw: int, version: int, positions: list[int] | None = None,
-                  queued: bool = False) -> Rollout:
+    def _generate(
+        self,
+        mine: list[int],
+        step: int,
+        draw: int,
+        version: int,
+        positions: list[int] | None = None,
+        queued: bool = False,
+    ) -> Rollout:
         """G completions for each of this rank's prompts `mine`, stamped with the weight version sampling them.
         With rollout.seed_per_prompt, each group's seed is a function of (seed, step, round, position in the
         whole batch), so samples do not depend on the number of ranks."""
@@ -364,12 +410,17 @@ class RolloutQueue:
         # Environments reset from the row and a seed of the group's, whether or not sampling is seeded per prompt.
         episodes = None
         if self.engine.needs_episodes:
-            episodes = [self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
-                        for i, p in zip(mine, places)]
+            episodes = [
+                self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
+                for i, p in zip(mine, places)
+            ]
         with self._sampling():
             try:
-                rollout = (self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds, episodes=episodes) if mine
-                           else Rollout([], []))
+                rollout = (
+                    self.engine.generate(self.task.prompt_ids(mine), g, seeds=seeds, episodes=episodes)
+                    if mine
+                    else Rollout([], [])
+                )
             except BaseException:
                 self._broken = self._broken or queued
                 raise
@@ -397,7 +448,9 @@ class RolloutQueue:
         if isinstance(error, ServerGone) and self.can_lose_weights:
             timeout = self.settings.reconnect_timeout
             try:  # whatever waiting raises (a URL that now answers but is not vLLM) is this rank's state, not an escape
-                back = self.engine.reconnect(timeout)  # before the ranks agree (_resolve): they would wait for us forever
+                back = self.engine.reconnect(
+                    timeout
+                )  # before the ranks agree (_resolve): they would wait for us forever
             except Exception as exc:
                 return FATAL, exc
             if back:
@@ -409,16 +462,24 @@ class RolloutQueue:
 # ---------------------------------------------------------------------------------------------- weight pushes
 
 
-def weight_pusher(engine: RolloutEngine, comm: Collectives, model: Callable[[], torch.nn.Module], accelerator: Any,
-                  checkpoints: str) -> Callable[[int], None]:
+def weight_pusher(
+    engine: RolloutEngine, comm: Collectives, model: Callable[[], torch.nn.Module], accelerator: Any, checkpoints: str
+) -> Callable[[int], None]:
     """The queue's `push`: `push_weights` of the trainer's `model()` (the bare causal LM), gathered piecewise under
     the accelerator's ZeRO-3 (`weight_sync.zero3_gather`)."""
     gather = zero3_gather(accelerator)
     return lambda version: push_weights(engine, comm, model, version, gather=gather, checkpoints=checkpoints)
 
 
-def push_weights(engine: RolloutEngine, comm: Collectives, model: Callable[[], torch.nn.Module], version: int, *,
-                 gather: Any = None, checkpoints: str = "the output folder") -> None:
+def push_weights(
+    engine: RolloutEngine,
+    comm: Collectives,
+    model: Callable[[], torch.nn.Module],
+    version: int,
+    *,
+    gather: Any = None,
+    checkpoints: str = "the output folder",
+) -> None:
     """Make the engine sample with the trainer's current weights (`model()`, the bare causal LM, asked for only
     here), labelled `version`, if it keeps its own copy. Every rank calls it: a server is pushed to by the main process, and under ZeRO-3 every rank takes part
     in gathering the weights piece by piece (`gather`, weight_sync.zero3_gather's: one decoder layer whole at a

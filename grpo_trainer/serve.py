@@ -67,8 +67,14 @@ OWN_FLAGS = {
 FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
 
 
-def serve_command(cfg: Config, *, host: str | None = None, port: int | None = None,
-                  tensor_parallel_size: int | None = None, vllm_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+def serve_command(
+    cfg: Config,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    tensor_parallel_size: int | None = None,
+    vllm_args: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
     """(command line, environment variables to add) for a server the config's vllm_server engine can use."""
     from .builtin import resolve_model_path
 
@@ -101,7 +107,13 @@ def serve_command(cfg: Config, *, host: str | None = None, port: int | None = No
         command += ["--worker-extension-cls", "grpo_trainer.rollout.weight_sync.WorkerWeightSync"]
     env = {} if server.weight_sync == "none" else {"VLLM_SERVER_DEV_MODE": "1"}
     if server.weight_sync != "none" and cfg.model.lora is not None and _serves_adapters(cfg, list(vllm_args)):
-        command += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(cfg.model.lora.r)), "--max-loras", str(SLOTS)]
+        command += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(vllm_lora_rank(cfg.model.lora.r)),
+            "--max-loras",
+            str(SLOTS),
+        ]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     check_extra_args(command, list(vllm_args))
     return command + list(vllm_args), env
@@ -121,7 +133,8 @@ def _serves_adapters(cfg: Config, vllm_args: list[str]) -> bool:
             count = arg.split("=", 1)[1] if "=" in arg else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "1")
             if count != "1":
                 reason = f"{arg} {'' if '=' in arg else count}".strip() + (
-                    ": vLLM loads adapters at run time with one API server only")
+                    ": vLLM loads adapters at run time with one API server only"
+                )
     if reason is None:
         return True
     if cfg.rollout.lora_sync == "adapter":
@@ -152,10 +165,13 @@ def check_extra_args(command: list[str], vllm_args: list[str]) -> None:
         value = command[own[name] + 1 : own[name] + 2]
         given = " ".join([name, *(v for v in value if not v.startswith("--"))])
         if OWN_FLAGS.get(name) is None:
-            raise ConfigError(f"serve: {arg} after -- would override {given}, which the vllm_server engine needs; "
-                              "leave it out")
-        raise ConfigError(f"serve: {arg} after -- would override {given}, which serve sets from the config: set "
-                          f"{OWN_FLAGS[name]} instead")
+            raise ConfigError(
+                f"serve: {arg} after -- would override {given}, which the vllm_server engine needs; leave it out"
+            )
+        raise ConfigError(
+            f"serve: {arg} after -- would override {given}, which serve sets from the config: set "
+            f"{OWN_FLAGS[name]} instead"
+        )
 
 
 def _cpu_only() -> bool | None:
@@ -174,15 +190,21 @@ def shell_line(command: list[str], env: dict[str, str]) -> str:
 def serve(cfg: Config, *, host=None, port=None, tensor_parallel_size=None, vllm_args=(), dry_run=False) -> int:
     installed = _cpu_only() is not None
     if not installed and not dry_run:
-        raise ConfigError("serve: vLLM is not installed here: pip install 'grpo-trainer[vllm]' (docs/vllm.md), or "
-                          "add --dry-run to print the command for a machine that has it")
-    command, env = serve_command(cfg, host=host, port=port, tensor_parallel_size=tensor_parallel_size,
-                                 vllm_args=vllm_args)
+        raise ConfigError(
+            "serve: vLLM is not installed here: pip install 'grpo-trainer[vllm]' (docs/vllm.md), or "
+            "add --dry-run to print the command for a machine that has it"
+        )
+    command, env = serve_command(
+        cfg, host=host, port=port, tensor_parallel_size=tensor_parallel_size, vllm_args=vllm_args
+    )
     print(shell_line(command, env), file=sys.stdout if dry_run else sys.stderr, flush=True)
     if dry_run:
         if not installed and cfg.rollout.vllm.kv_cache_memory_bytes is None:
-            print(f"note: vLLM is not installed here, so this command has no CPU-only flags: on a machine without GPUs "
-                  f"add --kv-cache-memory-bytes {DEFAULT_CPU_KV_CACHE_BYTES} after -- (or set "
-                  "rollout.vllm.kv_cache_memory_bytes), else vLLM reserves a share of its RAM", file=sys.stderr)
+            print(
+                f"note: vLLM is not installed here, so this command has no CPU-only flags: on a machine without GPUs "
+                f"add --kv-cache-memory-bytes {DEFAULT_CPU_KV_CACHE_BYTES} after -- (or set "
+                "rollout.vllm.kv_cache_memory_bytes), else vLLM reserves a share of its RAM",
+                file=sys.stderr,
+            )
         return 0
     os.execvpe(command[0], command, {**os.environ, **env})  # the server takes this process over: signals reach it

@@ -115,8 +115,13 @@ def build_run(cfg: Config) -> Run:
     run_preflight(cfg)  # what cannot work here stops now, before any model loads
     logger.info(
         "world_size=%d distributed_type=%s device=%s mixed_precision=%s prompts_per_rank=%d completions_per_rank=%d "
-        "grad_accum=%s", geometry.world, accelerator.distributed_type.value, accelerator.device,
-        distributed.mixed_precision(accelerator), geometry.prompts_per_rank, geometry.completions_per_rank,
+        "grad_accum=%s",
+        geometry.world,
+        accelerator.distributed_type.value,
+        accelerator.device,
+        distributed.mixed_precision(accelerator),
+        geometry.prompts_per_rank,
+        geometry.completions_per_rank,
         geometry.accumulation_steps or f"per step (train.micro_batch_tokens={geometry.micro_batch_tokens})",
     )
 
@@ -126,9 +131,16 @@ def build_run(cfg: Config) -> Run:
     if cfg.train.packing:
         check_packing_support(lm)
     environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
-    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=environment.tools or None if environment else None, environment=environment,
-                     environment_config=cfg.environment)
+    task = load_task(
+        cfg.data,
+        cfg.rewards,
+        tokenizer,
+        context_length(lm),
+        policy_dtype=cfg.model.dtype,
+        tools=environment.tools or None if environment else None,
+        environment=environment,
+        environment_config=cfg.environment,
+    )
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
@@ -157,15 +169,33 @@ def build_run(cfg: Config) -> Run:
     sampler = PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle)
     settings = QueueSettings.of(cfg)
     rollouts = RolloutQueue(
-        engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler,
+        engine,
+        settings,
+        geometry=geometry,
+        comm=comm,
+        task=task,
+        sampler=sampler,
         push=weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints),
     )
     return Run(
-        cfg=cfg, accelerator=accelerator, comm=comm, geometry=geometry,
-        tokenizer=tokenizer, policy=policy, reference=reference, teacher=teacher, optimizer=optimizer,
-        scheduler=scheduler, engine=engine, task=task, sampler=sampler,
-        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process), trackers=trackers, rollouts=rollouts,
-        progress=ProgressBar(cfg, accelerator.is_main_process), heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
+        cfg=cfg,
+        accelerator=accelerator,
+        comm=comm,
+        geometry=geometry,
+        tokenizer=tokenizer,
+        policy=policy,
+        reference=reference,
+        teacher=teacher,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        task=task,
+        sampler=sampler,
+        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process),
+        trackers=trackers,
+        rollouts=rollouts,
+        progress=ProgressBar(cfg, accelerator.is_main_process),
+        heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
         eval_task=eval_task,
     )
 
@@ -176,7 +206,9 @@ def _heap_trimmer(cfg: Config, accelerator, lm) -> HeapTrimmer:
     trimmer = HeapTrimmer.for_model(cfg.train.trim_host_memory, accelerator.device.type, lm)
     base = base_model(lm)
     block_classes = set(getattr(base, "_no_split_modules", None) or [])
-    trimmer.watch_backward(base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes])
+    trimmer.watch_backward(
+        base.get_input_embeddings(), [m for m in base.modules() if type(m).__name__ in block_classes]
+    )
     return trimmer
 
 
@@ -196,8 +228,9 @@ def _policy_and_optimizer(cfg: Config, accelerator, lm, geometry: Geometry):
 
     if cfg.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = TokenLogprobs(lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt,
-                           chunk_agreement(accelerator))
+    policy = TokenLogprobs(
+        lm, cfg.rollout.temperature, cfg.model.logprob_chunk_size, cfg.model.share_prompt, chunk_agreement(accelerator)
+    )
     optimizer = adamw_for(accelerator)(  # on CPU, torch's AdamW step without its parameter-sized temporaries
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.train.learning_rate,
@@ -253,7 +286,10 @@ def resume(run: Run) -> TrainState:
     if found is not None:
         saved = ckpt.read_trainer_state(found)
         for note, harmless in ckpt.check_resume_compatible(
-            ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), saved.get("world_size"), run.geometry.world,
+            ckpt.resolved_today(saved.get("config", {})),
+            cfg.model_dump(mode="json"),
+            saved.get("world_size"),
+            run.geometry.world,
             cfg.checkpoint.force_resume,
         ):
             (logger.info if harmless else logger.warning)("changed on resume: %s", note)
@@ -267,8 +303,11 @@ def resume(run: Run) -> TrainState:
         recorded = saved.get("decode_kernels")
     else:
         if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
-            logger.warning("starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
-                           run.output_dir, cfg.checkpoint.resume)
+            logger.warning(
+                "starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
+                run.output_dir,
+                cfg.checkpoint.resume,
+            )
         state = TrainState.fresh(cfg.loss.entropy_coef)
         run.metrics.restore("")
         recorded = None
@@ -334,9 +373,16 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
     environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
-    task = load_task(cfg.data, cfg.rewards, tokenizer, context_length(lm), policy_dtype=cfg.model.dtype,
-                     tools=environment.tools or None if environment else None, environment=environment,
-                     environment_config=cfg.environment)
+    task = load_task(
+        cfg.data,
+        cfg.rewards,
+        tokenizer,
+        context_length(lm),
+        policy_dtype=cfg.model.dtype,
+        tools=environment.tools or None if environment else None,
+        environment=environment,
+        environment_config=cfg.environment,
+    )
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)
@@ -355,8 +401,14 @@ def save_checkpoint(run: Run, state: TrainState, history: str) -> None:
     }
     if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
         trainer_state["rollout_queue"] = run.rollouts.state_dict()
-    ckpt.save_checkpoint(run.accelerator, run.output_dir, state.step, trainer_state, run.cfg.checkpoint.keep_last,
-                         files={ckpt.METRICS_HISTORY: history})
+    ckpt.save_checkpoint(
+        run.accelerator,
+        run.output_dir,
+        state.step,
+        trainer_state,
+        run.cfg.checkpoint.keep_last,
+        files={ckpt.METRICS_HISTORY: history},
+    )
 
 
 def finish(run: Run) -> None:

@@ -47,8 +47,12 @@ class Task:
     def episode_spec(self, index: int, group_seed: int, episode_id: str) -> EpisodeSpec:
         """What the episodes of prompt `index` start from: its row, the environment seed of a group whose sampling
         seed would be `group_seed`, and the prompt extended by a reset text."""
-        return EpisodeSpec(self.prompts.records[index], environment_seed(group_seed), episode_id,
-                           functools.partial(self.extend_prompt, index))
+        return EpisodeSpec(
+            self.prompts.records[index],
+            environment_seed(group_seed),
+            episode_id,
+            functools.partial(self.extend_prompt, index),
+        )
 
     def extend_prompt(self, index: int, text: str) -> list[int]:
         """Prompt `index` with `text` appended to its (last) user message (TRL's rule for reset texts), formatted and
@@ -63,7 +67,9 @@ class Task:
         ids = self.tokenizer(formatted, add_special_tokens=not self.data.use_chat_template)["input_ids"]
         limit = self.data.max_prompt_length or self.max_context
         if limit and len(ids) > limit:
-            raise DataError(f"record {index}: with the environment's reset text the prompt has {len(ids)} tokens, more than {limit}")
+            raise DataError(
+                f"record {index}: with the environment's reset text the prompt has {len(ids)} tokens, more than {limit}"
+            )
         return ids
 
     def score(self, prompt_rows: list[int], rollout: Rollout) -> RewardBatch:
@@ -96,9 +102,15 @@ class Task:
 
 
 def load_task(
-    data: DataConfig, rewards: list[RewardConfig], tokenizer, max_context: int | None, split: str | None = None,
-    policy_dtype: str = "float32", tools: list[dict[str, Any]] | None = None,
-    environment: Environment | None = None, environment_config: EnvironmentConfig | None = None,
+    data: DataConfig,
+    rewards: list[RewardConfig],
+    tokenizer,
+    max_context: int | None,
+    split: str | None = None,
+    policy_dtype: str = "float32",
+    tools: list[dict[str, Any]] | None = None,
+    environment: Environment | None = None,
+    environment_config: EnvironmentConfig | None = None,
 ) -> Task:
     """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training.
 
@@ -114,10 +126,14 @@ def load_task(
         tools, on_error = environment.tools or None, environment_config.on_error
         if environment.has_reward:
             if REWARD_NAME in [r.name for r in reward_fns]:
-                raise ConfigError(f"rewards: the name {REWARD_NAME!r} is the environment's own reward; give yours an alias")
+                raise ConfigError(
+                    f"rewards: the name {REWARD_NAME!r} is the environment's own reward; give yours an alias"
+                )
             reward_fns.append(environment_reward(environment_config.reward_weight))
         if not reward_fns:
-            raise ConfigError(f"rewards: none configured, and {environment.name} has no get_reward(): nothing scores the episodes")
+            raise ConfigError(
+                f"rewards: none configured, and {environment.name} has no get_reward(): nothing scores the episodes"
+            )
     records = rows_every_reward_can_score(records, reward_fns, data)
     return Task(
         prompts=build_prompt_set(data, tokenizer, records, max_context, tools),
@@ -133,7 +149,9 @@ def load_task(
     )
 
 
-def rows_every_reward_can_score(records: list[dict[str, Any]], rewards: list[Reward], data: DataConfig) -> list[dict[str, Any]]:
+def rows_every_reward_can_score(
+    records: list[dict[str, Any]], rewards: list[Reward], data: DataConfig
+) -> list[dict[str, Any]]:
     """The records, after checking that each has a value in every column a reward reads.
 
     A record without its answer can never be rewarded: training on it silently wastes its samples. So such
@@ -159,8 +177,14 @@ def rows_every_reward_can_score(records: list[dict[str, Any]], rewards: list[Rew
     kept = [record for i, record in enumerate(records) if i not in invalid]
     if not kept:
         raise DataError(f"data: every record lacks a value in column {column!r}, which reward '{reward.name}' reads")
-    logger.warning("data: left out %d of %d records with no value in a column a reward reads (the first: record %d, "
-                   "column %r; data.skip_invalid_rows)", len(invalid), len(records), first, column)
+    logger.warning(
+        "data: left out %d of %d records with no value in a column a reward reads (the first: record %d, "
+        "column %r; data.skip_invalid_rows)",
+        len(invalid),
+        len(records),
+        first,
+        column,
+    )
     return kept
 
 

@@ -24,7 +24,9 @@ class TrainState:
     step: int = 0  # the last step done (0: none yet)
     nonfinite_in_a_row: int = 0  # optimizer steps skipped in a row for a NaN/inf loss or gradient (update.py)
     unscored_in_a_row: int = 0  # steps in a row in which no reward scored any completion (update.check_scored)
-    entropy_control: EntropyControl = EntropyControl(0.0)  # the entropy term's coefficient (loss.entropy_target adapts it)
+    entropy_control: EntropyControl = EntropyControl(
+        0.0
+    )  # the entropy term's coefficient (loss.entropy_target adapts it)
     # The decode loop's kernel choices ("decision/shape" -> alternative), fixed before the run samples anything: with
     # the config and seed they name the run's samples (rollout/kernels.py).
     decode_kernels: Mapping[str, str] = field(default_factory=dict)

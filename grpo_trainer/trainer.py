@@ -100,8 +100,12 @@ def preempt(run: Run, state: TrainState, start_step: int, last: dict, received) 
         save_checkpoint(run, state, run.metrics.history_with(None))  # the step's record is in the file already
     stop_run(run)
     name = received.name if received is not None else "a signal on another rank"
-    logger.warning("stopped by %s after step %d: checkpoint saved in %s; resume with checkpoint.resume=auto",
-                   name, step, run.output_dir / "checkpoints")
+    logger.warning(
+        "stopped by %s after step %d: checkpoint saved in %s; resume with checkpoint.resume=auto",
+        name,
+        step,
+        run.output_dir / "checkpoints",
+    )
     return TrainResult(run.output_dir, step - start_step, last, run.is_main_process, preempted_by=name)
 
 
@@ -123,7 +127,10 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     advantages = geometry.my_completions(all_advantages)  # [local_n]
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
-            scored.rollout.prompt_ids or run.task.prompt_ids(scored.prompt_rows), scored.rollout, advantages, run.tokenizer.pad_token_id,
+            scored.rollout.prompt_ids or run.task.prompt_ids(scored.prompt_rows),
+            scored.rollout,
+            advantages,
+            run.tokenizer.pad_token_id,
             micro_batch_size=geometry.micro_batch_size,
             micro_batch_tokens=geometry.micro_batch_tokens,
             packing=cfg.train.packing,
@@ -139,8 +146,15 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     with timer.phase("timing/weight_sync"):
         run.rollouts.after_update(step)
     eval_metrics = periodic_eval(run, state, timer)
-    record = step_record(run, step, scored, reward_stats, batch, stats.reduced(run.comm),
-                         {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()})
+    record = step_record(
+        run,
+        step,
+        scored,
+        reward_stats,
+        batch,
+        stats.reduced(run.comm),
+        {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()},
+    )
     if run.heap_trimmer.active:
         record["host_memory/trim_seconds"] = run.heap_trimmer.take_seconds()
     record["step_time"] = time.perf_counter() - started
@@ -160,8 +174,14 @@ def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
     loss = run.cfg.loss
     per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
-    advantages, stats = batch_advantages(scored.rewards, run.geometry.group_size, estimator=loss.advantage,
-                                         scale=loss.scale_rewards, per_function=per_function, weights=weights)
+    advantages, stats = batch_advantages(
+        scored.rewards,
+        run.geometry.group_size,
+        estimator=loss.advantage,
+        scale=loss.scale_rewards,
+        per_function=per_function,
+        weights=weights,
+    )
     return (torch.zeros_like(advantages) if loss.teacher_only else advantages), stats
 
 
@@ -169,8 +189,13 @@ def skips_zero_advantage(cfg: Config) -> bool:
     """Leave zero-advantage completions out of the passes: exact only without a KL, entropy or teacher term (each
     has a gradient at a group advantage of 0) and for losses whose normaliser does not count the tokens present in a
     micro-batch (losses.LossVariant)."""
-    return (cfg.train.skip_zero_advantage and not cfg.loss.kl_on and not cfg.loss.entropy_term
-            and not cfg.loss.teacher_on and cfg.loss.variant.exact_zero_advantage_skip)
+    return (
+        cfg.train.skip_zero_advantage
+        and not cfg.loss.kl_on
+        and not cfg.loss.entropy_term
+        and not cfg.loss.teacher_on
+        and cfg.loss.variant.exact_zero_advantage_skip
+    )
 
 
 def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, float]:
@@ -186,8 +211,13 @@ def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, f
         return {}
     with timer.phase("timing/eval"):
         results = evaluate_model(
-            run.bare_lm(), run.tokenizer, run.cfg, task=run.eval_task, progress=False,
+            run.bare_lm(),
+            run.tokenizer,
+            run.cfg,
+            task=run.eval_task,
+            progress=False,
             full_parameters=lambda _lm: distributed.zero3_sampling_context(run.accelerator, run.policy),
-            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm), kernel_plan=dict(state.decode_kernels),
+            lockstep=distributed.sampling_lockstep(run.accelerator, run.comm),
+            kernel_plan=dict(state.decode_kernels),
         )
     return results if run.is_main_process else {}

@@ -45,8 +45,9 @@ def add_logprobs(run, batch: TrainBatch) -> None:
         if cfg.loss.teacher_on:
             mb.teacher_logp = run.teacher(**mb.sequences)[0]
     if rho < 1:
-        batch.metrics.update(select_high_entropy_tokens(run.comm, batch, entropies, rho,
-                                                        per_token_advantages=cfg.loss.teacher_on))
+        batch.metrics.update(
+            select_high_entropy_tokens(run.comm, batch, entropies, rho, per_token_advantages=cfg.loss.teacher_on)
+        )
 
 
 def select_high_entropy_tokens(
@@ -128,8 +129,14 @@ class StepStats:
         return replace(self, **dict(zip(names, sums)), logp_gap_max=comm.max(self.logp_gap_max.reshape(1))[0])
 
     def metrics(
-        self, total_tokens: float, total_completions: int, with_kl: bool, with_sampler_gap: bool, tis_mode: str | None = None,
-        off_policy_masking: bool = False, with_teacher: bool = False,
+        self,
+        total_tokens: float,
+        total_completions: int,
+        with_kl: bool,
+        with_sampler_gap: bool,
+        tis_mode: str | None = None,
+        off_policy_masking: bool = False,
+        with_teacher: bool = False,
     ) -> dict:
         """The logged means; `tis_mode` when rollout correction was applied (names the capped-fraction metric),
         `off_policy_masking` when loss.off_policy_mask_threshold is set, `with_teacher` under loss.teacher_kl."""
@@ -154,12 +161,18 @@ class StepStats:
             out["sampling/logp_diff_mean"] = float(self.logp_gap) / trained
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
         if tis_mode is not None:
-            out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = float(self.is_capped) / trained
+            out[f"sampling/is_{'masked' if tis_mode.endswith('mask') else 'truncated'}_fraction"] = (
+                float(self.is_capped) / trained
+            )
         if with_teacher:  # the sampled per-token reverse KL(mu || teacher), and the teacher term's part of |A|
             out["teacher/reverse_kl"] = float(self.teacher_kl) / trained
-            out["teacher/advantage_share"] = float(self.teacher_term) / max(float(self.teacher_term + self.group_term), 1e-30)
+            out["teacher/advantage_share"] = float(self.teacher_term) / max(
+                float(self.teacher_term + self.group_term), 1e-30
+            )
         if off_policy_masking:
-            out["sampling/off_policy_masked_fraction"] = float(self.off_policy_masked) / max(float(self.trained_completions), 1)
+            out["sampling/off_policy_masked_fraction"] = float(self.off_policy_masked) / max(
+                float(self.trained_completions), 1
+            )
         return out
 
 
@@ -241,14 +254,19 @@ def _step_on_zero_gradients(run, stats: StepStats, step: int, nonfinite_in_a_row
     for parameter in run.policy.parameters():
         if parameter.requires_grad:
             parameter.grad = torch.zeros_like(parameter)
-    nonfinite_in_a_row = _optimizer_step(run, stats, step, torch.zeros((), device=run.accelerator.device),
-                                         nonfinite_in_a_row)
+    nonfinite_in_a_row = _optimizer_step(
+        run, stats, step, torch.zeros((), device=run.accelerator.device), nonfinite_in_a_row
+    )
     run.optimizer.zero_grad(set_to_none=True)
     return nonfinite_in_a_row
 
 
 def micro_batch_loss(
-    run, batch: TrainBatch, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None = None,
+    run,
+    batch: TrainBatch,
+    mb: MicroBatch,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None = None,
     term: EntropyTerm | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of its mini-batch's loss (the whole batch's when mini_batches = 1), and the
@@ -277,17 +295,25 @@ def micro_batch_loss(
         }
     correction, capped, gate, masked_sequences = None, None, mb.entropy_mask, None
     if mb.sampling_logp is not None and cfg.loss.correction_on:
-        correction, capped = losses.importance_weight(old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode,
-                                                      floor=cfg.loss.tis_min)
+        correction, capped = losses.importance_weight(
+            old, mb.sampling_logp, mb.mask, cfg.loss.tis_cap, cfg.loss.tis_mode, floor=cfg.loss.tis_min
+        )
     if cfg.loss.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: against the sampler
-        keep = losses.off_policy_sequence_mask(logp, behaviour, sequence_advantages, mb.mask,
-                                               cfg.loss.off_policy_mask_threshold)
+        keep = losses.off_policy_sequence_mask(
+            logp, behaviour, sequence_advantages, mb.mask, cfg.loss.off_policy_mask_threshold
+        )
         masked_sequences = ((1 - keep[:, 0]) * (mb.mask.sum(1) > 0)).sum()  # real completions only
         gate = keep if gate is None else gate * keep
     variant = cfg.loss.variant
     token_loss, parts = losses.per_token_loss(
-        variant, cfg.loss.options, logp, old, advantages, mb.mask,
-        ref_logp=mb.ref_logp, beta=cfg.loss.beta,
+        variant,
+        cfg.loss.options,
+        logp,
+        old,
+        advantages,
+        mb.mask,
+        ref_logp=mb.ref_logp,
+        beta=cfg.loss.beta,
         policy_weight=gate,  # entropy selection, off-policy masking: like the correction, the policy term only
         sampler_weight=correction,
     )
@@ -297,7 +323,9 @@ def micro_batch_loss(
         parts["off_policy_masked"] = masked_sequences
     parts.update(teacher_parts)
     share = losses.aggregate(
-        token_loss, mb.mask, variant,
+        token_loss,
+        mb.mask,
+        variant,
         total_sequences=geometry.total_completions // geometry.mini_batches,
         total_tokens=batch.mini_batch_totals[mb.mini_batch],
         max_completion_length=cfg.rollout.max_completion_length,
@@ -343,7 +371,10 @@ class EntropyTerm:
         entropy, tokens = float(measured[0]), float(measured[1])
         mean = entropy / tokens if tokens > 0 else math.nan
         return control.after_step(
-            mean, target=loss.entropy_target, delta=loss.entropy_coef_delta, low=loss.entropy_coef_min,
+            mean,
+            target=loss.entropy_target,
+            delta=loss.entropy_coef_delta,
+            low=loss.entropy_coef_min,
             high=loss.entropy_coef_max,
         )
 
@@ -362,8 +393,12 @@ def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
     n = scored.per_function.shape[0]
     if len(names) < len(run.task.rewards) or not n:
         for name in names:
-            logger.warning("step %d: reward '%s' returned None or NaN for all %d completions (the others scored them)",
-                           step, name, n)
+            logger.warning(
+                "step %d: reward '%s' returned None or NaN for all %d completions (the others scored them)",
+                step,
+                name,
+                n,
+            )
         return 0
     unscored_in_a_row += 1
     which = ", ".join(f"'{name}'" for name in names)
@@ -374,9 +409,15 @@ def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
             f"(reward {which} returned None or NaN for all {n}); stopping (train.max_consecutive_unscored={limit}). "
             "Check the reward on a few completions by hand: does it return a number where it can judge one?"
         )
-    logger.warning("step %d: no reward scored any completion (reward %s returned None or NaN for all %d): nothing to "
-                   "learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
-                   step, which, n, unscored_in_a_row, limit)
+    logger.warning(
+        "step %d: no reward scored any completion (reward %s returned None or NaN for all %d): nothing to "
+        "learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
+        step,
+        which,
+        n,
+        unscored_in_a_row,
+        limit,
+    )
     return unscored_in_a_row
 
 
@@ -402,6 +443,9 @@ def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor,
         )
     logger.warning(
         "step %d: non-finite loss or gradient (loss %s, grad norm %s): optimizer step skipped (%d in a row)",
-        step, loss, float(grad_norm), nonfinite_in_a_row,
+        step,
+        loss,
+        float(grad_norm),
+        nonfinite_in_a_row,
     )
     return nonfinite_in_a_row

@@ -19,19 +19,29 @@ from .errors import UserError
 _FILE_MODULES: dict[Path, Any] = {}
 
 
-def resolve_function(spec: str, where: str, kind: str, error: type[UserError], builtins: Sequence[str] = ()) -> Callable[..., Any]:
+def resolve_function(
+    spec: str, where: str, kind: str, error: type[UserError], builtins: Sequence[str] = ()
+) -> Callable[..., Any]:
     """`path/to/file.py:fn` | `package.module:fn` -> the function; `error(message)` naming `where` otherwise.
     `builtins`: the names the caller resolves itself, listed in the message for a spec of neither form."""
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         named = f"a built-in {kind} ({', '.join(builtins)}) nor " if builtins else ""
-        raise error(f"{where}: {spec!r} is not {named}of the form 'path/to/file.py:function' or 'package.module:function'")
+        raise error(
+            f"{where}: {spec!r} is not {named}of the form 'path/to/file.py:function' or 'package.module:function'"
+        )
     try:
-        module = _file_module(Path(module_part), where, kind, error) if module_part.endswith(".py") else importlib.import_module(module_part)
+        module = (
+            _file_module(Path(module_part), where, kind, error)
+            if module_part.endswith(".py")
+            else importlib.import_module(module_part)
+        )
     except UserError:
         raise
     except Exception as exc:
-        raise error(f"{where}: importing {module_part!r} for {kind} {spec!r} failed: {type(exc).__name__}: {exc}") from None
+        raise error(
+            f"{where}: importing {module_part!r} for {kind} {spec!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise error(f"{where}: {module_part!r} has no function {attr!r}")

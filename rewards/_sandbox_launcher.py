@@ -32,8 +32,13 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
 _KEPT_MOUNT_FLAGS = {
-    "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-    "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
 }
 PR_SET_CHILD_SUBREAPER = 36
 TIMEOUT_EXIT = 124
@@ -75,8 +80,13 @@ def _lock_down_filesystem(workdir: str, tmpfs_bytes: int, uid: int, gid: int) ->
             files[name] = f.read()
     for target, kept in _mount_points():
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None)
-    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={tmpfs_bytes},nr_inodes=4096,mode=0700,uid={uid},gid={gid}")
+    _mount(
+        "tmpfs",
+        workdir,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={tmpfs_bytes},nr_inodes=4096,mode=0700,uid={uid},gid={gid}",
+    )
     for name, data in files.items():
         path = os.path.join(workdir, name)
         with open(path, "wb") as f:
@@ -226,8 +236,25 @@ MS_REC, MS_PRIVATE = 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 RUN_FDS = ("request", "stdin", "stdout", "stderr", "nonce", "kill")  # passed with each request, in this order
 # Imported once here so that programs find them warm (HumanEval-style code imports typing and friends).
-PRELOAD = ("typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
-           "dataclasses", "fractions", "decimal", "statistics", "json", "copy", "operator", "random")
+PRELOAD = (
+    "typing",
+    "math",
+    "re",
+    "collections",
+    "itertools",
+    "functools",
+    "heapq",
+    "bisect",
+    "string",
+    "dataclasses",
+    "fractions",
+    "decimal",
+    "statistics",
+    "json",
+    "copy",
+    "operator",
+    "random",
+)
 
 
 def _check(result: int, what: str) -> None:
@@ -285,8 +312,13 @@ def _read_request(fd: int) -> dict:
 
 
 def _fresh_workdir(workdir: str, tmpfs_bytes: int, files: dict, uid: int, gid: int) -> None:
-    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={tmpfs_bytes},nr_inodes=4096,mode=0700,uid={uid},gid={gid}")
+    _mount(
+        "tmpfs",
+        workdir,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={tmpfs_bytes},nr_inodes=4096,mode=0700,uid={uid},gid={gid}",
+    )
     for name, text in files.items():
         path = os.path.join(workdir, name)
         with open(path, "w", encoding="utf-8") as f:
@@ -405,6 +437,7 @@ def _exit_code(exc: SystemExit) -> int:
 def _finish(code: int) -> int:
     """What the interpreter does at exit: wait for threads, atexit handlers, flush; a handler's SystemExit wins."""
     import atexit
+
     if "threading" in sys.modules:
         sys.modules["threading"]._shutdown()
     try:

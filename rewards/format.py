@@ -88,7 +88,9 @@ def overlong_penalty(
     if max_length is None or buffer is None:
         raise ValueError("overlong_penalty needs kwargs max_length and buffer (tokens), e.g. 4096 and 512")
     if not 0 < buffer <= max_length:
-        raise ValueError(f"overlong_penalty needs 0 < buffer <= max_length, got buffer={buffer}, max_length={max_length}")
+        raise ValueError(
+            f"overlong_penalty needs 0 < buffer <= max_length, got buffer={buffer}, max_length={max_length}"
+        )
     if completion_ids is None:
         raise ValueError("overlong_penalty measures tokens and needs completion_ids from the trainer")
     return [soft_overlong_punishment(len(ids), max_length, buffer) for ids in completion_ids]

@@ -374,7 +374,10 @@ def math_accuracy(
     if timeouts:
         logger.warning(
             "math_accuracy: %d of %d samples exceeded %.1fs and scored 0; first: %r",
-            len(timeouts), len(completions), timeout, shorten(texts[timeouts[0]]),
+            len(timeouts),
+            len(completions),
+            timeout,
+            shorten(texts[timeouts[0]]),
         )
     report(log_metric, "gold_unparseable", unparseable)
     report(log_metric, "timeouts", len(timeouts))

@@ -125,7 +125,7 @@ class RunResult:
 # Runs inside the sandbox. It reads the nonce before any untrusted code runs,
 # executes solution.py then tests.py in one __main__ namespace, and writes the
 # nonce only if both returned. The nonce never appears in any file or argument.
-_HARNESS = r'''
+_HARNESS = r"""
 import os, sys
 def _reporter():
     token = os.read({nonce_fd}, 64)
@@ -153,7 +153,7 @@ def _run():
         exec(compile(source, filename, "exec"), namespace)
 _run()
 _report()
-'''
+"""
 
 
 # ---------------------------------------------------------------- mode
@@ -348,8 +348,9 @@ def _run_launched(code: str, tests: str, stdin: bytes, limits: Limits, mode: str
         cfg = _launcher_config(mode, workdir, limits)
         # The pipe keeps its fd number through unshare, the launcher and execve.
         harness = _HARNESS.format(nonce_fd=nonce_read, block_sockets=mode in ("setuid", "rlimits"))
-        _write_files(workdir, {"harness.py": harness, "solution.py": code, "tests.py": tests},
-                     cfg["drop_uid"], cfg["drop_gid"])
+        _write_files(
+            workdir, {"harness.py": harness, "solution.py": code, "tests.py": tests}, cfg["drop_uid"], cfg["drop_gid"]
+        )
         os.write(nonce_write, nonce)
         os.close(nonce_write)
         nonce_write = -1
@@ -367,8 +368,9 @@ def _run_launched(code: str, tests: str, stdin: bytes, limits: Limits, mode: str
         )
         os.close(nonce_read)
         nonce_read = -1
-        out = _communicate(process.stdin, process.stdout, process.stderr, stdin, limits,
-                           kill=lambda: _kill_tree(process, mode))
+        out = _communicate(
+            process.stdin, process.stdout, process.stderr, stdin, limits, kill=lambda: _kill_tree(process, mode)
+        )
         return (process.wait(), *out)
     finally:
         for fd in (nonce_read, nonce_write):
@@ -394,7 +396,9 @@ class _ForkServer:
         try:
             self.process = subprocess.Popen(
                 [sandbox_python(), "-I", "-B", _LAUNCHER, "--serve", json.dumps(cfg)],
-                stdin=subprocess.DEVNULL, env=_clean_env(workdir), start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                env=_clean_env(workdir),
+                start_new_session=True,
                 pass_fds=(theirs.fileno(),),
             )
         finally:
@@ -483,17 +487,25 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
     """One run through a warm fork server. The trainer keeps the pipes: it feeds stdin, reads the capped
     output, and asks for a kill through the kill pipe (closing it, as a dying trainer does, kills too)."""
     uid, gid = _nobody()
-    request = json.dumps({
-        "files": {"solution.py": code, "tests.py": tests},
-        "wall_seconds": limits.wall_seconds,
-        "tmpfs_bytes": limits.disk_bytes,
-        "uid": uid,
-        "gid": gid,
-        "rlimits": _rlimits(limits),
-    }).encode()
+    request = json.dumps(
+        {
+            "files": {"solution.py": code, "tests.py": tests},
+            "wall_seconds": limits.wall_seconds,
+            "tmpfs_bytes": limits.disk_bytes,
+            "uid": uid,
+            "gid": gid,
+            "rlimits": _rlimits(limits),
+        }
+    ).encode()
     pipes = {name: os.pipe() for name in ("request", "stdin", "stdout", "stderr", "nonce", "kill")}
-    theirs = [pipes["request"][0], pipes["stdin"][0], pipes["stdout"][1], pipes["stderr"][1],
-              pipes["nonce"][0], pipes["kill"][0]]
+    theirs = [
+        pipes["request"][0],
+        pipes["stdin"][0],
+        pipes["stdout"][1],
+        pipes["stderr"][1],
+        pipes["nonce"][0],
+        pipes["kill"][0],
+    ]
     ours = {name: pipes[name][0 if name in ("stdout", "stderr") else 1] for name in pipes}
     os.write(ours.pop("nonce"), nonce)  # 32 bytes: fits the pipe
     server, healthy = _POOL.acquire(), False
@@ -502,7 +514,8 @@ def _run_forked(code: str, tests: str, stdin: bytes, limits: Limits, mode: str, 
         _close(theirs)
         _write_all(ours.pop("request"), request)
         stdin_file, stdout_file, stderr_file = (
-            open(ours.pop(name), mode, buffering=0) for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))
+            open(ours.pop(name), mode, buffering=0)
+            for name, mode in (("stdin", "wb"), ("stdout", "rb"), ("stderr", "rb"))
         )
         out = _communicate(stdin_file, stdout_file, stderr_file, stdin, limits, kill=lambda: _ask_to_kill(ours["kill"]))
         returncode = server.result(timeout=limits.wall_seconds + 10.0)
@@ -525,7 +538,7 @@ def _write_all(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except BrokenPipeError:
         pass  # its status tells
     finally:
@@ -541,11 +554,14 @@ def _close(fds: list[int]) -> None:
     fds.clear()
 
 
-def _communicate(stdin_file, stdout_file, stderr_file, stdin: bytes, limits: Limits, kill) -> tuple[bytes, bytes, bool, bool]:
+def _communicate(
+    stdin_file, stdout_file, stderr_file, stdin: bytes, limits: Limits, kill
+) -> tuple[bytes, bytes, bool, bool]:
     """Feed stdin, read stdout/stderr up to the cap, call ``kill()`` at the backstop deadline or on overflow.
 
     Closes the three files. Returns (stdout, stderr, output_overflow, killed_by_us).
     """
+
     def feed() -> None:
         try:
             stdin_file.write(stdin)

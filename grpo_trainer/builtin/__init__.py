@@ -63,5 +63,7 @@ def _lookup(table: dict, name: str, key: str, kind: str, error: type[Exception])
     """`table`'s entry for a `builtin:` name, or `error` naming the config key and listing the built-ins."""
     entry = table.get(name.removeprefix(PREFIX))
     if entry is None:
-        raise error(f"{key}: unknown built-in {kind} {name!r}; the built-ins are " + ", ".join(f"'{PREFIX}{n}'" for n in table))
+        raise error(
+            f"{key}: unknown built-in {kind} {name!r}; the built-ins are " + ", ".join(f"'{PREFIX}{n}'" for n in table)
+        )
     return entry

@@ -75,7 +75,12 @@ def cached_build(folder_name: str, build: Callable[[Path], None]) -> Path:
 # ATen's elementwise kernels gave the same bytes under every capability there; MKL's sgemm is the suspect).
 # Hence the weights are shipped, and the manifest records the short build's hash per kind of CPU
 # (`check_hashes`). A child process, since these settings are read when torch starts.
-CANONICAL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+CANONICAL_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "COMPATIBLE",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
 def build_canonically(builder: str, folder: Path, threads: int = 1, **kwargs: int) -> None:
@@ -109,8 +114,10 @@ def check_hashes(entry: dict) -> dict[str, str]:
     weights were built on, then others whose canonical arithmetic differs (`scripts/build_builtins.py
     --record-check` adds this machine's). A short build that gives none of them is a changed recipe, or a CPU
     computing differently from all those recorded."""
-    return {entry.get("built_on", "the machine that built the shipped weights"): entry["check_sha256"],
-            **entry.get("check_sha256_other_cpus", {})}
+    return {
+        entry.get("built_on", "the machine that built the shipped weights"): entry["check_sha256"],
+        **entry.get("check_sha256_other_cpus", {}),
+    }
 
 
 def shipped_weights(folder_name: str) -> Path:
@@ -127,8 +134,10 @@ def shipped_weights(folder_name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the shipped weights of builtin {folder_name!r} are missing; {rebuild}")
     if sha256_of(path) != entry["sha256"]:
-        raise ValueError(f"{path}: not the weights {MANIFEST.name} records for {folder_name!r} (sha256 differs); "
-                         f"restore it from the repository, or {rebuild}")
+        raise ValueError(
+            f"{path}: not the weights {MANIFEST.name} records for {folder_name!r} (sha256 differs); "
+            f"restore it from the repository, or {rebuild}"
+        )
     return path
 
 

@@ -75,8 +75,9 @@ def char_llama_config(tokenizer, **shape):
     return LlamaConfig(**{**defaults, **shape})
 
 
-def build_char_model(folder: Path, tokenizer, shape: dict, seed: int, warm_start: Callable[[Any], None],
-                     **config_json: float) -> None:
+def build_char_model(
+    folder: Path, tokenizer, shape: dict, seed: int, warm_start: Callable[[Any], None], **config_json: float
+) -> None:
     """The one builder of both tiny models: a Llama of `shape` for `tokenizer`, initialised from `seed`, trained by
     `warm_start(model)` under the same seed (torch's global random state is left as it was), saved into `folder`."""
     import torch
@@ -109,8 +110,11 @@ def save_char_model(model, tokenizer, folder: Path, **config_json: float) -> Non
     tokenizer.save_pretrained(folder)
     # transformers 5 writes `TokenizersBackend`, which 4.x does not know, and keeps the template in a side
     # file that older loaders (and some servers) do not read: name the generic class, inline the template.
-    _update_json(folder / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast",
-                 chat_template=tokenizer.chat_template)
+    _update_json(
+        folder / "tokenizer_config.json",
+        tokenizer_class="PreTrainedTokenizerFast",
+        chat_template=tokenizer.chat_template,
+    )
     if config_json:
         _update_json(folder / "config.json", **config_json)
 

@@ -81,8 +81,11 @@ def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights
     """Build tokenizer and model into `folder`: random init, then the short supervised warm start, or, given
     `weights` (what this recipe's canonical build saved: build.shipped_weights), those loaded instead."""
     tokenizer = build_tokenizer()
-    warm_start = load_weights(weights) if weights is not None else (
-        lambda model: _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed))
+    warm_start = (
+        load_weights(weights)
+        if weights is not None
+        else (lambda model: _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed))
+    )
     build_char_model(folder, tokenizer, SHAPE, seed, warm_start)
 
 
@@ -94,7 +97,9 @@ def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch_size: 
     records = arithmetic_records("train") + arithmetic_records("test")
     answers = sorted({r["answer"] for r in records}, key=int)
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
         for r in records
     ]
     prompt_lens = [len(tokenizer(p)["input_ids"]) for p in prompts]

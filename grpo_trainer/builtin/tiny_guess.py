@@ -113,13 +113,21 @@ def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights
         init_copying_heads(model, _range_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
 
-    build_char_model(folder, tokenizer, SHAPE, seed, load_weights(weights) if weights is not None else warm_start,
-                     rope_theta=ROPE_THETA)
+    build_char_model(
+        folder,
+        tokenizer,
+        SHAPE,
+        seed,
+        load_weights(weights) if weights is not None else warm_start,
+        rope_theta=ROPE_THETA,
+    )
 
 
 def prompt_text(tokenizer) -> str:
     """The game's prompt, as the trainer renders it."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def simulated_game(rng: random.Random) -> list[tuple[str, tuple[int, int] | None]]:
@@ -176,8 +184,11 @@ def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch: int =
     prompt = prompt_text(tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids([str(n) for n in range(LOW, HIGH + 1)]))
-    targets = {(low, high): torch.tensor(list(mixed_policy(low, high).values()))
-               for low in range(LOW, HIGH + 1) for high in range(low, HIGH + 1)}
+    targets = {
+        (low, high): torch.tensor(list(mixed_policy(low, high).values()))
+        for low in range(LOW, HIGH + 1)
+        for high in range(low, HIGH + 1)
+    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine down to a tenth
@@ -190,8 +201,9 @@ def _supervised_warm_start(model, tokenizer, steps: int, seed: int, batch: int =
         ids = torch.tensor([r + [pad] * (width - len(r)) for r, _, _ in rows])
         labels = torch.tensor([r + [-100] * (width - len(r)) for _, r, _ in rows])
         log_probs = model(input_ids=ids, attention_mask=(ids != pad).long()).logits[:, :-1].float().log_softmax(-1)
-        hard = torch.nn.functional.nll_loss(log_probs.reshape(-1, log_probs.shape[-1]), labels[:, 1:].reshape(-1),
-                                            ignore_index=-100, reduction="sum")
+        hard = torch.nn.functional.nll_loss(
+            log_probs.reshape(-1, log_probs.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
         where = [(row, position - 1) for row, (_, _, guesses) in enumerate(rows) for position, _, _ in guesses]
         soft_targets = torch.stack([targets[(low, high)] for _, _, guesses in rows for _, low, high in guesses])
         at_guesses = log_probs[[r for r, _ in where], [p for _, p in where]][:, digit_ids]

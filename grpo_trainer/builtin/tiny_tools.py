@@ -128,7 +128,11 @@ def _record(a: int, b: int) -> dict[str, str]:
 
 def tool_call_text(code: str) -> str:
     """One python tool call, exactly as the template renders it and the warm start writes it."""
-    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}, separators=(",", ":")) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": "python", "arguments": {"code": code}}, separators=(",", ":"))
+        + "</tool_call>"
+    )
 
 
 def product_code(prompt: str) -> str:
@@ -158,8 +162,14 @@ def build_model(folder: Path, sft_steps: int = SFT_STEPS, seed: int = 0, weights
         init_copying_heads(model, _copy_offsets(tokenizer))
         _supervised_warm_start(model, tokenizer, steps=sft_steps, seed=seed)
 
-    build_char_model(folder, tokenizer, SHAPE, seed, load_weights(weights) if weights is not None else warm_start,
-                     rope_theta=ROPE_THETA)
+    build_char_model(
+        folder,
+        tokenizer,
+        SHAPE,
+        seed,
+        load_weights(weights) if weights is not None else warm_start,
+        rope_theta=ROPE_THETA,
+    )
 
 
 def _conversation(tokenizer, prompt: str, record: dict[str, str], guess: str | None = None) -> list[tuple[str, bool]]:
@@ -256,7 +266,9 @@ def _supervised_warm_start(
                     prompts[record["prompt"]] = prompt_text(tokenizer, record["prompt"])
                 guess = None if use_tool else rng.choice(answers)
                 conversation = _conversation(tokenizer, prompts[record["prompt"]], record, guess)
-                rows.append(_ids_and_labels(tokenizer, conversation, decide=not use_tool or rng.random() < decide_share))
+                rows.append(
+                    _ids_and_labels(tokenizer, conversation, decide=not use_tool or rng.random() < decide_share)
+                )
             width = max(len(ids) for ids, _ in rows)
             ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
             labels = torch.tensor([r + [-100] * (width - len(r)) for _, r in rows])

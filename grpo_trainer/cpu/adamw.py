@@ -52,10 +52,15 @@ class BlockwiseAdamW(torch.optim.AdamW):
     def _refuse_what_it_does_not_reproduce(self) -> None:
         for group in self.param_groups:
             options = [option for option in self.OPTIONS_NOT_COVERED if group.get(option)]
-            if options or any(isinstance(group[key], torch.Tensor) for key in ("lr", "eps", "weight_decay")) or any(
-                    isinstance(beta, torch.Tensor) for beta in group["betas"]):
-                raise ValueError(f"BlockwiseAdamW reproduces torch's plain single-tensor AdamW step only; "
-                                 f"got {', '.join(options) or 'a tensor hyperparameter'}: use torch.optim.AdamW")
+            if (
+                options
+                or any(isinstance(group[key], torch.Tensor) for key in ("lr", "eps", "weight_decay"))
+                or any(isinstance(beta, torch.Tensor) for beta in group["betas"])
+            ):
+                raise ValueError(
+                    f"BlockwiseAdamW reproduces torch's plain single-tensor AdamW step only; "
+                    f"got {', '.join(options) or 'a tensor hyperparameter'}: use torch.optim.AdamW"
+                )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -68,8 +73,10 @@ class BlockwiseAdamW(torch.optim.AdamW):
             params, grads, exp_avgs, exp_avg_sqs, steps = adamw_init_group(self, group)
             for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
                 if param.device.type != "cpu" or torch.is_complex(param):
-                    raise ValueError(f"BlockwiseAdamW steps real CPU parameters only; got a {param.dtype} parameter "
-                                     f"on {param.device}: use torch.optim.AdamW there")
+                    raise ValueError(
+                        f"BlockwiseAdamW steps real CPU parameters only; got a {param.dtype} parameter "
+                        f"on {param.device}: use torch.optim.AdamW there"
+                    )
                 adamw_step(param, grad, exp_avg, exp_avg_sq, step, group, self._blocks)
         return loss
 

@@ -56,8 +56,7 @@ def draw_torch(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _emulable(probs: torch.Tensor) -> bool:
-    return (probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
-            and paths.usable("draw"))
+    return probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 and paths.usable("draw")
 
 
 # ----------------------------------------------------------------------------- numpy
@@ -82,7 +81,9 @@ def draw_numpy(probs: torch.Tensor) -> torch.Tensor:
         for row in range(p.shape[0]):
             r = ratio[row]
             if np.isnan(r).any():  # only where u == 0 and p == 0; torch's argmax takes the first NaN
-                tokens.append(_exact_argmax(p[row], u[row], np.flatnonzero(np.isnan(r) | (r >= np.nanmax(r) * (1 - 1e-5)))))
+                tokens.append(
+                    _exact_argmax(p[row], u[row], np.flatnonzero(np.isnan(r) | (r >= np.nanmax(r) * (1 - 1e-5))))
+                )
                 continue
             top = r.max()
             candidates = np.flatnonzero(r >= top * (1 - 1e-5)) if np.isfinite(top) else np.flatnonzero(r == top)
@@ -207,8 +208,10 @@ def native_library() -> ctypes.CDLL | None:
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("the native draw is not offered here: no C compiler (CC, cc or gcc); the decode kernel plan "
-                       "chooses among the other draws (the same tokens)")
+        logger.warning(
+            "the native draw is not offered here: no C compiler (CC, cc or gcc); the decode kernel plan "
+            "chooses among the other draws (the same tokens)"
+        )
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -224,13 +227,32 @@ def native_library() -> ctypes.CDLL | None:
                 source.write_text(C_SOURCE)
                 built = Path(tmp) / target.name
                 # No -ffast-math and no contraction: every rounding must be ATen's (log1p is libm's, as ATen's).
-                subprocess.run([compiler, "-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fPIC", "-shared",
-                                str(source), "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
+                subprocess.run(
+                    [
+                        compiler,
+                        "-O3",
+                        "-march=native",
+                        "-std=c99",
+                        "-ffp-contract=off",
+                        "-fPIC",
+                        "-shared",
+                        str(source),
+                        "-o",
+                        str(built),
+                        "-lm",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
                 os.replace(built, target)  # atomic: a concurrent builder writes the same bytes
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("the native draw is not offered here: building or loading it failed (%s); the decode kernel "
-                       "plan chooses among the other draws (the same tokens)", exc)
+        logger.warning(
+            "the native draw is not offered here: building or loading it failed (%s); the decode kernel "
+            "plan chooses among the other draws (the same tokens)",
+            exc,
+        )
         return None
     library.exponential_argmax.restype = None
     library.exponential_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -245,8 +267,9 @@ def _native_draw(library: ctypes.CDLL, probs: torch.Tensor) -> torch.Tensor:
     key, pos, raw = twister_state()
     position = ctypes.c_int64(pos)
     out = torch.empty(p.shape[0], dtype=torch.long)
-    library.exponential_argmax(key.ctypes.data, ctypes.addressof(position), p.data_ptr(), p.shape[0], p.shape[1],
-                               out.data_ptr())
+    library.exponential_argmax(
+        key.ctypes.data, ctypes.addressof(position), p.data_ptr(), p.shape[0], p.shape[1], out.data_ptr()
+    )
     set_twister_state(key, position.value, raw)
     return out
 

@@ -74,7 +74,9 @@ class HeapTrimmer:
             return cls(device_type == "cpu" and weight_bytes >= cls.MIN_WEIGHT_BYTES)
         trimmer = cls(asked)
         if asked and not trimmer.active:
-            logger.warning("train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed")
+            logger.warning(
+                "train.trim_host_memory=true, but this C library has no malloc_trim (not glibc): nothing is trimmed"
+            )
         return trimmer
 
     def __call__(self) -> None:

@@ -60,5 +60,9 @@ FLOAT32_ONLY = {"onednn_packed"}  # oneDNN's bfloat16/float16 linears depend on 
 
 def available_linears(dtype: torch.dtype) -> list[str]:
     """The forms that can run here for weights of `dtype`, the incumbent first."""
-    return [name for name in LINEAR if (dtype == torch.float32 or name not in FLOAT32_ONLY)
-            and (name != "onednn_packed" or paths.usable("onednn_linear"))]
+    return [
+        name
+        for name in LINEAR
+        if (dtype == torch.float32 or name not in FLOAT32_ONLY)
+        and (name != "onednn_packed" or paths.usable("onednn_linear"))
+    ]

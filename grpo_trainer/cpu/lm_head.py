@@ -29,7 +29,7 @@ def tied_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`head(hidden)` for an output head whose weight the caller knows is the input embeddings' (and that no
     autocast or weight sharding wraps): through `TiedHead` where the head is a plain bias-free `nn.Linear` that
     nothing else wraps, and the fast path is usable."""
-    if (called_as_it_is(head) and head.bias is None and head.weight.requires_grad and paths.usable("tied_head")):
+    if called_as_it_is(head) and head.bias is None and head.weight.requires_grad and paths.usable("tied_head"):
         return TiedHead.apply(hidden, head.weight)
     return head(hidden)
 
@@ -40,8 +40,9 @@ def called_as_it_is(module: nn.Module) -> bool:
     return type(module) is nn.Linear and "forward" not in vars(module) and not any(call_hooks(module))
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[target] for [B, c, V] logits, and without a gradient the entropy: by
     `TargetLogprobs` where the fast path is usable, else by the plain autograd expression (the same numbers)."""
     if paths.usable("target_logprobs"):
@@ -118,8 +119,10 @@ class TargetLogprobs(torch.autograd.Function):
     @once_differentiable  # a gradient of this gradient raises instead of silently having none
     def backward(ctx, grad_logp, _grad_entropy):
         if ctx.consumed:
-            raise RuntimeError("TokenLogprobs: a second backward through the same log-probs (retain_graph) is not "
-                               "supported: the first one computed its gradient in the saved log-softmax's memory")
+            raise RuntimeError(
+                "TokenLogprobs: a second backward through the same log-probs (retain_graph) is not "
+                "supported: the first one computed its gradient in the saved log-softmax's memory"
+            )
         ctx.consumed = True
         logp_all, targets = ctx.saved_tensors
         index, grad = targets.reshape(-1, 1), grad_logp.reshape(-1, 1).to(logp_all.dtype)

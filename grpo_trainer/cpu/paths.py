@@ -32,12 +32,18 @@ FAST_PATHS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "draw": ("the numpy and native multinomial draws (draw.py)", f"torch's own draw ({SAME})", ("generator_state",)),
     "adamw": ("BlockwiseAdamW (adamw.py)", f"torch.optim.AdamW ({SAME})", ("adamw_init_group", "adamw_step")),
     "tied_head": ("the tied output head's own backward (lm_head.py)", f"autograd's ({SAME})", ("module_hook_tables",)),
-    "target_logprobs": ("the log-prob function's own backward (lm_head.py)", f"autograd's ({SAME})",
-                        ("log_softmax_backward_data",)),
+    "target_logprobs": (
+        "the log-prob function's own backward (lm_head.py)",
+        f"autograd's ({SAME})",
+        ("log_softmax_backward_data",),
+    ),
     # An alternative of the decode kernel plan: a run whose plan recorded it says, on resume, that it samples
     # differently here (decode.plan_decode_kernels).
-    "onednn_linear": ("the onednn_packed decode linear (linear.py)", "the decode plan's other linear forms",
-                      ("mkldnn_linear",)),
+    "onednn_linear": (
+        "the onednn_packed decode linear (linear.py)",
+        "the decode plan's other linear forms",
+        ("mkldnn_linear",),
+    ),
 }
 
 
@@ -48,8 +54,10 @@ def plain_paths() -> set[str]:
         return set(FAST_PATHS)
     unknown = names - set(FAST_PATHS)
     if unknown:
-        raise ConfigError(f"{PLAIN_ENV}: {', '.join(sorted(unknown))} is not a CPU fast path; choose from "
-                          f"{', '.join(FAST_PATHS)} or all")
+        raise ConfigError(
+            f"{PLAIN_ENV}: {', '.join(sorted(unknown))} is not a CPU fast path; choose from "
+            f"{', '.join(FAST_PATHS)} or all"
+        )
     return names
 
 
@@ -98,7 +106,9 @@ def compare(recorded: dict[str, str] | None) -> list[str]:
     for name, now in record().items():
         then = (recorded or {}).get(name)
         if then is not None and then != now:
-            lines.append(f"CPU fast path {name}: the run ran it {then}, this process runs it {now} "
-                         f"({why_not(name) or 'its torch details are as expected again'})")
+            lines.append(
+                f"CPU fast path {name}: the run ran it {then}, this process runs it {now} "
+                f"({why_not(name) or 'its torch details are as expected again'})"
+            )
             logger.warning("%s", lines[-1])
     return lines

@@ -79,8 +79,10 @@ def check_generator_state() -> str | None:
             return f"{GENERATOR_STATE}: after one draw `next` (byte {_NEXT}) is {pos_after}, expected 2"
         u = ((high << 32 | low) & (2**53 - 1)) * 2.0**-53
         if value != float(np.float32(-math.log1p(-u))):
-            return ("torch's CPU exponential_ no longer returns (float)(-log1p(-u)) for u the low 53 bits of two "
-                    "mt19937 outputs")
+            return (
+                "torch's CPU exponential_ no longer returns (float)(-log1p(-u)) for u the low 53 bits of two "
+                "mt19937 outputs"
+            )
         set_twister_state(key, pos, raw)  # written back: the same first draw again
         if float(torch.empty(1).exponential_()[0]) != value:
             return f"{GENERATOR_STATE}: writing `left`/`next`/state back with torch.set_rng_state does not restore it"
@@ -122,12 +124,24 @@ def check_adamw_init_group() -> str | None:
     except Exception as exc:  # noqa: BLE001 (any failure is the change this check reports)
         return f"{INIT_GROUP}: calling it failed ({type(exc).__name__}: {exc})"
     state = optimizer.state[param]
-    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == 1
-            and params[0] is param and grads[0] is param.grad and exp_avgs[0] is state.get("exp_avg")
-            and exp_avg_sqs[0] is state.get("exp_avg_sq") and steps[0] is state.get("step")):
-        return f"{INIT_GROUP}: the lists it fills are not (params, grads, exp_avgs, exp_avg_sqs, state_steps) of the state"
-    if not (isinstance(steps[0], torch.Tensor) and steps[0].numel() == 1 and float(steps[0]) == 0
-            and torch.equal(exp_avgs[0], torch.zeros(3)) and torch.equal(exp_avg_sqs[0], torch.zeros(3))):
+    if not (
+        len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == 1
+        and params[0] is param
+        and grads[0] is param.grad
+        and exp_avgs[0] is state.get("exp_avg")
+        and exp_avg_sqs[0] is state.get("exp_avg_sq")
+        and steps[0] is state.get("step")
+    ):
+        return (
+            f"{INIT_GROUP}: the lists it fills are not (params, grads, exp_avgs, exp_avg_sqs, state_steps) of the state"
+        )
+    if not (
+        isinstance(steps[0], torch.Tensor)
+        and steps[0].numel() == 1
+        and float(steps[0]) == 0
+        and torch.equal(exp_avgs[0], torch.zeros(3))
+        and torch.equal(exp_avg_sqs[0], torch.zeros(3))
+    ):
         return f"{INIT_GROUP}: the state it makes is not step=tensor(0.), exp_avg=zeros, exp_avg_sq=zeros"
     return None
 
@@ -175,9 +189,17 @@ def check_adamw_step() -> str | None:
 HOOK_TABLES = "torch.nn.modules.module's hook tables"
 # Every table whose hooks run when a module is called, global and per module; the "marks" only qualify entries
 # of those (keyed `_with_kwargs` / `_always_called` tables, the full-backward flag).
-GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                     "_global_backward_pre_hooks")
-GLOBAL_MARKS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called", "_global_is_full_backward_hook")
+GLOBAL_CALL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+GLOBAL_MARKS = (
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_is_full_backward_hook",
+)
 MODULE_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 MODULE_MARKS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
@@ -186,8 +208,9 @@ def call_hooks(module: nn.Module) -> tuple[dict, ...]:
     """The hook tables whose hooks would run around a call of `module`: its own and the global ones."""
     from torch.nn.modules import module as module_globals
 
-    return (tuple(getattr(module, name) for name in MODULE_CALL_HOOKS)
-            + tuple(getattr(module_globals, name) for name in GLOBAL_CALL_HOOKS))
+    return tuple(getattr(module, name) for name in MODULE_CALL_HOOKS) + tuple(
+        getattr(module_globals, name) for name in GLOBAL_CALL_HOOKS
+    )
 
 
 def check_module_hook_tables() -> str | None:
@@ -196,16 +219,25 @@ def check_module_hook_tables() -> str | None:
     from torch.nn.modules import module as module_globals
 
     known_global = set(GLOBAL_CALL_HOOKS + GLOBAL_MARKS)
-    found_global = {name for name in vars(module_globals)
-                    if name.startswith("_global_") and ("forward" in name or "backward" in name)}
+    found_global = {
+        name
+        for name in vars(module_globals)
+        if name.startswith("_global_") and ("forward" in name or "backward" in name)
+    }
     if found_global != known_global:
-        return (f"{HOOK_TABLES}: global call-hook tables are {sorted(found_global)}, expected {sorted(known_global)}")
+        return f"{HOOK_TABLES}: global call-hook tables are {sorted(found_global)}, expected {sorted(known_global)}"
     probe = nn.Linear(1, 1)
-    found_module = {name for name in vars(probe) if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
-                    and ("forward" in name or "backward" in name)}
+    found_module = {
+        name
+        for name in vars(probe)
+        if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+        and ("forward" in name or "backward" in name)
+    }
     if found_module != set(MODULE_CALL_HOOKS + MODULE_MARKS):
-        return (f"{HOOK_TABLES}: a module's call-hook tables are {sorted(found_module)}, "
-                f"expected {sorted(MODULE_CALL_HOOKS + MODULE_MARKS)}")
+        return (
+            f"{HOOK_TABLES}: a module's call-hook tables are {sorted(found_module)}, "
+            f"expected {sorted(MODULE_CALL_HOOKS + MODULE_MARKS)}"
+        )
     if not all(isinstance(table, dict) and not table for table in call_hooks(probe)[: len(MODULE_CALL_HOOKS)]):
         return f"{HOOK_TABLES}: a new module's {MODULE_CALL_HOOKS} are not empty dicts"
     registrations = [
@@ -216,7 +248,10 @@ def check_module_hook_tables() -> str | None:
         (lambda: nn.modules.module.register_module_forward_hook(lambda *a: None), "_global_forward_hooks"),
         (lambda: nn.modules.module.register_module_forward_pre_hook(lambda *a: None), "_global_forward_pre_hooks"),
         (lambda: nn.modules.module.register_module_full_backward_hook(lambda *a: None), "_global_backward_hooks"),
-        (lambda: nn.modules.module.register_module_full_backward_pre_hook(lambda *a: None), "_global_backward_pre_hooks"),
+        (
+            lambda: nn.modules.module.register_module_full_backward_pre_hook(lambda *a: None),
+            "_global_backward_pre_hooks",
+        ),
     ]
     for register, table in registrations:
         handle = register()
@@ -251,7 +286,9 @@ def check_log_softmax_backward_data() -> str | None:
         got = log_softmax_backward(grad, out.detach())
     except Exception as exc:  # noqa: BLE001 (any failure is the change this check reports)
         return f"{LOG_SOFTMAX_BACKWARD}: calling it failed ({type(exc).__name__}: {exc})"
-    return None if torch.equal(got, expected) else f"{LOG_SOFTMAX_BACKWARD}: no longer autograd's gradient of log_softmax"
+    return (
+        None if torch.equal(got, expected) else f"{LOG_SOFTMAX_BACKWARD}: no longer autograd's gradient of log_softmax"
+    )
 
 
 # ----------------------------------------------------------------------------- oneDNN's packed linear

@@ -177,6 +177,15 @@ def build_environment(cfg: Config) -> Environment | None:
 
 
 __all__ = [
-    "ENDINGS", "FAILURES", "KINDS", "Environment", "Episode", "EpisodeRecord", "EpisodeSpec", "ProtocolBreach", "Reply",
-    "build_environment", "environment_seed",
+    "ENDINGS",
+    "FAILURES",
+    "KINDS",
+    "Environment",
+    "Episode",
+    "EpisodeRecord",
+    "EpisodeSpec",
+    "ProtocolBreach",
+    "Reply",
+    "build_environment",
+    "environment_seed",
 ]

@@ -102,7 +102,9 @@ class ClassEpisode:
             kwargs["episode_id"] = f"{spec.episode_id}-g{j}"
         text = _settled(reset(**kwargs))
         if text is not None and not isinstance(text, str):
-            raise ProtocolBreach(f"{self.label}.reset returned {_shown(text)}; expected a str (appended to the prompt) or None")
+            raise ProtocolBreach(
+                f"{self.label}.reset returned {_shown(text)}; expected a str (appended to the prompt) or None"
+            )
         return text
 
     def respond(self, text: str, calls: list[ToolCall | ToolResult]) -> Reply:
@@ -111,13 +113,19 @@ class ClassEpisode:
             return Reply(
                 messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
                 invalid_actions=sum(isinstance(c, ToolResult) for c in calls),
-                tool_calls=len(results), tool_errors=sum(r.error for r in results),
+                tool_calls=len(results),
+                tool_errors=sum(r.error for r in results),
             )
         step = getattr(self.obj, "step", None)
         if step is None:
             return Reply([])  # TRL: a turn without a tool call ends the episode
         answer = _settled(step(text))
-        if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], str) and isinstance(answer[1], bool)):
+        if not (
+            isinstance(answer, tuple)
+            and len(answer) == 2
+            and isinstance(answer[0], str)
+            and isinstance(answer[1], bool)
+        ):
             raise ProtocolBreach(f"{self.label}.step returned {_shown(answer)}; expected (feedback: str, done: bool)")
         feedback, done = answer
         return Reply([{"role": "user", "content": feedback}], done=done)
@@ -147,8 +155,15 @@ class ClassEnvironment:
 
     capacity: int | None = None  # objects in this process: no limit
 
-    def __init__(self, factory: Callable[..., Any], name: str, kwargs: dict[str, Any], *, extra_tools: list[Tool],
-                 tool_timeout: float):
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        name: str,
+        kwargs: dict[str, Any],
+        *,
+        extra_tools: list[Tool],
+        tool_timeout: float,
+    ):
         self.factory = factory
         self.name = name
         self.kwargs = dict(kwargs)
@@ -156,7 +171,9 @@ class ClassEnvironment:
         self.tool_timeout = tool_timeout
         sample = self._make()  # one object, to read the convention off (TRL does the same)
         if not callable(getattr(sample, "reset", None)):
-            raise ConfigError(f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)")
+            raise ConfigError(
+                f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)"
+            )
         methods = method_tools(sample)
         clash = sorted({t.name for t in methods} & {t.name for t in extra_tools})
         if clash:
@@ -189,8 +206,13 @@ def build(cfg: Config) -> ClassEnvironment:
     name = f"environment.factory {env.factory}"
     factory = resolve_function(env.factory, "environment.factory", "environment", ConfigError)
     box = build_toolbox(cfg.rollout)
-    return ClassEnvironment(factory, name, env.kwargs, extra_tools=list(box.tools.values()) if box else [],
-                            tool_timeout=cfg.rollout.tool_timeout)
+    return ClassEnvironment(
+        factory,
+        name,
+        env.kwargs,
+        extra_tools=list(box.tools.values()) if box else [],
+        tool_timeout=cfg.rollout.tool_timeout,
+    )
 
 
 def _shown(value: Any) -> str:

@@ -48,7 +48,9 @@ RESERVED_FIELDS = ("done", "reward", "metadata")  # an Observation's own fields:
 
 def default_tool_name(action_title: str) -> str:
     """`GuessAction` -> `guess`, `MoveTileAction` -> `move_tile`; a class named just `Action` -> `action`."""
-    stem = action_title[: -len("Action")] if action_title.endswith("Action") and action_title != "Action" else action_title
+    stem = (
+        action_title[: -len("Action")] if action_title.endswith("Action") and action_title != "Action" else action_title
+    )
     return re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
 
 
@@ -93,7 +95,10 @@ class ActionCodec:
         if "$defs" in schema:
             parameters["$defs"] = schema["$defs"]
         description = schema.get("description") or f"Act in the environment: a {self.title}."
-        self.tool = {"type": "function", "function": {"name": self.name, "description": description, "parameters": parameters}}
+        self.tool = {
+            "type": "function",
+            "function": {"name": self.name, "description": description, "parameters": parameters},
+        }
         # A single required text field takes a whole plain reply (chat and user-simulator environments).
         self.text_field = required[0] if len(required) == 1 and _is_string(properties[required[0]]) else None
 
@@ -125,8 +130,12 @@ class ActionCodec:
 
     def invalid(self, decoded: Decoded, error: str) -> Reply:
         """The answer to a turn that is not a valid action: the error, told to the model."""
-        return Reply([self.answer(error, decoded)], invalid_actions=1, tool_calls=decoded.calls,
-                     tool_errors=max(decoded.call_errors, 1 if decoded.tool is not None else 0))
+        return Reply(
+            [self.answer(error, decoded)],
+            invalid_actions=1,
+            tool_calls=decoded.calls,
+            tool_errors=max(decoded.call_errors, 1 if decoded.tool is not None else 0),
+        )
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -158,7 +167,9 @@ def check_observation(fields: dict[str, Any], done: Any, reward: Any, where: str
         raise ProtocolBreach(f"{where} returned an observation whose done is {done!r}; expected true or false")
     if reward is not None:
         if not isinstance(reward, (bool, int, float)) or not math.isfinite(reward):
-            raise ProtocolBreach(f"{where} returned an observation whose reward is {reward!r}; expected a finite number or null")
+            raise ProtocolBreach(
+                f"{where} returned an observation whose reward is {reward!r}; expected a finite number or null"
+            )
         reward = float(reward)
     return Observed({k: v for k, v in fields.items() if k not in RESERVED_FIELDS}, done, reward)
 
@@ -186,7 +197,9 @@ class ObservationText:
         if field is None:
             return json.dumps(observed.fields, ensure_ascii=False, separators=(",", ":"), default=str)
         if field not in observed.fields:
-            raise ProtocolBreach(f"{where} returned an observation without the field {field!r} (environment.observation_field)")
+            raise ProtocolBreach(
+                f"{where} returned an observation without the field {field!r} (environment.observation_field)"
+            )
         value = observed.fields[field]
         return "" if value is None else str(value)
 
@@ -235,8 +248,9 @@ class OpenEnvTurns:
         observed, content = stepped
         self.done = observed.done
         self.rewards.add(observed.reward)
-        return Reply([codec.answer(content, decoded)], done=observed.done, reward=observed.reward,
-                     tool_calls=decoded.calls)
+        return Reply(
+            [codec.answer(content, decoded)], done=observed.done, reward=observed.reward, tool_calls=decoded.calls
+        )
 
     def _step(self, payload: dict[str, Any]) -> tuple[Observed, str] | str:
         """The observation a step with this action gives and its text, or the validation error for the model."""
@@ -271,7 +285,9 @@ class OpenEnvEpisode(OpenEnvTurns):
         where = f"{self.label}.{method}"
         dump = getattr(obs, "model_dump", None)
         if not callable(dump):
-            raise ProtocolBreach(f"{where} returned {type(obs).__name__}; expected an OpenEnv Observation (a pydantic model)")
+            raise ProtocolBreach(
+                f"{where} returned {type(obs).__name__}; expected an OpenEnv Observation (a pydantic model)"
+            )
         fields = dump(exclude={"done", "reward"})  # read as attributes: a lying `done` must not trip pydantic's dump
         observed = check_observation(fields, getattr(obs, "done", None), getattr(obs, "reward", None), where)
         return observed, self.env.text.render(observed, self.env.schema_of(type(obs)), where)
@@ -291,8 +307,16 @@ class OpenEnvEnvironment:
     has_reward = True  # OpenEnv observations carry rewards
     capacity: int | None = None  # objects in this process: no limit
 
-    def __init__(self, env_cls: Callable[..., Any], action_cls: Any, name: str, kwargs: dict[str, Any], *,
-                 action_tool: str | None = None, observation_field: str | None = None):
+    def __init__(
+        self,
+        env_cls: Callable[..., Any],
+        action_cls: Any,
+        name: str,
+        kwargs: dict[str, Any],
+        *,
+        action_tool: str | None = None,
+        observation_field: str | None = None,
+    ):
         self.env_cls = env_cls
         self.action_cls = action_cls
         self.name = name
@@ -333,8 +357,10 @@ def action_class_of(env_cls: Any, name: str) -> Any:
     for candidate in candidates:
         if isinstance(candidate, type) and callable(getattr(candidate, "model_json_schema", None)):
             return candidate
-    raise ConfigError(f"{name}: cannot tell its Action class (step's `action` parameter has no pydantic type hint); "
-                      "set environment.action: my_env.py:MyAction")
+    raise ConfigError(
+        f"{name}: cannot tell its Action class (step's `action` parameter has no pydantic type hint); "
+        "set environment.action: my_env.py:MyAction"
+    )
 
 
 def build(cfg: Config) -> OpenEnvEnvironment:
@@ -346,13 +372,16 @@ def build(cfg: Config) -> OpenEnvEnvironment:
     env_cls = resolve_function(env.openenv, "environment.openenv", "environment", ConfigError)
     for method in ("reset", "step"):
         if not callable(getattr(env_cls, method, None)):
-            raise ConfigError(f"{name}: {getattr(env_cls, '__name__', env_cls)!r} has no {method} method; "
-                              "expected an OpenEnv Environment subclass")
+            raise ConfigError(
+                f"{name}: {getattr(env_cls, '__name__', env_cls)!r} has no {method} method; "
+                "expected an OpenEnv Environment subclass"
+            )
     if env.action is not None:
         action_cls = resolve_function(env.action, "environment.action", "Action class", ConfigError)
         if not callable(getattr(action_cls, "model_json_schema", None)):
             raise ConfigError(f"environment.action {env.action}: not a pydantic model (an OpenEnv Action subclass)")
     else:
         action_cls = action_class_of(env_cls, name)
-    return OpenEnvEnvironment(env_cls, action_cls, name, env.kwargs, action_tool=env.action_tool,
-                              observation_field=env.observation_field)
+    return OpenEnvEnvironment(
+        env_cls, action_cls, name, env.kwargs, action_tool=env.action_tool, observation_field=env.observation_field
+    )

@@ -102,13 +102,20 @@ def fetch_schema(url: str, timeout: float) -> dict[str, Any]:
             with urllib.request.urlopen(http + path, timeout=timeout) as response:
                 answers[path] = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise ConfigError(f"environment.url {url}: GET {http}{path} answered {exc.code} {exc.reason}; "
-                              "is it an OpenEnv server?") from None
+            raise ConfigError(
+                f"environment.url {url}: GET {http}{path} answered {exc.code} {exc.reason}; is it an OpenEnv server?"
+            ) from None
         except (OSError, ValueError) as exc:  # refused, timed out, unresolvable, not JSON
             reason = getattr(exc, "reason", None) or exc
-            raise ConfigError(f"environment.url {url}: no OpenEnv server answers (GET {http}{path}: {reason})") from None
+            raise ConfigError(
+                f"environment.url {url}: no OpenEnv server answers (GET {http}{path}: {reason})"
+            ) from None
     schema = answers["/schema"]
-    if not (isinstance(schema, dict) and isinstance(schema.get("action"), dict) and isinstance(schema.get("observation"), dict)):
+    if not (
+        isinstance(schema, dict)
+        and isinstance(schema.get("action"), dict)
+        and isinstance(schema.get("observation"), dict)
+    ):
         raise ConfigError(f"environment.url {url}: GET {http}/schema gave no OpenEnv action and observation schemas")
     return schema
 
@@ -160,7 +167,9 @@ class OpenEnvSessions:
     """A rank's pool of sessions to one server: all opened at once (to learn the server's capacity), lent to one
     episode at a time, replaced when one fails, reconnected with backoff when the server goes away."""
 
-    def __init__(self, url: str, *, sessions: int, step_timeout: float, reconnect_timeout: float, max_message_mb: float):
+    def __init__(
+        self, url: str, *, sessions: int, step_timeout: float, reconnect_timeout: float, max_message_mb: float
+    ):
         self.url = url
         self.ws_url, _ = endpoints(url)
         self.wanted = sessions
@@ -222,9 +231,16 @@ class OpenEnvSessions:
         if first:
             logger.warning(
                 "%s accepts %d session%s (%s); running %d episode%s at a time on this rank (environment.concurrency "
-                "%d): start the server with max_concurrent_envs >= %d x the number of ranks", self.url, self._open,
-                "" if self._open == 1 else "s", exc, self.capacity, "" if self.capacity == 1 else "s", self.wanted,
-                self.wanted)
+                "%d): start the server with max_concurrent_envs >= %d x the number of ranks",
+                self.url,
+                self._open,
+                "" if self._open == 1 else "s",
+                exc,
+                self.capacity,
+                "" if self.capacity == 1 else "s",
+                self.wanted,
+                self.wanted,
+            )
 
     def acquire(self, timeout: float) -> Session:
         """A session for one episode: a free one, else a new one (within the capacity), else the next one freed.
@@ -266,7 +282,8 @@ class OpenEnvSessions:
                 if down >= self.reconnect_timeout:
                     raise EnvironmentServerLost(
                         f"{self.url} went away and did not come back within {self.reconnect_timeout:g} s "
-                        f"(environment.reconnect_timeout); stopping") from None
+                        f"(environment.reconnect_timeout); stopping"
+                    ) from None
                 failure = exc
             else:
                 with self._changed:
@@ -360,8 +377,9 @@ class RemoteEpisode(OpenEnvTurns):
             too_big = exc.sent is not None and exc.sent.code == 1009  # we closed it: over our max_size
             self._drop(disconnected=not too_big)
             if too_big:
-                raise ServerError(f"{pool.url} sent a message larger than {pool.max_size / 2**20:g} MiB "
-                                  "(environment.max_message_mb)") from None
+                raise ServerError(
+                    f"{pool.url} sent a message larger than {pool.max_size / 2**20:g} MiB (environment.max_message_mb)"
+                ) from None
             raise Disconnected(f"{pool.url} closed the connection ({exc})") from None
 
     def _drop(self, disconnected: bool = False) -> None:
@@ -374,7 +392,9 @@ class RemoteEpisode(OpenEnvTurns):
             self._drop()  # the server's environment is in whatever state its error left it: not reused
             raise ServerError(f"{self.env.pool.url} {what}: {data.get('message')} ({data.get('code')})")
         if reply.get("type") != "observation" or not isinstance(data.get("observation"), dict):
-            raise ProtocolBreach(f"{self.env.pool.url} answered {what} with a {reply.get('type')!r} message, not an observation")
+            raise ProtocolBreach(
+                f"{self.env.pool.url} answered {what} with a {reply.get('type')!r} message, not an observation"
+            )
         self.last = check_observation(data["observation"], data.get("done"), data.get("reward"), f"the server's {what}")
         return self.last
 
@@ -408,8 +428,17 @@ class OpenEnvRemote:
 
     has_reward = True
 
-    def __init__(self, url: str, *, sessions: int, step_timeout: float, reconnect_timeout: float,
-                 max_message_mb: float, action_tool: str | None = None, observation_field: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        sessions: int,
+        step_timeout: float,
+        reconnect_timeout: float,
+        max_message_mb: float,
+        action_tool: str | None = None,
+        observation_field: str | None = None,
+    ):
         try:
             import websockets.sync.client  # noqa: F401
         except ImportError:
@@ -423,10 +452,16 @@ class OpenEnvRemote:
         self.text = ObservationText(observation_field)
         shown = [k for k in self.schema["observation"].get("properties", {}) if k not in RESERVED_FIELDS]
         if observation_field is not None and observation_field not in shown:
-            raise ConfigError(f"environment.observation_field {observation_field!r}: the observation of {url} has no such "
-                              f"field ({', '.join(shown)})")
-        self._pool_options: dict[str, Any] = dict(sessions=sessions, step_timeout=step_timeout, reconnect_timeout=reconnect_timeout,
-                                  max_message_mb=max_message_mb)
+            raise ConfigError(
+                f"environment.observation_field {observation_field!r}: the observation of {url} has no such "
+                f"field ({', '.join(shown)})"
+            )
+        self._pool_options: dict[str, Any] = dict(
+            sessions=sessions,
+            step_timeout=step_timeout,
+            reconnect_timeout=reconnect_timeout,
+            max_message_mb=max_message_mb,
+        )
         self._pool: OpenEnvSessions | None = None
         self._opening = threading.Lock()
 
@@ -450,7 +485,10 @@ class OpenEnvRemote:
     def counters(self) -> dict[str, int]:
         """The pool's capacity refusals and reconnects (0 before it is opened: its opening's refusals count)."""
         pool = self._pool
-        return {"capacity_refusals": pool.capacity_refusals if pool else 0, "reconnects": pool.reconnects if pool else 0}
+        return {
+            "capacity_refusals": pool.capacity_refusals if pool else 0,
+            "reconnects": pool.reconnects if pool else 0,
+        }
 
     def episode(self) -> RemoteEpisode:
         return RemoteEpisode(self)
@@ -463,6 +501,12 @@ class OpenEnvRemote:
 def build(cfg: Config) -> OpenEnvRemote:
     env = cfg.environment
     assert env.url is not None, "built for environment.url only (environments.build_environment)"
-    return OpenEnvRemote(env.url, sessions=env.concurrency, step_timeout=env.step_timeout,
-                         reconnect_timeout=env.reconnect_timeout, max_message_mb=env.max_message_mb,
-                         action_tool=env.action_tool, observation_field=env.observation_field)
+    return OpenEnvRemote(
+        env.url,
+        sessions=env.concurrency,
+        step_timeout=env.step_timeout,
+        reconnect_timeout=env.reconnect_timeout,
+        max_message_mb=env.max_message_mb,
+        action_tool=env.action_tool,
+        observation_field=env.observation_field,
+    )

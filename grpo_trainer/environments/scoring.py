@@ -53,8 +53,18 @@ def apply_on_error(batch: RewardBatch, episodes: list[EpisodeRecord], policy: st
 def episode_counts(episodes: list[EpisodeRecord]) -> torch.Tensor:
     """Per episode [N, 6 + len(ENDINGS)]: turns, errors, timeouts, disconnects, observations cut, invalid actions,
     then one column per normal ending (a failed episode has none)."""
-    rows = [[e.turns, e.ended_by == FAILED_ERROR, e.ended_by == FAILED_TIMEOUT, e.ended_by == FAILED_DISCONNECT,
-             e.observations_cut, e.invalid_actions, *(e.ended_by == end for end in ENDINGS)] for e in episodes]
+    rows = [
+        [
+            e.turns,
+            e.ended_by == FAILED_ERROR,
+            e.ended_by == FAILED_TIMEOUT,
+            e.ended_by == FAILED_DISCONNECT,
+            e.observations_cut,
+            e.invalid_actions,
+            *(e.ended_by == end for end in ENDINGS),
+        ]
+        for e in episodes
+    ]
     return torch.tensor(rows, dtype=torch.float32).reshape(len(episodes), 6 + len(ENDINGS))
 
 

@@ -33,8 +33,11 @@ class ToolsEpisode:
         if not calls:
             return Reply([])
         results = self.box.run(calls)
-        return Reply(messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
-                     tool_calls=len(results), tool_errors=sum(r.error for r in results))
+        return Reply(
+            messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
+            tool_calls=len(results),
+            tool_errors=sum(r.error for r in results),
+        )
 
     def reward(self) -> float | None:
         return None

@@ -66,20 +66,35 @@ class Rollout:
     # capacity_refusals and reconnects; {} for environments that count none): logged as environment/<name>.
     env_counters: dict[str, int] = field(default_factory=dict)
 
-    PER_COMPLETION: ClassVar[tuple[str, ...]] = ("completion_ids", "truncated", "sampling_logprobs", "completion_mask", "conversations",
-                      "tool_calls", "tool_errors", "turns", "weight_versions", "prompt_ids", "episodes")
+    PER_COMPLETION: ClassVar[tuple[str, ...]] = (
+        "completion_ids",
+        "truncated",
+        "sampling_logprobs",
+        "completion_mask",
+        "conversations",
+        "tool_calls",
+        "tool_errors",
+        "turns",
+        "weight_versions",
+        "prompt_ids",
+        "episodes",
+    )
 
     def select(self, rows: list[int]) -> Rollout:
         """The given completions, every per-completion field alike (tool and environment seconds are not split)."""
-        picked: dict[str, Any] = {name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
-                  for name in self.PER_COMPLETION}
+        picked: dict[str, Any] = {
+            name: None if getattr(self, name) is None else [getattr(self, name)[j] for j in rows]
+            for name in self.PER_COMPLETION
+        }
         environments = None if self.environments is None else [self.environments[j] for j in rows]
         return Rollout(**picked, environments=environments)
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
-        joined: dict[str, Any] = {name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
-                  for name in cls.PER_COMPLETION}
+        joined: dict[str, Any] = {
+            name: None if getattr(parts[0], name) is None else [x for p in parts for x in getattr(p, name)]
+            for name in cls.PER_COMPLETION
+        }
         environments = None
         if all(p.environments is not None for p in parts):
             environments = [x for p in parts for x in p.environments or ()]
@@ -87,8 +102,13 @@ class Rollout:
         for part in parts:
             for name, count in part.env_counters.items():
                 counters[name] = counters.get(name, 0) + count
-        return cls(**joined, environments=environments, tool_seconds=sum(p.tool_seconds for p in parts),
-                   env_seconds=sum(p.env_seconds for p in parts), env_counters=counters)
+        return cls(
+            **joined,
+            environments=environments,
+            tool_seconds=sum(p.tool_seconds for p in parts),
+            env_seconds=sum(p.env_seconds for p in parts),
+            env_counters=counters,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without `environments`: environment objects never cross ranks (dynamic sampling gathers rollouts)."""
@@ -138,10 +158,13 @@ class WeightsLost(RuntimeError):
     def __init__(self, urls: list[str], version: Any, message: str | None = None):
         self.urls = list(urls)
         self.version = version
-        super().__init__(message or (
-            f"vLLM server(s) {', '.join(self.urls)} restarted and lost the pushed weights (version {version}): "
-            "push the current weights before sampling again"
-        ))
+        super().__init__(
+            message
+            or (
+                f"vLLM server(s) {', '.join(self.urls)} restarted and lost the pushed weights (version {version}): "
+                "push the current weights before sampling again"
+            )
+        )
 
 
 @runtime_checkable
@@ -174,8 +197,14 @@ class RolloutEngine(Protocol):
         every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going).
         None elsewhere."""
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        episodes: list[Any] | None = None,
+    ) -> Rollout:
         """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
         result does not depend on batching or on how prompts are split over ranks. `max_tokens` lowers the
         length limit for this call (multi-turn rollouts continue conversations within what is left). `episodes`:
@@ -189,8 +218,9 @@ class RolloutEngine(Protocol):
         `gather`: weight_sync.zero3_gather's context (None outside ZeRO-3): the weights are gathered one decoder
         layer at a time, every rank taking part, instead of the trainer gathering the whole model first."""
 
-    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
-                     decide: bool = True) -> dict[str, str]:
+    def plan_kernels(
+        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
+    ) -> dict[str, str]:
         """Choose, before anything is sampled, the engine's alternative kernels for every shape a run reaches
         (rollout/kernels.py): at most `max_rows` rows per decode step, `max_context` positions; `recorded` (a
         resumed run's plan) is kept where it can run. {} for engines with nothing to choose (vLLM's own)."""
@@ -231,8 +261,9 @@ class InProcess(Sampler):
 class VendorKernels:
     """For engines that sample with another library's kernels (vLLM): no alternatives of ours to plan."""
 
-    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
-                     decide: bool = True) -> dict[str, str]:
+    def plan_kernels(
+        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
+    ) -> dict[str, str]:
         return {}
 
     def use_kernels(self, plan: Mapping[str, str]) -> None:

@@ -127,8 +127,13 @@ class EagerDecoder:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)
-        return self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions[:, None],
-                          past_key_values=self.cache, use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep the live rows `indices`: the cache's only copy, made when rows finish, not per token."""
@@ -154,7 +159,11 @@ def grouped_matmul_attention(query, key, value, attention_mask, scaling):
     folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(folded, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)  # [B, Hkv, g, L]
     if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, -float("inf")) if attention_mask.dtype == torch.bool else scores + attention_mask
+        scores = (
+            scores.masked_fill(~attention_mask, -float("inf"))
+            if attention_mask.dtype == torch.bool
+            else scores + attention_mask
+        )
     return torch.matmul(scores.softmax(-1), value).reshape(batch, heads, 1, dim)
 
 
@@ -196,7 +205,9 @@ class DecodeKernels:
         self.chosen: dict[str, str] = {}  # "decision/shape" -> alternative, as used so far (for reports)
         config = getattr(model, "config", None)
         self.layers = getattr(config, "num_hidden_layers", 1) or 1
-        self.switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation")
+        self.switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(
+            model, "set_attn_implementation"
+        )
 
     def _lookup(self, decision: str, shape: tuple[int, ...]) -> str:
         """The plan's choice; where it has none, a forced one (GRPO_TRAINER_DECODE_KERNELS), else the incumbent."""
@@ -256,7 +267,9 @@ class DecodeKernels:
         max_context = min(max_context, getattr(config, "max_position_embeddings", None) or max_context)
         rows = [1 << i for i in range(row_bucket(max(1, max_rows)).bit_length())]  # 1, 2, 4, ... the bucket of max
         lengths = [64 << i for i in range(max(0, length_bucket(max_context).bit_length() - 7) + 1)]  # 64 ... bucket
-        found: list[tuple[str, tuple[int, ...]]] = [("linear", (out, in_, r)) for (out, in_) in self.by_shape for r in rows]
+        found: list[tuple[str, tuple[int, ...]]] = [
+            ("linear", (out, in_, r)) for (out, in_) in self.by_shape for r in rows
+        ]
         if self.linears and self.switch_attention and config is not None:  # on CPU, where attention is switched
             heads = config.num_attention_heads
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -283,16 +296,33 @@ class DecodeKernels:
                 return {name: (lambda form=LINEAR[name]: [form(m, x) for m in same_shape]) for name in alternatives}
 
             try:
-                return table.decide("linear", shape, alternatives, measure,
-                                    worth_measuring=weight_bytes >= kernels.MIN_WORK_BYTES, remeasure=remeasure)
+                return table.decide(
+                    "linear",
+                    shape,
+                    alternatives,
+                    measure,
+                    worth_measuring=weight_bytes >= kernels.MIN_WORK_BYTES,
+                    remeasure=remeasure,
+                )
             finally:
                 drop_packed_weights(same_shape)  # reordered while being timed; packed again in the loop if chosen
         if decision == "attention":
-            return table.decide("attention", shape, alternatives, lambda: _attention_timings(shape, self.layers, self.dtype),
-                                worth_measuring=_cache_bytes(shape, self.dtype, self.layers) >= kernels.MIN_WORK_BYTES,
-                                remeasure=remeasure)
-        return table.decide("draw", shape, alternatives, lambda: _draw_timings(shape),
-                            worth_measuring=shape[0] * shape[1] >= kernels.MIN_DRAW_ELEMENTS, remeasure=remeasure)
+            return table.decide(
+                "attention",
+                shape,
+                alternatives,
+                lambda: _attention_timings(shape, self.layers, self.dtype),
+                worth_measuring=_cache_bytes(shape, self.dtype, self.layers) >= kernels.MIN_WORK_BYTES,
+                remeasure=remeasure,
+            )
+        return table.decide(
+            "draw",
+            shape,
+            alternatives,
+            lambda: _draw_timings(shape),
+            worth_measuring=shape[0] * shape[1] >= kernels.MIN_DRAW_ELEMENTS,
+            remeasure=remeasure,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -321,8 +351,14 @@ def plan_key(decision: str, shape: tuple[int, ...]) -> str:
     return f"{decision}/{'x'.join(map(str, shape))}"
 
 
-def plan_decode_kernels(model: torch.nn.Module, max_rows: int, max_context: int, table: KernelTable | None = None,
-                        recorded: Mapping[str, str] | None = None, remeasure: bool = False) -> dict[str, str]:
+def plan_decode_kernels(
+    model: torch.nn.Module,
+    max_rows: int,
+    max_context: int,
+    table: KernelTable | None = None,
+    recorded: Mapping[str, str] | None = None,
+    remeasure: bool = False,
+) -> dict[str, str]:
     """The decode loop's plan for `model`: an alternative for every decision a loop of at most `max_rows` rows and
     `max_context` positions reaches, made before anything is sampled (kernels.py says why).
 
@@ -345,16 +381,31 @@ def plan_decode_kernels(model: torch.nn.Module, max_rows: int, max_context: int,
                 plan[key] = kept
                 continue
             plan[key] = loop.decide(decision, shape, table)
-            logger.warning("decode kernels: the run's recorded %s=%s for %s cannot run here; using %s%s", decision,
-                           kept, key, plan[key], "" if decision == "draw" else " (samples differ from the run it continues)")
+            logger.warning(
+                "decode kernels: the run's recorded %s=%s for %s cannot run here; using %s%s",
+                decision,
+                kept,
+                key,
+                plan[key],
+                "" if decision == "draw" else " (samples differ from the run it continues)",
+            )
             continue
         plan[key] = loop.decide(decision, shape, table, remeasure=remeasure)
         if kept is not None and kept != plan[key]:
-            logger.warning("decode kernels: %s forces %s=%s where the run recorded %s (samples differ from the run "
-                           "it continues)", kernels.FORCE_ENV, decision, plan[key], kept)
+            logger.warning(
+                "decode kernels: %s forces %s=%s where the run recorded %s (samples differ from the run it continues)",
+                kernels.FORCE_ENV,
+                decision,
+                plan[key],
+                kept,
+            )
     if len(table.entries()) > measured_before:
-        logger.info("decode kernels: measured %d choices for this machine in %.0f s (once: cached in %s)",
-                    len(table.entries()) - measured_before, time.perf_counter() - started, table.path)
+        logger.info(
+            "decode kernels: measured %d choices for this machine in %.0f s (once: cached in %s)",
+            len(table.entries()) - measured_before,
+            time.perf_counter() - started,
+            table.path,
+        )
     return plan
 
 
@@ -379,6 +430,7 @@ def _attention_timings(shape: tuple[int, ...], layers: int, dtype: torch.dtype) 
     k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
     mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
     mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
+
     def every_layer(fn: Callable) -> Callable[[], list]:
         return lambda: [fn(q, k, v, mask, None) for _ in range(layers)]
 
@@ -398,8 +450,9 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     anything else (and anything unusual: dropout, attention sinks) transformers' own SDPA function."""
     active = getattr(_active, "kernels", None)
     if query.shape[2] != 1 or dropout or kwargs.get("s_aux") is not None or active is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     if key.shape[1] == query.shape[1]:
         path = ATTENTION["repeated"]  # no groups to fold: plain SDPA
     else:

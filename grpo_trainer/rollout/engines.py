@@ -31,17 +31,44 @@ class EngineKind:
     vllm_servers: bool  # samples on the servers of rollout.vllm_server: `train` waits for them before loading anything
 
 
-ENGINES: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("hf", "transformers generate (this package's decode loop), from the training model itself",
-               needs_weight_sync=False, samples_outside_process=False, can_lose_weights=False,
-               samples_from_training_model=True, plans_kernels=True, vllm_in_process=False, vllm_servers=False),
-    EngineKind("vllm_colocate", "vLLM in each training process",
-               needs_weight_sync=True, samples_outside_process=False, can_lose_weights=False,
-               samples_from_training_model=False, plans_kernels=False, vllm_in_process=True, vllm_servers=False),
-    EngineKind("vllm_server", "external vLLM servers",
-               needs_weight_sync=True, samples_outside_process=True, can_lose_weights=True,
-               samples_from_training_model=False, plans_kernels=False, vllm_in_process=False, vllm_servers=True),
-)}
+ENGINES: dict[str, EngineKind] = {
+    kind.name: kind
+    for kind in (
+        EngineKind(
+            "hf",
+            "transformers generate (this package's decode loop), from the training model itself",
+            needs_weight_sync=False,
+            samples_outside_process=False,
+            can_lose_weights=False,
+            samples_from_training_model=True,
+            plans_kernels=True,
+            vllm_in_process=False,
+            vllm_servers=False,
+        ),
+        EngineKind(
+            "vllm_colocate",
+            "vLLM in each training process",
+            needs_weight_sync=True,
+            samples_outside_process=False,
+            can_lose_weights=False,
+            samples_from_training_model=False,
+            plans_kernels=False,
+            vllm_in_process=True,
+            vllm_servers=False,
+        ),
+        EngineKind(
+            "vllm_server",
+            "external vLLM servers",
+            needs_weight_sync=True,
+            samples_outside_process=True,
+            can_lose_weights=True,
+            samples_from_training_model=False,
+            plans_kernels=False,
+            vllm_in_process=False,
+            vllm_servers=True,
+        ),
+    )
+}
 
 ENGINE_NAMES = tuple(ENGINES)  # what rollout.engine accepts
 CAPABILITIES = tuple(f.name for f in fields(EngineKind) if f.type == "bool")

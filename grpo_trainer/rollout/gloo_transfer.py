@@ -106,8 +106,14 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def open_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
-               store: torch.distributed.Store | None = None) -> torch.distributed.ProcessGroup:
+def open_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store: torch.distributed.Store | None = None,
+) -> torch.distributed.ProcessGroup:
     """A gloo group of `world_size` over a TCPStore at master_address:master_port (rank 0 hosts it: pass
     `store`); blocks until every rank joined or `timeout_s` passed."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
@@ -159,8 +165,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     update_info_cls = GlooWeightTransferUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
-                 model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
@@ -172,8 +179,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # The worker's rank across the data-parallel replicas of this server, as vLLM's NCCL backend counts it.
         worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.bucket_bytes = init_info.bucket_bytes
-        self.group = open_group(init_info.master_address, init_info.master_port, init_info.rank_offset + worker,
-                                init_info.world_size, init_info.timeout_s)
+        self.group = open_group(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.rank_offset + worker,
+            init_info.world_size,
+            init_info.timeout_s,
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -261,8 +273,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source=None, is_sender: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source=None,
+        is_sender: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes = bucket_bytes
         self.group = None
@@ -276,11 +294,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine  # not in the group: only iterates the source in send_weights
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        engine._store = store = TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, True,
-                                         timeout=timeout, wait_for_workers=False)
+        engine._store = store = TCPStore(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=store.port, rank_offset=1,
-            world_size=init_info.world_size, bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s,
+            master_address=init_info.master_address,
+            master_port=store.port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            bucket_bytes=init_info.bucket_bytes,
+            timeout_s=init_info.timeout_s,
         )
         # The workers join inside /init_weight_transfer_engine, which returns once they have: join beside it,
         # in a thread of our own, so that a server refusing the init is an error now, not after the timeout.
@@ -288,8 +316,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         def join() -> None:
             try:
-                joined["group"] = open_group(init_info.master_address, store.port, 0, init_info.world_size,
-                                             init_info.timeout_s, store=store)
+                joined["group"] = open_group(
+                    init_info.master_address, store.port, 0, init_info.world_size, init_info.timeout_s, store=store
+                )
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 joined["error"] = e
 
@@ -298,7 +327,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         client.init_weight_transfer_engine(asdict(worker_info))
         joiner.join(init_info.timeout_s)
         if "group" not in joined:
-            raise RuntimeError(f"gloo weight transfer: the trainer could not join the group: {joined.get('error', 'timeout')}")
+            raise RuntimeError(
+                f"gloo weight transfer: the trainer could not join the group: {joined.get('error', 'timeout')}"
+            )
         engine.group = joined["group"]
         return engine
 
@@ -310,13 +341,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         update_info = GlooWeightTransferUpdateInfo(
-            names=[m.name for m in meta], dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
             shapes=[list(m.shape) for m in meta],
         )
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answered = pool.submit(self.client.update_weights, asdict(update_info))
+
             # If the servers fail the update (e.g. one died), stop broadcasting to them at once.
             def abort_if_failed(answer: Future) -> None:
                 if answer.exception() is not None:
@@ -379,8 +412,10 @@ def _checked(source, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]
             raise ValueError(f"weight source yielded more tensors than it declared ({len(meta)}); first extra {name!r}")
         want = meta[count]
         if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(want.shape):
-            raise ValueError(f"weight source declared {want.name} {want.dtype} {tuple(want.shape)} at {count} but "
-                             f"yielded {name} {tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(
+                f"weight source declared {want.name} {want.dtype} {tuple(want.shape)} at {count} but "
+                f"yielded {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
         count += 1
         yield name, tensor
     if count != len(meta):

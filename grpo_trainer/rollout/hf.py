@@ -74,8 +74,14 @@ class HFEngine(InProcess):
         self.kernel_plan: dict[str, str] | None = dict(kernel_plan) if kernel_plan is not None else None
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
-        self.sampling: dict[str, Any] = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
-                             min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty)
+        self.sampling: dict[str, Any] = dict(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or None,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+        )
         self.batch_size = sampling.batch_size
         self.share_prompt = share_prompt
         self.stop: StopStrings | None = None
@@ -84,8 +90,9 @@ class HFEngine(InProcess):
                 raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
             self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
-    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
-                     decide: bool = True) -> dict[str, str]:
+    def plan_kernels(
+        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
+    ) -> dict[str, str]:
         """The decode loop's kernel plan for every shape a run of at most `max_rows` rows per decode step and
         `max_context` positions reaches (decode.plan_decode_kernels; `recorded`: a resumed run's). Called on every
         rank (the parameters are gathered where sharded, a collective); `decide` False returns {} without timing
@@ -114,8 +121,14 @@ class HFEngine(InProcess):
         """Nothing held."""
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        episodes: list[Any] | None = None,
+    ) -> Rollout:
         assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         model = self.get_model()
         limit = max_tokens or self.max_completion_length
@@ -188,15 +201,18 @@ class HFEngine(InProcess):
         kernels = decode_kernels(model, self.kernel_plan)
         if self.compile is not None:  # plain modules under torch.compile; only the (exact) draw is chosen here
             cache.reorder_cache(rows)
-            decoder: StaticDecoder | EagerDecoder = StaticDecoder(self._compiled_forward(model), cache, mask[rows], limit)
+            decoder: StaticDecoder | EagerDecoder = StaticDecoder(
+                self._compiled_forward(model), cache, mask[rows], limit
+            )
             context: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
             reserve_room(cache, limit)  # new tokens are written in place, not concatenated
             cache.reorder_cache(rows)
             decoder, context = EagerDecoder(model, cache, mask[rows]), kernels
         with context:
-            tokens, finished = self._sample_tokens(model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred,
-                                                   limit, kernels.draw)
+            tokens, finished = self._sample_tokens(
+                model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred, limit, kernels.draw
+            )
         return tokens, [not done for done in finished]
 
     def _compiled_forward(self, model) -> CompiledForward:
@@ -204,9 +220,16 @@ class HFEngine(InProcess):
             self._compiled = CompiledForward(model, self.compile)
         return self._compiled
 
-    def _sample_tokens(self, model, decoder, logits: torch.Tensor, next_position: torch.Tensor,
-                       occurred: torch.Tensor | None, limit: int,
-                       draw: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[int]], list[bool]]:
+    def _sample_tokens(
+        self,
+        model,
+        decoder,
+        logits: torch.Tensor,
+        next_position: torch.Tensor,
+        occurred: torch.Tensor | None,
+        limit: int,
+        draw: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the first `logits` [B, V] through `decoder` (`forward(tokens, positions)`,
         `keep(rows)`), whose rows sit at `next_position` [B]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
@@ -266,8 +289,12 @@ class HFEngine(InProcess):
         checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()
         try:
             # In lockstep, transformers' own: finished ranks keep stepping until every rank is done.
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                 synced_gpus=True if self.lockstep is not None else None)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                synced_gpus=True if self.lockstep is not None else None,
+            )
         finally:
             model.generation_config = checkpoint_config
         if idle:
@@ -286,9 +313,17 @@ class HFEngine(InProcess):
         return completions, truncated
 
 
-def sample_next_token(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-                      top_k: int | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                      occurred: torch.Tensor | None = None, draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch) -> torch.Tensor:
+def sample_next_token(
+    logits: torch.Tensor,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    occurred: torch.Tensor | None = None,
+    draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch,
+) -> torch.Tensor:
     """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
     `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of cpu/draw.py's,
     which all give torch.multinomial's token). vLLM applies the same penalty and min-p (alone: config refuses

@@ -84,8 +84,11 @@ def machine_fingerprint(device_type: str = "cpu") -> dict[str, Any]:
         fingerprint["gpu"] = torch.cuda.get_device_name()
         return fingerprint
     cpu = cpu_info()
-    fingerprint.update(cpu=cpu["model"], flags_sha256=hashlib.sha256(" ".join(cpu["flags"]).encode()).hexdigest()[:16],
-                       capability=torch.backends.cpu.get_cpu_capability())
+    fingerprint.update(
+        cpu=cpu["model"],
+        flags_sha256=hashlib.sha256(" ".join(cpu["flags"]).encode()).hexdigest()[:16],
+        capability=torch.backends.cpu.get_cpu_capability(),
+    )
     return fingerprint
 
 
@@ -96,7 +99,9 @@ def machine_key(device_type: str) -> str:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_alternatives(candidates: dict[str, Callable[[], Any]], reps: int = REPS, device_type: str = "cpu") -> dict[str, float]:
+def time_alternatives(
+    candidates: dict[str, Callable[[], Any]], reps: int = REPS, device_type: str = "cpu"
+) -> dict[str, float]:
     """Best milliseconds of each candidate over `reps` alternating rounds (after one warm-up call each);
     the global random state is left as it was (the draw alternatives consume it)."""
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
@@ -106,7 +111,7 @@ def time_alternatives(candidates: dict[str, Callable[[], Any]], reps: int = REPS
         for name in names:
             candidates[name]()
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:  # each goes first in turn
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each goes first in turn
                 sync()
                 start = time.perf_counter()
                 candidates[name]()
@@ -125,9 +130,16 @@ class KernelTable:
         self.path = path
         self._choices: dict[str, dict] | None = None
 
-    def decide(self, decision: str, shape: tuple[int, ...], alternatives: list[str],
-               measure: Callable[[], dict[str, Callable[[], Any]]], worth_measuring: bool, device_type: str = "cpu",
-               remeasure: bool = False) -> str:
+    def decide(
+        self,
+        decision: str,
+        shape: tuple[int, ...],
+        alternatives: list[str],
+        measure: Callable[[], dict[str, Callable[[], Any]]],
+        worth_measuring: bool,
+        device_type: str = "cpu",
+        remeasure: bool = False,
+    ) -> str:
         """The alternative to run for `decision` at `shape`: forced, the incumbent (alternatives[0]) where the
         work is too small to matter, cached, or measured now (`measure()` builds the timed calls; it and the
         timing run with the global random state saved and restored). `remeasure`: time it again even if cached.
@@ -135,7 +147,9 @@ class KernelTable:
         forced = forced_choices().get(decision)
         if forced is not None:
             if forced not in alternatives:
-                raise ConfigError(f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}")
+                raise ConfigError(
+                    f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}"
+                )
             return forced
         if len(alternatives) == 1 or not worth_measuring:
             return alternatives[0]
@@ -149,12 +163,23 @@ class KernelTable:
         incumbent = alternatives[0]
         fastest = min(ms, key=ms.__getitem__)
         choice = fastest if ms[fastest] < (1 - MARGIN) * ms[incumbent] else incumbent
-        self._store(key, {"choice": choice, "ms": {k: round(v, 4) for k, v in ms.items()},
-                          "loadavg": round(os.getloadavg()[0], 2),
-                          "measured": datetime.datetime.now().isoformat(timespec="seconds"),
-                          "machine": machine_fingerprint(device_type)})
-        logger.info("decode kernels: %s at %s -> %s (%s ms)", decision, shape, choice,
-                    ", ".join(f"{k} {v:.3f}" for k, v in ms.items()))
+        self._store(
+            key,
+            {
+                "choice": choice,
+                "ms": {k: round(v, 4) for k, v in ms.items()},
+                "loadavg": round(os.getloadavg()[0], 2),
+                "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+                "machine": machine_fingerprint(device_type),
+            },
+        )
+        logger.info(
+            "decode kernels: %s at %s -> %s (%s ms)",
+            decision,
+            shape,
+            choice,
+            ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+        )
         return choice
 
     def entries(self) -> dict[str, dict]:
@@ -184,7 +209,9 @@ class KernelTable:
             with open(self.path.with_suffix(".lock"), "w") as lock:  # several processes may measure at once
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 merged = {**self._read(), key: entry}
-                with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".decode_kernels-", delete=False) as tmp:
+                with tempfile.NamedTemporaryFile(
+                    "w", dir=self.path.parent, prefix=".decode_kernels-", delete=False
+                ) as tmp:
                     json.dump({"version": CACHE_VERSION, "choices": merged}, tmp, indent=1, sort_keys=True)
                 os.replace(tmp.name, self.path)
             self._choices = merged

@@ -106,8 +106,10 @@ def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None
         why = "vLLM is not installed here to check" if supported is None else "vLLM has no embedding LoRA for it"
         return f"model.lora.target_modules has {', '.join(embedding)} on {facts.architecture}: {why}"
     if engine_kind(cfg.rollout.engine).vllm_servers and not cfg.rollout.vllm_server.weights_dir:
-        return ("rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
-                "one both trainer and servers can read")
+        return (
+            "rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
+            "one both trainer and servers can read"
+        )
     return None
 
 
@@ -119,7 +121,9 @@ def push_adapters(cfg: Config, model: torch.nn.Module, *, fsdp: bool | None = No
     if mode == "merged" or (mode == "auto" and cfg.model.lora is None):
         return False
     if fsdp is None:
-        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # as distributed.check_distributed_setup
+        fsdp = (
+            os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        )  # as distributed.check_distributed_setup
     reason = adapter_refusal(cfg, ModelFacts.of(model.config), fsdp=fsdp)
     if reason is None:
         return True
@@ -173,10 +177,14 @@ class AdapterFolders:
         if not is_lora(model):
             raise ConfigError("rollout.lora_sync: the model to push has no LoRA adapters (model.lora)")
         self.count += 1
-        adapter = Adapter(f"{ADAPTER_PREFIX}{self.token}-v{self.count}", self.count, self.root / f"v{self.count}-{self.token}")
+        adapter = Adapter(
+            f"{ADAPTER_PREFIX}{self.token}-v{self.count}", self.count, self.root / f"v{self.count}-{self.token}"
+        )
         params = adapter_parameters(model)
-        with torch.no_grad(), (gather(params) if gather is not None else contextlib.nullcontext()):
-            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        with torch.no_grad(), gather(params) if gather is not None else contextlib.nullcontext():
+            state = {
+                k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()
+            }
         if write:
             tmp = self.root / f".{adapter.path.name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -193,4 +201,3 @@ class AdapterFolders:
             version = folder.name.split("-", 1)[0][1:]
             if version.isdigit() and int(version) < keep_from:
                 shutil.rmtree(folder, ignore_errors=True)
-

@@ -111,7 +111,9 @@ class EnvMessageTokens:
     def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
         after = self._render(self.base + messages, add_generation_prompt=True)
         if not after.startswith(self.before):
-            raise ValueError(f"{self.where}: the chat template renders earlier messages differently once environment messages follow")
+            raise ValueError(
+                f"{self.where}: the chat template renders earlier messages differently once environment messages follow"
+            )
         text = self.after_eos + after[len(self.before) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -163,8 +165,9 @@ class Conversation:
         assert self.budget is not None, "the conversation's budget is not set yet"
         return self.budget
 
-    def add_model_turn(self, tokens: list[int], truncated: bool, logprobs: list[float] | None, tokenizer,
-                       eos_token_ids: set[int]) -> None:
+    def add_model_turn(
+        self, tokens: list[int], truncated: bool, logprobs: list[float] | None, tokenizer, eos_token_ids: set[int]
+    ) -> None:
         self.ids += tokens
         self.mask += [1] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
@@ -174,8 +177,11 @@ class Conversation:
         self.text = tokenizer.decode(tokens, skip_special_tokens=True)
         self.calls = parse_tool_calls(self.text)
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
-        parsed = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                  for c in self.calls if isinstance(c, ToolCall)]
+        parsed = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self.calls
+            if isinstance(c, ToolCall)
+        ]
         if parsed:
             message["tool_calls"] = parsed
         self.messages.append(message)
@@ -218,8 +224,17 @@ class EpisodeSettings:
 class EpisodeEngine:
     """An engine whose completions are episodes in an environment; see the module docstring."""
 
-    def __init__(self, engine: RolloutEngine, environment: Environment, tokenizer, *, eos_token_ids: list[int],
-                 max_completion_length: int, settings: EpisodeSettings, template_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        environment: Environment,
+        tokenizer,
+        *,
+        eos_token_ids: list[int],
+        max_completion_length: int,
+        settings: EpisodeSettings,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         self.engine = engine
         self.environment = environment
         self.tokenizer = tokenizer
@@ -257,8 +272,9 @@ class EpisodeEngine:
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
         self.engine.sync_weights(model, version=version, gather=gather)
 
-    def plan_kernels(self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None,
-                     decide: bool = True) -> dict[str, str]:
+    def plan_kernels(
+        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
+    ) -> dict[str, str]:
         return self.engine.plan_kernels(max_rows, max_context, recorded, decide)
 
     def use_kernels(self, plan: Mapping[str, str]) -> None:
@@ -276,8 +292,14 @@ class EpisodeEngine:
         self.engine.close()
 
     # ------------------------------------------------------------------ the episode loop
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None, episodes: list[EpisodeSpec] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        episodes: list[EpisodeSpec] | None = None,
+    ) -> Rollout:
         """`max_tokens` lowers rollout.max_completion_length for this call: it bounds each conversation's model and
         environment tokens together, as that limit does. `episodes`: one per prompt (environments that reset from
         the row and the seed need it; without, episodes start without a reset).
@@ -288,8 +310,16 @@ class EpisodeEngine:
         the time taken (with rollout.seed_per_prompt; without, the sampler's batches differ, as with any batch size)."""
         g = num_generations
         before = self.environment.counters()
-        parts = [self._play(prompt_ids[a:b], g, None if seeds is None else seeds[a:b], max_tokens,
-                            None if episodes is None else episodes[a:b]) for a, b in self._waves(len(prompt_ids), g)]
+        parts = [
+            self._play(
+                prompt_ids[a:b],
+                g,
+                None if seeds is None else seeds[a:b],
+                max_tokens,
+                None if episodes is None else episodes[a:b],
+            )
+            for a, b in self._waves(len(prompt_ids), g)
+        ]
         played = [part for part in parts if part.completion_ids] or parts[:1]  # a lockstep rank's empty waves: none
         rollout = played[0] if len(played) == 1 else Rollout.concat(played)
         if self.settings.record:
@@ -309,25 +339,41 @@ class EpisodeEngine:
             raise ConfigError(
                 f"{self.environment.name}: a group's {g} episodes must play at once, and this rank can run {capacity} "
                 f"(environment.concurrency, or the sessions the server accepts): start the server with more sessions "
-                f"(max_concurrent_envs), or sample fewer completions per prompt")
+                f"(max_concurrent_envs), or sample fewer completions per prompt"
+            )
         per = capacity // g
         waves = [(a, min(a + per, prompts)) for a in range(0, prompts, per)] or [(0, 0)]
         if lockstep is not None:
             waves += [(prompts, prompts)] * (int(lockstep.max(torch.tensor([len(waves)]))[0]) - len(waves))
         return waves
 
-    def _play(self, prompt_ids: list[list[int]], g: int, seeds: list[int] | None, max_tokens: int | None,
-              episodes: list[EpisodeSpec] | None) -> Rollout:
+    def _play(
+        self,
+        prompt_ids: list[list[int]],
+        g: int,
+        seeds: list[int] | None,
+        max_tokens: int | None,
+        episodes: list[EpisodeSpec] | None,
+    ) -> Rollout:
         """One wave: its episodes made, reset, played to their end, scored and closed."""
         limit = min(max_tokens, self.max_completion_length) if max_tokens else self.max_completion_length
-        conversations = [Conversation(prompt_ids[j // g], None if seeds is None else mix_seed(seeds[j // g], j % g))
-                         for j in range(len(prompt_ids) * g)]
-        env_seconds = self._start(conversations, g, episodes) if episodes is not None else self._start_plain(conversations)
+        conversations = [
+            Conversation(prompt_ids[j // g], None if seeds is None else mix_seed(seeds[j // g], j % g))
+            for j in range(len(prompt_ids) * g)
+        ]
+        env_seconds = (
+            self._start(conversations, g, episodes) if episodes is not None else self._start_plain(conversations)
+        )
         prompts = [conversations[i * g].prompt for i in range(len(prompt_ids))]
         first = self.engine.generate(prompts, g, seeds=seeds, max_tokens=limit if max_tokens else None)
         for j, conv in enumerate(conversations):
-            conv.add_model_turn(first.completion_ids[j], first.truncated[j], _row(first.sampling_logprobs, j),
-                                self.tokenizer, self.eos_token_ids)
+            conv.add_model_turn(
+                first.completion_ids[j],
+                first.truncated[j],
+                _row(first.sampling_logprobs, j),
+                self.tokenizer,
+                self.eos_token_ids,
+            )
         respond_seconds = 0.0
         # With `lockstep` (the hf engine under FSDP) every rank must make the same generate calls:
         # then a round runs while any rank has a conversation going, the others calling with nothing.
@@ -354,7 +400,9 @@ class EpisodeEngine:
             self._continue(going, round_)
         for conv in conversations:
             if not conv.done:  # still going after max_turns model turns (its last turn unanswered), or just cut
-                conv.end(ENDED_BY_TURNS if conv.ended_with_eos else (ENDED_BY_LENGTH if conv.truncated else ENDED_BY_MODEL))
+                conv.end(
+                    ENDED_BY_TURNS if conv.ended_with_eos else (ENDED_BY_LENGTH if conv.truncated else ENDED_BY_MODEL)
+                )
         tick = time.perf_counter()
         environments = self._finish(conversations) if self.settings.record else None
         env_seconds += respond_seconds + time.perf_counter() - tick
@@ -403,8 +451,12 @@ class EpisodeEngine:
             else:
                 conv.fail(outcome, "making the environment")
         index = {id(conv): j for j, conv in enumerate(conversations)}
-        texts = self.calls.run([(_reset(conv.live_episode, episodes[index[id(conv)] // g], index[id(conv)] % g), conv.limits)
-                                for conv in ready])
+        texts = self.calls.run(
+            [
+                (_reset(conv.live_episode, episodes[index[id(conv)] // g], index[id(conv)] % g), conv.limits)
+                for conv in ready
+            ]
+        )
         text_of: dict[int, str | None] = {}
         for conv, outcome in zip(ready, texts):
             if outcome.ok:
@@ -466,7 +518,9 @@ class EpisodeEngine:
         alive = [c for c in conversations if c.episode is not None and not c.untouchable]
         if self.environment.has_reward:
             scored = [c for c in alive if not c.record.failed]
-            for conv, outcome in zip(scored, self.calls.run([(conv.live_episode.reward, conv.limits) for conv in scored])):
+            for conv, outcome in zip(
+                scored, self.calls.run([(conv.live_episode.reward, conv.limits) for conv in scored])
+            ):
                 if outcome.ok:
                     conv.record.env_reward = outcome.value
                 else:
@@ -474,7 +528,9 @@ class EpisodeEngine:
         alive = [c for c in alive if not c.untouchable]
         shots = self.calls.run([(conv.live_episode.snapshot, conv.limits) for conv in alive])
         snapshot = {id(conv): outcome.value for conv, outcome in zip(alive, shots)}
-        for conv, outcome in zip(alive, self.calls.run([(conv.live_episode.close, self.settings.step_timeout) for conv in alive])):
+        for conv, outcome in zip(
+            alive, self.calls.run([(conv.live_episode.close, self.settings.step_timeout) for conv in alive])
+        ):
             if not outcome.ok and not conv.record.failed:
                 conv.fail(outcome, "close")
         for conv in conversations:
@@ -500,27 +556,49 @@ class MultiTurnEngine(EpisodeEngine):
     """The loop with `rollout.tools` alone (the built-in stateless environment), as it was built before
     environments: `max_tool_turns` rounds of tool calls, i.e. at most max_tool_turns + 1 model turns."""
 
-    def __init__(self, engine: RolloutEngine, toolbox: ToolBox, tokenizer, *, eos_token_ids: list[int],
-                 max_completion_length: int, max_tool_turns: int, template_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        toolbox: ToolBox,
+        tokenizer,
+        *,
+        eos_token_ids: list[int],
+        max_completion_length: int,
+        max_tool_turns: int,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         from ..environments.tools_env import ToolsEnvironment
 
-        super().__init__(engine, ToolsEnvironment(toolbox), tokenizer, eos_token_ids=eos_token_ids,
-                         max_completion_length=max_completion_length, settings=tools_settings(toolbox, max_tool_turns),
-                         template_kwargs=template_kwargs)
+        super().__init__(
+            engine,
+            ToolsEnvironment(toolbox),
+            tokenizer,
+            eos_token_ids=eos_token_ids,
+            max_completion_length=max_completion_length,
+            settings=tools_settings(toolbox, max_tool_turns),
+            template_kwargs=template_kwargs,
+        )
 
 
 def tools_settings(toolbox: ToolBox, max_tool_turns: int) -> EpisodeSettings:
     """The built-in tools environment's settings: the tool box's own limits apply (its calls answer a timeout
     themselves), so the environment's are only a backstop far above them."""
-    return EpisodeSettings(max_turns=max_tool_turns + 1, step_timeout=4 * toolbox.timeout + 60, episode_timeout=math.inf,
-                           concurrency=TOOLS_CONCURRENCY, observation_chars=None, record=False)
+    return EpisodeSettings(
+        max_turns=max_tool_turns + 1,
+        step_timeout=4 * toolbox.timeout + 60,
+        episode_timeout=math.inf,
+        concurrency=TOOLS_CONCURRENCY,
+        observation_chars=None,
+        record=False,
+    )
 
 
 TOOLS_CONCURRENCY = 64  # episodes answered at once (each runs its calls in the tool box's own threads)
 
 
-def with_environment(engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings,
-                     environment: Environment | None = None) -> RolloutEngine:
+def with_environment(
+    engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings, environment: Environment | None = None
+) -> RolloutEngine:
     """`engine` itself without an environment; with one (`environment:`, or rollout.tools alone), the episode loop
     around it. `environment`: one already built (build_environment(cfg)), else built here."""
     from ..environments import build_environment
@@ -535,12 +613,23 @@ def with_environment(engine: RolloutEngine, tokenizer, cfg: Config, sampling: Sa
         assert isinstance(environment, ToolsEnvironment), f"rollout.tools alone built {type(environment).__name__}"
         settings = tools_settings(environment.box, cfg.rollout.max_tool_turns)
     else:
-        settings = EpisodeSettings(max_turns=env.max_turns, step_timeout=env.step_timeout,
-                                   episode_timeout=env.episode_timeout, concurrency=env.concurrency,
-                                   observation_chars=env.observation_chars, record=True)
-    return EpisodeEngine(engine, environment, tokenizer, eos_token_ids=sampling.eos_token_ids,
-                         max_completion_length=sampling.max_completion_length, settings=settings,
-                         template_kwargs=cfg.data.chat_template_kwargs)
+        settings = EpisodeSettings(
+            max_turns=env.max_turns,
+            step_timeout=env.step_timeout,
+            episode_timeout=env.episode_timeout,
+            concurrency=env.concurrency,
+            observation_chars=env.observation_chars,
+            record=True,
+        )
+    return EpisodeEngine(
+        engine,
+        environment,
+        tokenizer,
+        eos_token_ids=sampling.eos_token_ids,
+        max_completion_length=sampling.max_completion_length,
+        settings=settings,
+        template_kwargs=cfg.data.chat_template_kwargs,
+    )
 
 
 def _respond(conv: Conversation):

@@ -44,8 +44,17 @@ def build_engine(
     forward of the model is itself a collective, see HFEngine); with an environment (`environment`, built by
     environments.build_environment; else built here from the config, or from `toolbox` for rollout.tools alone),
     wrapped in the episode loop (multi_turn.py)."""
-    engine = _sampler(cfg, sampling, get_model=get_model, pad_token_id=pad_token_id, tokenizer=tokenizer,
-                      full_parameters=full_parameters, rank=rank, is_main_process=is_main_process, lockstep=lockstep)
+    engine = _sampler(
+        cfg,
+        sampling,
+        get_model=get_model,
+        pad_token_id=pad_token_id,
+        tokenizer=tokenizer,
+        full_parameters=full_parameters,
+        rank=rank,
+        is_main_process=is_main_process,
+        lockstep=lockstep,
+    )
     from .multi_turn import with_environment
 
     if environment is None and toolbox is not None and cfg.environment.kind is None:
@@ -55,15 +64,30 @@ def build_engine(
     return with_environment(engine, tokenizer, cfg, sampling, environment)
 
 
-def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id, tokenizer, full_parameters, rank,
-             is_main_process, lockstep=None) -> RolloutEngine:
+def _sampler(
+    cfg: Config,
+    sampling: SamplingSettings,
+    *,
+    get_model,
+    pad_token_id,
+    tokenizer,
+    full_parameters,
+    rank,
+    is_main_process,
+    lockstep=None,
+) -> RolloutEngine:
     name = engine_kind(cfg.rollout.engine).name  # an unknown name: one line listing the engines there are
     if name == "hf":
         from .hf import HFEngine
 
         return HFEngine(
-            sampling, get_model=get_model, pad_token_id=pad_token_id, share_prompt=cfg.model.share_prompt, tokenizer=tokenizer,
-            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()), lockstep=lockstep,
+            sampling,
+            get_model=get_model,
+            pad_token_id=pad_token_id,
+            share_prompt=cfg.model.share_prompt,
+            tokenizer=tokenizer,
+            full_parameters=full_parameters or (lambda model: contextlib.nullcontext()),
+            lockstep=lockstep,
             compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
         )
     seed = cfg.seed + rank  # ranks must not share a random stream
@@ -79,13 +103,23 @@ def _sampler(cfg: Config, sampling: SamplingSettings, *, get_model, pad_token_id
             # The trainer's dtype. vLLM's own "auto" runs a float32 checkpoint in bfloat16, and the
             # sampler/trainer log-prob gap grows from ~3e-7 to ~5e-3 nats (measured, tests/test_vllm.py).
             settings = settings.model_copy(update={"dtype": cfg.model.dtype})
-        return VLLMColocateEngine(sampling, settings, model_path=resolve_model_path(cfg.model.name_or_path), seed=seed,
-                                  lora_rank=cfg.model.lora.r if adapters and cfg.model.lora else None)
+        return VLLMColocateEngine(
+            sampling,
+            settings,
+            model_path=resolve_model_path(cfg.model.name_or_path),
+            seed=seed,
+            lora_rank=cfg.model.lora.r if adapters and cfg.model.lora else None,
+        )
     if name == "vllm_server":
         from .vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(sampling, cfg.rollout.vllm_server, seed=seed, is_main_process=is_main_process,
-                                lora_sync=cfg.rollout.lora_sync if adapters else "merged")
+        return VLLMServerEngine(
+            sampling,
+            cfg.rollout.vllm_server,
+            seed=seed,
+            is_main_process=is_main_process,
+            lora_sync=cfg.rollout.lora_sync if adapters else "merged",
+        )
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
 
 

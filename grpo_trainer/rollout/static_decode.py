@@ -74,9 +74,14 @@ class StaticDecoder:
             raise RuntimeError(f"static KV cache full: {slot} positions, room for {self.length}")
         self.mask[:, slot] = 1
         order = _padded(torch.arange(len(tokens), device=tokens.device), bucket)
-        logits = self.compiled.forward(input_ids=tokens[order, None], attention_mask=self.mask,
-                                       position_ids=positions[order, None], past_key_values=self.cache, use_cache=True,
-                                       cache_position=torch.tensor([slot], device=tokens.device)).logits
+        logits = self.compiled.forward(
+            input_ids=tokens[order, None],
+            attention_mask=self.mask,
+            position_ids=positions[order, None],
+            past_key_values=self.cache,
+            use_cache=True,
+            cache_position=torch.tensor([slot], device=tokens.device),
+        ).logits
         self.written += 1
         return logits[: len(tokens), -1]
 

@@ -87,7 +87,11 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
         try:
             call = json.loads(body)
         except json.JSONDecodeError as exc:
-            calls.append(ToolResult("?", f"error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})", error=True))
+            calls.append(
+                ToolResult(
+                    "?", f"error: the tool call is not valid JSON ({exc.msg} at character {exc.pos})", error=True
+                )
+            )
             continue
         name = call.get("name") if isinstance(call, dict) else None
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
@@ -97,7 +101,11 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
             except json.JSONDecodeError:
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict):
-            calls.append(ToolResult(str(name or "?"), 'error: a tool call is {"name": <string>, "arguments": <object>}', error=True))
+            calls.append(
+                ToolResult(
+                    str(name or "?"), 'error: a tool call is {"name": <string>, "arguments": <object>}', error=True
+                )
+            )
             continue
         calls.append(ToolCall(name, arguments))
     return calls
@@ -137,10 +145,15 @@ class ToolBox:
                     results.append(c)
                     continue
                 try:
-                    results.append(futures[id(c)].result(timeout=self.timeout + 5))  # the tools time out themselves first
+                    results.append(
+                        futures[id(c)].result(timeout=self.timeout + 5)
+                    )  # the tools time out themselves first
                 except FutureTimeout:
-                    results.append(ToolResult(c.name, f"error: {c.name} did not return within {self.timeout:g} s", True,
-                                              self.timeout))
+                    results.append(
+                        ToolResult(
+                            c.name, f"error: {c.name} did not return within {self.timeout:g} s", True, self.timeout
+                        )
+                    )
             return results
         finally:
             pool.shutdown(wait=False)  # an overrunning user function is left to finish in its thread
@@ -179,7 +192,9 @@ def python_tool(timeout: float) -> Tool:
 
     def run(code: str) -> str:
         if not isinstance(code, str):
-            raise ToolFailed(f"error: bad arguments for {PYTHON_TOOL}: 'code' must be a string, not {type(code).__name__}")
+            raise ToolFailed(
+                f"error: bad arguments for {PYTHON_TOOL}: 'code' must be a string, not {type(code).__name__}"
+            )
         result = sandbox.run_python(code, limits=limits)
         stdout = result.stdout.decode("utf-8", errors="replace")
         if result.completed:
@@ -189,7 +204,9 @@ def python_tool(timeout: float) -> Tool:
         if result.output_overflow:
             raise ToolFailed(stdout + "error: the program printed too much and was stopped")
         lines = result.stderr.decode("utf-8", errors="replace").strip().splitlines()
-        raise ToolFailed(stdout + (lines[-1] if lines else f"error: the program exited with status {result.returncode}"))
+        raise ToolFailed(
+            stdout + (lines[-1] if lines else f"error: the program exited with status {result.returncode}")
+        )
 
     return Tool(PYTHON_TOOL, PYTHON_SCHEMA, run)
 
@@ -219,8 +236,10 @@ def build_toolbox(rollout: RolloutConfig) -> ToolBox | None:
 
     if not rollout.tools:
         return None
-    tools = [python_tool(rollout.tool_timeout) if spec == PYTHON_TOOL else function_tool(spec, f"rollout.tools.{i}")
-             for i, spec in enumerate(rollout.tools)]
+    tools = [
+        python_tool(rollout.tool_timeout) if spec == PYTHON_TOOL else function_tool(spec, f"rollout.tools.{i}")
+        for i, spec in enumerate(rollout.tools)
+    ]
     duplicate = first_duplicate([t.name for t in tools])
     if duplicate:
         raise ConfigError(f"rollout.tools: two tools are named {duplicate!r}")

@@ -166,8 +166,14 @@ class VLLMColocateEngine(InProcess, VendorKernels):
         return SamplingParams(**fields, detokenize=bool(self.sampling.stop))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        episodes: list[Any] | None = None,
+    ) -> Rollout:
         assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         from vllm.inputs import TokensPrompt
 
@@ -180,9 +186,13 @@ class VLLMColocateEngine(InProcess, VendorKernels):
             chunk = prompt_ids[start : start + step]
             prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in chunk]
             params = [
-                self._sampling_params(num_generations, request_seed(self.seed, self._calls, start + i, num_generations,
-                                                                    None if seeds is None else seeds[start + i]),
-                                      max_tokens)
+                self._sampling_params(
+                    num_generations,
+                    request_seed(
+                        self.seed, self._calls, start + i, num_generations, None if seeds is None else seeds[start + i]
+                    ),
+                    max_tokens,
+                )
                 for i in range(len(chunk))
             ]
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request())

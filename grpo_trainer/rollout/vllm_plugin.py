@@ -18,7 +18,9 @@ def register() -> None:
     """Idempotent: vLLM may load plugins more than once in a process, and the trainer calls it too."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+    for factory, cls in (
+        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    ):
         if "gloo" not in factory._registry:  # register_engine refuses a name twice
             factory.register_engine("gloo", MODULE, cls)

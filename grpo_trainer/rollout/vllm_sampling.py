@@ -30,8 +30,9 @@ def request_seed(engine_seed: int | None, call: int, prompt_index: int, n: int, 
     return mix_seed(engine_seed, call, prompt_index * n) % SEED_RANGE
 
 
-def sampling_fields(sampling: SamplingSettings, n: int, *, seed: int | None, max_tokens: int | None = None,
-                    logprobs: bool = True) -> dict[str, Any]:
+def sampling_fields(
+    sampling: SamplingSettings, n: int, *, seed: int | None, max_tokens: int | None = None, logprobs: bool = True
+) -> dict[str, Any]:
     """vLLM's sampling parameters for one request of `n` samples, by vLLM's own names.
 
     Every control is sent even at its neutral value: vLLM's server fills the ones a request leaves out from
@@ -57,8 +58,9 @@ def sampling_fields(sampling: SamplingSettings, n: int, *, seed: int | None, max
     }
 
 
-def cut_completion(token_ids: list[int], logprobs: list[float], eos_token_ids: set[int],
-                   finish_reason: str | None) -> tuple[list[int], list[float], bool]:
+def cut_completion(
+    token_ids: list[int], logprobs: list[float], eos_token_ids: set[int], finish_reason: str | None
+) -> tuple[list[int], list[float], bool]:
     """One sample as the trainer keeps it: (token ids, their log-probs, truncated).
 
     Up to and including the first EOS (trained on too), nothing after it. A sample that ended on a stop

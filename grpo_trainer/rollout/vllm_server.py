@@ -111,11 +111,19 @@ class Server:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
-                read: tuple[str | int, ...] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        timeout: float | None = None,
+        read: tuple[str | int, ...] | None = None,
+    ) -> Any:
         """The JSON answer, or with `read` the item at that path in it (NotAVLLMServer if it is not there)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         limit = timeout or self.timeout
         try:
             with urllib.request.urlopen(req, timeout=limit) as resp:
@@ -143,11 +151,22 @@ class Server:
             raise ServerError(f"vLLM server {method} {self.url}{path} failed: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             reason = getattr(e, "reason", e)
-            if isinstance(reason, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
-                                   http.client.RemoteDisconnected, http.client.IncompleteRead)):
-                raise ServerGone(self.url, f"vLLM server at {self.url} went away during {method} {path}: {reason}") from None
-            raise ServerUnreachable(f"vLLM server at {self.url} did not answer {method} {path} within {limit:g}s: "
-                                    f"{reason}") from None
+            if isinstance(
+                reason,
+                (
+                    ConnectionRefusedError,
+                    ConnectionResetError,
+                    BrokenPipeError,
+                    http.client.RemoteDisconnected,
+                    http.client.IncompleteRead,
+                ),
+            ):
+                raise ServerGone(
+                    self.url, f"vLLM server at {self.url} went away during {method} {path}: {reason}"
+                ) from None
+            raise ServerUnreachable(
+                f"vLLM server at {self.url} did not answer {method} {path} within {limit:g}s: {reason}"
+            ) from None
         if path == "/health":
             return None  # vLLM's is empty; what else a server says there is judged by /v1/models
         if path in (LOAD_ADAPTER, UNLOAD_ADAPTER) and kind == "text/plain":
@@ -163,7 +182,9 @@ class Server:
             try:
                 item = item[key]
             except (KeyError, IndexError, TypeError):
-                raise self.not_vllm(method, path, f"{_snippet(raw)}, without {''.join(f'[{k!r}]' for k in read)}") from None
+                raise self.not_vllm(
+                    method, path, f"{_snippet(raw)}, without {''.join(f'[{k!r}]' for k in read)}"
+                ) from None
         return item
 
     def not_vllm(self, method: str, path: str, answer: str) -> NotAVLLMServer:
@@ -203,8 +224,11 @@ class Server:
 
     def adapters(self) -> list[str]:
         """The names of the LoRA adapters of ours (lora_sync.ADAPTER_PREFIX) the server holds."""
-        return [m.get("id", "") for m in self.request("GET", "/v1/models", read=("data",))
-                if str(m.get("id", "")).startswith(ADAPTER_PREFIX)]
+        return [
+            m.get("id", "")
+            for m in self.request("GET", "/v1/models", read=("data",))
+            if str(m.get("id", "")).startswith(ADAPTER_PREFIX)
+        ]
 
     def model(self) -> str:
         """The model the server serves (also the check that it is a vLLM server at all)."""
@@ -224,7 +248,9 @@ class Server:
         self.request("POST", "/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.request("POST", "/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+        self.request(
+            "POST", "/finish_weight_update", None if weight_version is None else {"weight_version": weight_version}
+        )
 
 
 def each(servers: list[Server], call, *args) -> list[Any]:
@@ -257,8 +283,12 @@ class AllServers:
         self.version: str | None = None  # the version the current push finishes with
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        each(self.servers, lambda server: server.init_weight_transfer_engine(
-            {**init_info, "rank_offset": self.offsets[self.servers.index(server)]}))
+        each(
+            self.servers,
+            lambda server: server.init_weight_transfer_engine(
+                {**init_info, "rank_offset": self.offsets[self.servers.index(server)]}
+            ),
+        )
 
     def start_weight_update(self) -> None:
         each(self.servers, Server.start_weight_update)
@@ -323,7 +353,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
         self.sampling = sampling  # replace it (dataclasses.replace) to sample differently from the next call on
         self.seed = seed
         self.weight_sync = settings.weight_sync
-        self.weights_dir = Path(settings.weights_dir) if settings.weights_dir else None  # None: our own, at the first push
+        self.weights_dir = (
+            Path(settings.weights_dir) if settings.weights_dir else None
+        )  # None: our own, at the first push
         self._remove_weights_dir: weakref.finalize | None = None
         self.is_main_process = is_main_process
         self.weight_version: Any = None  # the version of the last push (None: nothing pushed yet)
@@ -337,8 +369,10 @@ class VLLMServerEngine(Sampler, VendorKernels):
         self.wait_until_healthy(settings.startup_timeout)
         names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
-            raise ServerError("rollout.vllm_server.urls: the servers serve different models: "
-                              + ", ".join(f"{s.url}: {n}" for s, n in zip(self.servers, names)))
+            raise ServerError(
+                "rollout.vllm_server.urls: the servers serve different models: "
+                + ", ".join(f"{s.url}: {n}" for s, n in zip(self.servers, names))
+            )
         self.model_name = model_name or names[0]
         if is_main_process and self.weight_sync != "none":
             self._release_a_dead_trainers_push()
@@ -372,9 +406,18 @@ class VLLMServerEngine(Sampler, VendorKernels):
         A gap too small (or a runner-up vLLM reports as -9999, i.e. -inf) to tell says nothing either way."""
         gaps = []
         for temperature in PROBE_TEMPERATURES:
-            body = {"model": self.model_name, "prompt": [list(self.sampling.eos_token_ids[:1])], "max_tokens": 1,
-                    "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "logprobs": 2, "seed": 0}
+            body = {
+                "model": self.model_name,
+                "prompt": [list(self.sampling.eos_token_ids[:1])],
+                "max_tokens": 1,
+                "temperature": temperature,
+                "top_p": 1.0,
+                "top_k": 0,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "logprobs": 2,
+                "seed": 0,
+            }
             top = server.request("POST", "/v1/completions", body, read=("choices", 0, "logprobs", "top_logprobs", 0))
             best = sorted(top.values(), reverse=True)[:2]
             if len(best) < 2 or best[1] < -1000:
@@ -389,8 +432,15 @@ class VLLMServerEngine(Sampler, VendorKernels):
             )
 
     # ------------------------------------------------------------------ sampling
-    def _requests(self, prompt_ids: list[list[int]], n: int, seeds: list[int] | None, max_tokens: int | None,
-                  call: int, first: int) -> list[tuple[list[int], dict]]:
+    def _requests(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        seeds: list[int] | None,
+        max_tokens: int | None,
+        call: int,
+        first: int,
+    ) -> list[tuple[list[int], dict]]:
         """(prompt indices, request body) for prompts first, first + 1, ... of the engine's `call`-th generate call.
         Seeded: one request per prompt, each with its own seed (vLLM would give all prompts of one request the
         same seeds). Unseeded: one request per server."""
@@ -402,8 +452,12 @@ class VLLMServerEngine(Sampler, VendorKernels):
         out = []
         for group in groups:
             seed = request_seed(self.seed, call, first + group[0], n, None if seeds is None else seeds[group[0]])
-            body = {"model": self.sampled_model(), "prompt": [list(prompt_ids[i]) for i in group], "return_token_ids": True,
-                    **sampling_fields(self.sampling, n, seed=seed if len(group) == 1 else None, max_tokens=max_tokens)}
+            body = {
+                "model": self.sampled_model(),
+                "prompt": [list(prompt_ids[i]) for i in group],
+                "return_token_ids": True,
+                **sampling_fields(self.sampling, n, seed=seed if len(group) == 1 else None, max_tokens=max_tokens),
+            }
             out.append((group, body))
         return out
 
@@ -421,8 +475,14 @@ class VLLMServerEngine(Sampler, VendorKernels):
         return name or self.model_name
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 max_tokens: int | None = None, episodes: list[Any] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seeds: list[int] | None = None,
+        max_tokens: int | None = None,
+        episodes: list[Any] | None = None,
+    ) -> Rollout:
         assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
         self._check_versions()
         call, self._calls = self._calls, self._calls + 1
@@ -430,17 +490,23 @@ class VLLMServerEngine(Sampler, VendorKernels):
         rows: dict[int, list[tuple[list[int], list[float], bool]]] = {}
         for start in range(0, len(prompt_ids), step):
             chunk = prompt_ids[start : start + step]
-            requests = self._requests(chunk, num_generations, None if seeds is None else seeds[start : start + step],
-                                      max_tokens, call, start)
+            requests = self._requests(
+                chunk, num_generations, None if seeds is None else seeds[start : start + step], max_tokens, call, start
+            )
             for (group, _), answer in zip(requests, self._send_all([body for _, body in requests])):
                 choices = sorted(answer["choices"], key=lambda c: c["index"])
                 if len(choices) != len(group) * num_generations:
-                    raise ServerError(f"vLLM server returned {len(choices)} choices for {len(group)} x {num_generations}")
+                    raise ServerError(
+                        f"vLLM server returned {len(choices)} choices for {len(group)} x {num_generations}"
+                    )
                 for k, i in enumerate(group):  # choices come prompt by prompt, n each
                     rows[start + i] = [self._read(c) for c in choices[k * num_generations : (k + 1) * num_generations]]
         samples = [sample for i in range(len(prompt_ids)) for sample in rows[i]]
-        return Rollout(completion_ids=[s[0] for s in samples], truncated=[s[2] for s in samples],
-                       sampling_logprobs=[s[1] for s in samples])
+        return Rollout(
+            completion_ids=[s[0] for s in samples],
+            truncated=[s[2] for s in samples],
+            sampling_logprobs=[s[1] for s in samples],
+        )
 
     def _read(self, choice: dict) -> tuple[list[int], list[float], bool]:
         ids = list(choice.get("token_ids") or [])
@@ -457,8 +523,10 @@ class VLLMServerEngine(Sampler, VendorKernels):
                 break
             gone: dict[str, ServerGone] = {}
             with ThreadPoolExecutor(max_workers=min(64, len(todo))) as pool:
-                futures = {j: pool.submit(self.servers[j % len(self.servers)].request, "POST", "/v1/completions", bodies[j])
-                           for j in todo}
+                futures = {
+                    j: pool.submit(self.servers[j % len(self.servers)].request, "POST", "/v1/completions", bodies[j])
+                    for j in todo
+                }
                 for j, future in futures.items():
                     try:
                         answers[j] = future.result()
@@ -480,8 +548,10 @@ class VLLMServerEngine(Sampler, VendorKernels):
         limit = self.settings.reconnect_timeout
         for server in servers:
             if not server.wait_until_healthy(limit):
-                raise ServerUnreachable(f"vLLM server at {server.url} went away{during} and did not come back within "
-                                        f"{limit:g}s (rollout.vllm_server.reconnect_timeout)")
+                raise ServerUnreachable(
+                    f"vLLM server at {server.url} went away{during} and did not come back within "
+                    f"{limit:g}s (rollout.vllm_server.reconnect_timeout)"
+                )
 
     def _check_versions(self, servers: list[Server] | None = None) -> None:
         """WeightsLost for servers whose weight version is not the one last pushed (they restarted)."""
@@ -523,7 +593,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
             self._close_transfer()
             self._await(gone, " during a weight push")
             if gather is not None:  # a second pass over ZeRO-3 pieces needs every rank: the caller repeats the push
-                raise WeightsLost([s.url for s in gone] or [s.url for s in self.servers], self.weight_version) from error
+                raise WeightsLost(
+                    [s.url for s in gone] or [s.url for s in self.servers], self.weight_version
+                ) from error
             self._push(_Tracked(MergedWeights(model, gather)), version)  # the servers (re)join a new transfer group
         self.weight_version = version
 
@@ -543,7 +615,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
             if not (first and self.lora_sync == "auto"):
                 raise
             if gather is not None:  # the other ranks gathered the adapter, not the merged weights
-                raise ServerError(f"rollout.lora_sync=auto: {error}; under ZeRO-3 set rollout.lora_sync=merged") from None
+                raise ServerError(
+                    f"rollout.lora_sync=auto: {error}; under ZeRO-3 set rollout.lora_sync=merged"
+                ) from None
             log_fallback(str(error))
             self.adapters, self._pushes = None, self._pushes - 1
             self.sync_weights(model, version)
@@ -560,7 +634,9 @@ class VLLMServerEngine(Sampler, VendorKernels):
         def load(server: Server) -> None:
             held = server.adapters()
             if adapter.name not in held:  # held already: a push repeated after another server went away
-                server.request("POST", LOAD_ADAPTER, {"lora_name": adapter.name, "lora_path": str(adapter.path.resolve())})
+                server.request(
+                    "POST", LOAD_ADAPTER, {"lora_name": adapter.name, "lora_path": str(adapter.path.resolve())}
+                )
             for name in held:  # the previous one, and any a run that died left
                 if name != adapter.name:
                     server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
@@ -576,11 +652,18 @@ class VLLMServerEngine(Sampler, VendorKernels):
         with self._paused():
             if self.weight_sync == "disk":
                 folder = save_weights(source.source.model, self._weights_folder(), gather=source.source.gather).parent
-                each(self.servers, lambda server: server.request(
-                    "POST", "/collective_rpc",
-                    {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}))
-                each(self.servers, lambda server: server.request("POST", "/update_weight_version",
-                                                                 {"new_version": str(version)}))
+                each(
+                    self.servers,
+                    lambda server: server.request(
+                        "POST",
+                        "/collective_rpc",
+                        {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(folder.resolve())}},
+                    ),
+                )
+                each(
+                    self.servers,
+                    lambda server: server.request("POST", "/update_weight_version", {"new_version": str(version)}),
+                )
             else:
                 if self._transfer is None:
                     self._open_transfer(source)
@@ -601,7 +684,10 @@ class VLLMServerEngine(Sampler, VendorKernels):
         even be half loaded), so its version says so: sampling from it raises WeightsLost until a full push.
         (An error means there was nothing open, or the server is gone.)"""
         for server in servers:
-            for path, body in (("/finish_weight_update", None), ("/update_weight_version", {"new_version": INCOMPLETE_VERSION})):
+            for path, body in (
+                ("/finish_weight_update", None),
+                ("/update_weight_version", {"new_version": INCOMPLETE_VERSION}),
+            ):
                 try:
                     server.request("POST", path, body)
                 except (ServerUnreachable, ServerError):
@@ -644,25 +730,36 @@ class VLLMServerEngine(Sampler, VendorKernels):
         if self.weight_sync == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info = NCCLTrainerInitInfo(master_address=settings.transfer_host or address_towards(host),
-                                       master_port=settings.transfer_port or _free_port(), world_size=world_size, rank=0,
-                                       packed=True, packed_buffer_size_bytes=int(settings.transfer_bucket_mb * 2**20))
+            info = NCCLTrainerInitInfo(
+                master_address=settings.transfer_host or address_towards(host),
+                master_port=settings.transfer_port or _free_port(),
+                world_size=world_size,
+                rank=0,
+                packed=True,
+                packed_buffer_size_bytes=int(settings.transfer_bucket_mb * 2**20),
+            )
         else:
             from .gloo_transfer import GlooTrainerInitInfo
             from .vllm_plugin import register
 
             register()  # the trainer's process may not have loaded vLLM's plugins
-            info = GlooTrainerInitInfo(master_address=settings.transfer_host or address_towards(host),
-                                       master_port=settings.transfer_port, world_size=world_size, rank=0,
-                                       bucket_bytes=int(settings.transfer_bucket_mb * 2**20), timeout_s=settings.timeout)
+            info = GlooTrainerInitInfo(
+                master_address=settings.transfer_host or address_towards(host),
+                master_port=settings.transfer_port,
+                world_size=world_size,
+                rank=0,
+                bucket_bytes=int(settings.transfer_bucket_mb * 2**20),
+                timeout_s=settings.timeout,
+            )
         try:
             self._transfer = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=source)
         except ServerError as e:
             if "Invalid weight transfer backend" in str(e) or "not configured" in str(e):
                 raise ServerError(
                     f"rollout.vllm_server.weight_sync={self.weight_sync}: the server at {self.base_url} was not started "
-                    f"with --weight-transfer-config '{{\"backend\": \"{self.weight_sync}\"}}' (`python -m grpo_trainer "
-                    f"serve` does): {e}") from None
+                    f'with --weight-transfer-config \'{{"backend": "{self.weight_sync}"}}\' (`python -m grpo_trainer '
+                    f"serve` does): {e}"
+                ) from None
             raise
 
     def _close_transfer(self) -> None:
@@ -734,4 +831,5 @@ def _lost_connection(error: BaseException) -> bool:
     """A push that failed because a peer's connection dropped (HTTP, or the transfer group's sockets)."""
     text = str(error).lower()
     return isinstance(error, ServerGone) or any(
-        word in text for word in ("connection reset", "connection closed", "connection refused", "broken pipe", "peer"))
+        word in text for word in ("connection reset", "connection closed", "connection refused", "broken pipe", "peer")
+    )

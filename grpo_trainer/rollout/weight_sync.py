@@ -213,8 +213,9 @@ def address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
-def save_weights(model: torch.nn.Module, folder: str | Path, filename: str = "model.safetensors",
-                 gather: Gather | None = None) -> Path:
+def save_weights(
+    model: torch.nn.Module, folder: str | Path, filename: str = "model.safetensors", gather: Gather | None = None
+) -> Path:
     """Write the merged weights as one safetensors file (atomically: temp file + rename); return its path."""
     from safetensors.torch import save_file
 
@@ -258,7 +259,11 @@ def retie(groups) -> None:
             if getattr(module, attr) is not shared:
                 setattr(module, attr, shared)
             method = getattr(module, "quant_method", None)
-            if method is not None and type(method).__name__.startswith("Unquantized") and hasattr(method, "process_weights_after_loading"):
+            if (
+                method is not None
+                and type(method).__name__.startswith("Unquantized")
+                and hasattr(method, "process_weights_after_loading")
+            ):
                 method.process_weights_after_loading(module)
 
 
