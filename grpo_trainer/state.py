@@ -131,16 +131,7 @@ def build_run(cfg: Config) -> Run:
     if cfg.train.packing:
         check_packing_support(lm)
     environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
-    task = load_task(
-        cfg.data,
-        cfg.rewards,
-        tokenizer,
-        context_length(lm),
-        policy_dtype=cfg.model.dtype,
-        tools=environment.tools or None if environment else None,
-        environment=environment,
-        environment_config=cfg.environment,
-    )
+    task = _training_task(cfg, tokenizer, lm, environment)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
     reference = _reference(cfg, accelerator, lm)
@@ -197,6 +188,21 @@ def build_run(cfg: Config) -> Run:
         progress=ProgressBar(cfg, accelerator.is_main_process),
         heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
         eval_task=eval_task,
+    )
+
+
+def _training_task(cfg: Config, tokenizer, lm, environment) -> Task:
+    """The prompts and rewards a run trains on, told of the environment that plays its episodes (its tools in the
+    prompts, its reward beside the config's)."""
+    return load_task(
+        cfg.data,
+        cfg.rewards,
+        tokenizer,
+        context_length(lm),
+        policy_dtype=cfg.model.dtype,
+        tools=environment.tools or None if environment else None,
+        environment=environment,
+        environment_config=cfg.environment,
     )
 
 
@@ -372,17 +378,7 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
         return {}, {}
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
-    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
-    task = load_task(
-        cfg.data,
-        cfg.rewards,
-        tokenizer,
-        context_length(lm),
-        policy_dtype=cfg.model.dtype,
-        tools=environment.tools or None if environment else None,
-        environment=environment,
-        environment_config=cfg.environment,
-    )
+    task = _training_task(cfg, tokenizer, lm, build_environment(cfg))
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)
