@@ -130,19 +130,30 @@ def test_a_teacher_with_another_vocabulary_is_refused():
 
 
 @pytest.mark.slow
-def test_pure_distillation_trains_where_the_rewards_say_nothing(tmp_path):
-    """The tiny model taught by tiny-tools (another model with the same tokenizer), teacher_only: the arithmetic
-    reward scores 0 everywhere (logged, left out of the advantage), yet the teacher's term alone moves the policy;
-    it is the whole advantage, and at ratio 1 the GRPO loss of full-length completions is the sampled KL."""
-    out = tmp_path / "run"
-    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2),
-                      "teacher={name_or_path: builtin:tiny-tools}", "loss.teacher_kl=1.0", "loss.teacher_only=true",
-                      "rollout.max_completion_length=8"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(out)
+def test_pure_distillation_trains_where_the_rewards_say_nothing_and_resumes_exactly(tmp_path):
+    """The tiny model (a LoRA student) taught by tiny-tools (another model with the same tokenizer), teacher_only:
+    the arithmetic reward scores 0 everywhere (logged, left out of the advantage), yet the teacher's term alone
+    moves the policy; it is the whole advantage, and at ratio 1 the GRPO loss of full-length completions is the
+    sampled KL. 2 steps straight and 1 + 1 resumed are the same run (the teacher holds no state)."""
+    from helpers import assert_same_run
+
+    def train(out, steps, resume="never"):
+        overrides = [o for o in small_run_overrides(out, steps=steps) if not o.startswith("checkpoint.resume")]
+        result = run_cli(["train", "configs/demo_cpu.yaml", *overrides, "teacher={name_or_path: builtin:tiny-tools}",
+                          "loss.teacher_kl=1.0", "loss.teacher_only=true", "rollout.max_completion_length=8",
+                          "model.lora={r: 4, alpha: 8}", "train.learning_rate=1e-2", "checkpoint.save_every=1",
+                          f"checkpoint.resume={resume}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, 2)
+    train(resumed, 1)
+    assert "resumed from" in train(resumed, 2, resume="auto").stderr
+    assert_same_run(straight, resumed)
+    records = read_metrics(straight)
     for record in records:
         assert record["teacher/advantage_share"] == 1.0 and record["teacher/reverse_kl"] > 0
         assert "rewards/math_accuracy/mean" in record and record["grad_norm"] > 0
     if records[0]["completions/mean_length"] == 8:  # every completion full length: sequence mean = token mean
         assert records[0]["loss"] == pytest.approx(records[0]["teacher/reverse_kl"], rel=1e-5)
-
