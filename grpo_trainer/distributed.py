@@ -220,6 +220,23 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# What a multi-process run leaves for the process's end (`keep_until_exit`); never read.
+_KEPT_UNTIL_EXIT: list[object] = []
+
+
+def keep_until_exit(run: object) -> None:
+    """Keep a finished multi-process run's objects alive until the process ends (the CLI then leaves without
+    teardown: `exit_without_teardown`).
+
+    Releasing them when `train` returns destroyed the DDP model's reducer and with it the gloo process group it
+    holds, after `end_training` had destroyed the group and the other rank had exited: the group's destructor
+    joined a worker thread that waited on that peer forever, and the launch hung on a finished run (seen about
+    once in ten two-rank launches; py-spy: ProcessGroupGloo::~ProcessGroupGloo in std::thread::join under
+    Reducer::~Reducer). One process: nothing is kept."""
+    if launched_ranks() > 1:
+        _KEPT_UNTIL_EXIT.append(run)
+
+
 def exit_without_teardown(code: int):
     """End a multi-process run's process now, without the interpreter's teardown.
 

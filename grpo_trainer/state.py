@@ -422,6 +422,7 @@ def stop_run(run: Run) -> None:
     run.engine.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
+    distributed.keep_until_exit(run)
 
 
 def _save_final_model(run: Run, folder: Path) -> None:

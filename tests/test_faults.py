@@ -274,3 +274,17 @@ def test_bad_data_files_are_one_line_naming_the_file_and_line(tmp_path, content,
     result = run_cli(["train", "configs/demo_cpu.yaml", *overrides(tmp_path / "run", 1), f"data.source={data}"])
     assert result.returncode == 2
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_finished_multi_process_run_is_kept_until_the_process_ends(monkeypatch):
+    """Released when `train` returned, a two-rank run's DDP reducer destroyed its gloo process group after the other
+    rank had exited, and that destructor could wait forever (a launch hung on a finished run): the run is kept for
+    the CLI's exit without teardown. One process keeps nothing."""
+    from grpo_trainer import distributed
+
+    monkeypatch.setattr(distributed, "_KEPT_UNTIL_EXIT", [])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    distributed.keep_until_exit("one process")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    distributed.keep_until_exit("two ranks")
+    assert distributed._KEPT_UNTIL_EXIT == ["two ranks"]
