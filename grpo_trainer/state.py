@@ -96,35 +96,9 @@ class Run:
 
 def build_run(cfg: Config) -> Run:
     """Accelerator, models, optimizer, engine, task and writers, identical on every rank up to the sampling seed."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import set_seed
 
-    # The world size is needed before the Accelerator exists (it fixes gradient accumulation).
-    geometry = batch_geometry(cfg, distributed.partial_state().num_processes)
-    trackers: list[str] = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
-    output_dir = Path(cfg.output_dir)
-    accelerator = Accelerator(
-        # Fixed by train.micro_batch_size; under a token budget update.py sets it per optimizer step.
-        gradient_accumulation_steps=geometry.accumulation_steps or 1,
-        log_with=trackers or None,
-        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "trackers")),
-    )
-    geometry = replace(geometry, rank=accelerator.process_index)
-    setup_logging(cfg, accelerator.is_main_process)
-    distributed.check_distributed_setup(accelerator)
-    run_preflight(cfg)  # what cannot work here stops now, before any model loads
-    logger.info(
-        "world_size=%d distributed_type=%s device=%s mixed_precision=%s prompts_per_rank=%d completions_per_rank=%d "
-        "grad_accum=%s",
-        geometry.world,
-        accelerator.distributed_type.value,
-        accelerator.device,
-        distributed.mixed_precision(accelerator),
-        geometry.prompts_per_rank,
-        geometry.completions_per_rank,
-        geometry.accumulation_steps or f"per step (train.micro_batch_tokens={geometry.micro_batch_tokens})",
-    )
-
+    accelerator, geometry, trackers = _start_processes(cfg)
     set_seed(cfg.seed)  # identical on every rank: same random inits
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     lm = load_causal_lm(cfg.model)
@@ -134,40 +108,18 @@ def build_run(cfg: Config) -> Run:
     task = _training_task(cfg, tokenizer, lm, environment)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)
-    reference = _reference(cfg, accelerator, lm)
-    teacher = _teacher(cfg, accelerator, tokenizer)
+    # Loaded before the per-rank seed below, as the policy: a load that draws random numbers draws alike everywhere.
+    reference, teacher = _reference(cfg, accelerator, lm), _teacher(cfg, accelerator, tokenizer)
     comm = distributed.Collectives(accelerator)
 
     def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
         return distributed.unwrap(accelerator, policy).lm
 
-    engine = build_engine(
-        cfg,
-        sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
-        get_model=bare_lm,
-        pad_token_id=tokenizer.pad_token_id,
-        tokenizer=tokenizer,
-        full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
-        rank=accelerator.process_index,
-        is_main_process=accelerator.is_main_process,
-        environment=environment,
-        lockstep=distributed.sampling_lockstep(accelerator, comm),
-    )
+    engine = _engine(cfg, accelerator, comm, policy, bare_lm, tokenizer, lm, environment)
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
-    eval_task = None
-    if cfg.eval.every:  # every rank evaluates (see trainer.periodic_eval)
-        eval_task = load_eval_task(cfg, tokenizer, context_length(lm))
     sampler = PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle)
     settings = QueueSettings.of(cfg)
-    rollouts = RolloutQueue(
-        engine,
-        settings,
-        geometry=geometry,
-        comm=comm,
-        task=task,
-        sampler=sampler,
-        push=weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints),
-    )
+    push = weight_pusher(engine, comm, bare_lm, accelerator, settings.checkpoints)
     return Run(
         cfg=cfg,
         accelerator=accelerator,
@@ -182,12 +134,63 @@ def build_run(cfg: Config) -> Run:
         engine=engine,
         task=task,
         sampler=sampler,
-        metrics=MetricsWriter(output_dir, enabled=accelerator.is_main_process),
+        metrics=MetricsWriter(Path(cfg.output_dir), enabled=accelerator.is_main_process),
         trackers=trackers,
-        rollouts=rollouts,
+        rollouts=RolloutQueue(engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler, push=push),
         progress=ProgressBar(cfg, accelerator.is_main_process),
         heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
-        eval_task=eval_task,
+        # every rank evaluates (see trainer.periodic_eval)
+        eval_task=load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None,
+    )
+
+
+def _start_processes(cfg: Config) -> tuple[Any, Geometry, list[str]]:
+    """The Accelerator, the batch geometry on this rank and the trackers; logging set up, and what cannot work
+    here refused (preflight) before any model loads."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    # The world size is needed before the Accelerator exists (it fixes gradient accumulation).
+    geometry = batch_geometry(cfg, distributed.partial_state().num_processes)
+    trackers: list[str] = [t for t in cfg.logging.report_to if t != "jsonl"]  # jsonl is ours, always on
+    output_dir = Path(cfg.output_dir)
+    accelerator = Accelerator(
+        # Fixed by train.micro_batch_size; under a token budget update.py sets it per optimizer step.
+        gradient_accumulation_steps=geometry.accumulation_steps or 1,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "trackers")),
+    )
+    geometry = replace(geometry, rank=accelerator.process_index)
+    setup_logging(cfg, accelerator.is_main_process)
+    distributed.check_distributed_setup(accelerator)
+    run_preflight(cfg)
+    logger.info(
+        "world_size=%d distributed_type=%s device=%s mixed_precision=%s prompts_per_rank=%d completions_per_rank=%d "
+        "grad_accum=%s",
+        geometry.world,
+        accelerator.distributed_type.value,
+        accelerator.device,
+        distributed.mixed_precision(accelerator),
+        geometry.prompts_per_rank,
+        geometry.completions_per_rank,
+        geometry.accumulation_steps or f"per step (train.micro_batch_tokens={geometry.micro_batch_tokens})",
+    )
+    return accelerator, geometry, trackers
+
+
+def _engine(cfg: Config, accelerator, comm, policy, bare_lm, tokenizer, lm, environment) -> RolloutEngine:
+    """The rollout engine, sampling from `bare_lm()` (whole parameters under ZeRO-3) or its own copy."""
+    return build_engine(
+        cfg,
+        sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
+        get_model=bare_lm,
+        pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
+        full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
+        rank=accelerator.process_index,
+        is_main_process=accelerator.is_main_process,
+        environment=environment,
+        lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
 
 

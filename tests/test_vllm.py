@@ -31,6 +31,7 @@ from grpo_trainer.config import VLLMConfig  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine  # noqa: E402
 from vllm_helpers import (  # noqa: E402
+    assert_episodes_line_up,
     ATOL, EOS, MAX_LEN, PROMPTS, TEMPERATURE, assert_close, build_model, check_rollout, load_lm, max_diff, perturb,
     sampling_changed, trainer_logprobs,
 )
@@ -254,48 +255,9 @@ def test_stop_strings_end_completions_on_the_same_token_in_both_engines(engine, 
     assert all(len(lp) == len(c) for lp, c in zip(with_vllm.sampling_logprobs, with_vllm.completion_ids))
 
 
-class Again:
-    """An environment answering every plain reply with a user message; done after its third answer."""
-
-    def reset(self, seed: int, **row) -> None:
-        self.answers = 0
-
-    def step(self, reply: str) -> tuple[str, bool]:
-        self.answers += 1
-        return f"again {self.answers}", self.answers >= 3
-
-    def get_reward(self) -> float:
-        return float(self.answers)
-
-
 def test_an_environment_on_vllm_colocate_lines_up_the_samplers_logprobs_with_the_trainers(engine, model_dir):
-    """environment.factory's episode loop around vllm_colocate: every episode continued by vLLM from its whole
-    context (environment messages between turns), vLLM's per-turn log-probs equal the trainer's one forward over
-    the conversation on every model-written token; environment tokens masked with log-prob 0."""
-    from transformers import AutoTokenizer
-
-    from grpo_trainer.environments import EpisodeSpec
-    from grpo_trainer.environments.class_env import ClassEnvironment
-    from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    env = ClassEnvironment(Again, "environment.factory test:Again", {}, extra_tools=[], tool_timeout=5)
-    settings = EpisodeSettings(max_turns=3, step_timeout=5.0, episode_timeout=30.0, concurrency=8, observation_chars=100,
-                               record=True)
-    loop = EpisodeEngine(engine, env, tokenizer, eos_token_ids=[EOS], max_completion_length=200, settings=settings)
-    specs = [EpisodeSpec({"prompt": "-"}, 7, f"p{i}", lambda text: None) for i in range(len(PROMPTS))]
-    out = loop.generate(PROMPTS, 16, seeds=[11, 12, 13, 14], episodes=specs)  # seeded: the same episodes every run
-    rows = [j for j, turns in enumerate(out.turns) if turns > 1]
-    assert len(rows) >= 3, out.turns
-    assert {e.ended_by for e in out.episodes} <= {"environment", "length", "model", "turns"}
-    lm = load_lm(model_dir)
-    trainer = trainer_logprobs(lm, [PROMPTS[j // 16] for j in rows], [out.completion_ids[j] for j in rows], TEMPERATURE)
-    for j, theirs in zip(rows, trainer):
-        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
-        assert 0 in mask and len(sampled) == len(mask) == len(out.completion_ids[j])
-        assert all(s == 0.0 for s, m in zip(sampled, mask) if not m)
-        assert max(abs(s - t) for s, t, m in zip(sampled, theirs, mask) if m) < ATOL
-        assert "again 1" in tokenizer.decode([t for t, m in zip(out.completion_ids[j], mask) if not m])
+    """vllm_helpers.assert_episodes_line_up on vllm_colocate (test_vllm_server.py: on a server)."""
+    assert_episodes_line_up(engine, model_dir, load_lm(model_dir), group=16)
 
 
 def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transformers_scores(tmp_path):

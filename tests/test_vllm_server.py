@@ -36,6 +36,7 @@ from grpo_trainer.rollout import WeightsLost  # noqa: E402
 from grpo_trainer.rollout.vllm_server import Server, ServerError, VLLMServerEngine  # noqa: E402
 from grpo_trainer.rollout.weight_sync import MergedWeights  # noqa: E402
 from vllm_helpers import (  # noqa: E402
+    assert_episodes_line_up,
     EOS, MAX_LEN, PROMPTS, ROOT, TEMPERATURE, ServerProcess, assert_close, build_model, check_rollout, free_port,
     load_lm, max_diff, perturb, sampling_changed, trainer_logprobs,
 )
@@ -272,36 +273,11 @@ def test_stop_strings_end_server_completions_where_vllm_and_the_hf_engine_end_th
 
 
 def test_an_environment_on_vllm_server_lines_up_the_servers_logprobs_with_the_trainers(servers, model_dir):
-    """environment.factory's episode loop around vllm_server (test_vllm.py checks it on vllm_colocate): each turn
-    is a request continuing the whole conversation (environment messages between turns), the server's per-turn
-    log-probs equal the trainer's one forward over the conversation on every model-written token, environment
-    tokens masked with log-prob 0."""
-    from transformers import AutoTokenizer
-
-    from grpo_trainer.environments import EpisodeSpec
-    from grpo_trainer.environments.class_env import ClassEnvironment
-    from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
-    from test_vllm import Again
-
+    """vllm_helpers.assert_episodes_line_up on vllm_server: each turn is a request continuing the conversation."""
     engine = engine_for(servers["a"], weight_sync="gloo")
     lm = load_lm(model_dir)
-    engine.sync_weights(lm)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    env = ClassEnvironment(Again, "environment.factory test:Again", {}, extra_tools=[], tool_timeout=5)
-    settings = EpisodeSettings(max_turns=3, step_timeout=5.0, episode_timeout=30.0, concurrency=8, observation_chars=100,
-                               record=True)
-    loop = EpisodeEngine(engine, env, tokenizer, eos_token_ids=[EOS], max_completion_length=200, settings=settings)
-    specs = [EpisodeSpec({"prompt": "-"}, 7, f"p{i}", lambda text: None) for i in range(len(PROMPTS))]
-    out = loop.generate(PROMPTS, 8, seeds=[11, 12, 13, 14], episodes=specs)  # seeded: the same episodes every run
-    rows = [j for j, turns in enumerate(out.turns) if turns > 1]
-    assert len(rows) >= 3, out.turns
-    theirs_all = trainer_logprobs(lm, [PROMPTS[j // 8] for j in rows], [out.completion_ids[j] for j in rows], TEMPERATURE)
-    for j, theirs in zip(rows, theirs_all):
-        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
-        assert 0 in mask and len(sampled) == len(mask) == len(out.completion_ids[j])
-        assert all(s == 0.0 for s, m in zip(sampled, mask) if not m)
-        assert max(abs(s - t) for s, t, m in zip(sampled, theirs, mask) if m) < 2e-4
-        assert "again 1" in tokenizer.decode([t for t, m in zip(out.completion_ids[j], mask) if not m])
+    engine.sync_weights(lm)  # earlier tests pushed other weights
+    assert_episodes_line_up(engine, model_dir, lm, group=8)
     engine.close()
 
 
