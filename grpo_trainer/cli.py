@@ -99,7 +99,8 @@ def next_commands(output_dir) -> str:
 
 
 def report_kernels(cfg, remeasure: bool) -> int:
-    """Print the plan a run of `cfg` would sample with here; with `remeasure`, what timing again changed."""
+    """Print the plan a run of `cfg` would sample with here; with `remeasure`, what timing again changed (the
+    timed decisions only: those that change numerics follow a rule, rollout/kernels.py)."""
     from .rollout.kernels import default_table
     from .state import measure_decode_kernels
 
@@ -115,8 +116,8 @@ def report_kernels(cfg, remeasure: bool) -> int:
         print(
             f"{changed} of {len(after)} choices changed"
             + (
-                ": new runs on this machine sample differently from earlier ones with the same config and seed "
-                "(a resumed run keeps the choices it recorded)"
+                ": only exact alternatives are timed, so new runs sample what earlier ones with the same config "
+                "and seed sampled, at another speed"
                 if changed
                 else ""
             )

@@ -1,10 +1,12 @@
 """The decode loop's kernel plan (rollout/kernels.py, decode.plan_decode_kernels): made before a run samples
-anything, covering every shape the loop reaches, recorded in the run and its checkpoints, kept on resume.
+anything, covering every shape the loop reaches, recorded in the run and its checkpoints, kept on resume; the
+decisions that change numerics made by rule, only the exact ones (the draws) by timing.
 
-The end-to-end tests make every decision worth measuring on the tiny model and inject timings under which
-non-incumbent alternatives win (helpers.cli_with_kernel_timings), so the measured path really runs: the same
-config and seed must then give the same run on a fresh kernel cache, on the cache it left, and across a
-kill -9 and a resume on a machine whose (empty) cache would choose otherwise.
+The end-to-end tests make every decision worth deciding on the tiny model and inject timings under which
+non-incumbent alternatives win (helpers.cli_with_kernel_timings), so the timed path and the rule's
+non-incumbent choice really run: the same config and seed must then give the same run on two fresh kernel
+caches timed differently, and across a kill -9 and a resume on a machine whose (empty) cache would time
+otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import logging
 import pytest
 import torch
 
+from grpo_trainer.cpu.draw import available_draws
+from grpo_trainer.cpu.linear import available_linears
 from grpo_trainer.rollout import kernels
-from grpo_trainer.rollout.decode import INCUMBENT, DecodeKernels, plan_decode_kernels
+from grpo_trainer.rollout.decode import INCUMBENT, ROUNDS_DIFFERENTLY, DecodeKernels, plan_decode_kernels
 from helpers import assert_same_run, cli_with_kernel_timings, run_in_fork, small_run_overrides
 
 # Under these timings every decision's winner is not today's incumbent; under OTHER_MACHINE, another one wins.
@@ -24,6 +28,14 @@ FAST_OTHERS = {"linear": 0.1, "onednn_packed": 0.5, "weight_stationary": 1.0,
                "grouped_matmul": 0.1, "repeated": 0.5, "grouped": 1.0, "numpy": 0.1, "native": 0.5, "torch": 1.0}
 OTHER_MACHINE = {"onednn_packed": 0.1, "linear": 0.5, "weight_stationary": 1.0,
                  "repeated": 0.1, "grouped_matmul": 0.5, "grouped": 1.0, "native": 0.1, "numpy": 0.5, "torch": 1.0}
+# What the rule picks for the tiny model's float32 linears once they count as worth it, whatever the timings.
+RULE_LINEAR = "onednn_packed" if "onednn_packed" in available_linears(torch.float32) else INCUMBENT["linear"]
+OTHER_MACHINE_DRAW = "native" if "native" in available_draws() else "numpy"
+
+
+def numerics(plan: dict[str, str]) -> dict[str, str]:
+    """The plan's decisions that change what a run samples (the rest, the draws, are exact)."""
+    return {key: name for key, name in plan.items() if key.split("/")[0] in ROUNDS_DIFFERENTLY}
 
 
 def _tiny(tiny_model_path):
@@ -50,7 +62,7 @@ def test_the_plan_covers_every_shape_the_decode_loop_reaches(tiny_model_path, mo
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
     settings = SamplingSettings(eos_token_ids=[2], max_completion_length=20)
     plan = plan_decode_kernels(lm, 3 * 5, 7 + 20, kernels.KernelTable(None))
-    assert set(plan.values()) <= {"linear", "grouped_matmul", "numpy"}, plan
+    assert set(plan.values()) == {RULE_LINEAR, "grouped", "numpy"}, plan
     loops = []
     monkeypatch.setattr(hf, "decode_kernels", lambda model, p: loops.append(DecodeKernels(model, p)) or loops[-1])
     monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("timed while sampling"))
@@ -71,7 +83,30 @@ def test_an_engine_without_a_plan_makes_one_before_it_samples(tiny_model_path, m
     engine = HFEngine(SamplingSettings(eos_token_ids=[2], max_completion_length=8), get_model=lambda: _tiny(tiny_model_path),
                       pad_token_id=0)
     engine.generate([[5, 6, 7]], 4)
-    assert engine.kernel_plan and engine.kernel_plan["linear/" + "x".join(map(str, (96, 96, 4)))] == "linear"
+    assert engine.kernel_plan and engine.kernel_plan["linear/" + "x".join(map(str, (96, 96, 4)))] == RULE_LINEAR
+
+
+def test_decisions_that_change_numerics_follow_the_rule_whatever_the_timings(tiny_model_path, monkeypatch):
+    """Two fresh caches on machines that time every alternative differently plan the same linear forms and
+    attention paths (the rule's); only the exact draws follow the timings. Nothing that rounds is timed."""
+    lm = _tiny(tiny_model_path)
+    plans = []
+    for timings in (FAST_OTHERS, OTHER_MACHINE):
+        timed = []
+
+        def timing(candidates, timings=timings, timed=timed, **_):
+            timed.append(set(candidates))
+            return {k: timings.get(k, 1.0) for k in candidates}
+
+        monkeypatch.setattr(kernels, "MIN_WORK_BYTES", 0)
+        monkeypatch.setattr(kernels, "MIN_DRAW_ELEMENTS", 0)
+        monkeypatch.setattr(kernels, "time_alternatives", timing)
+        plans.append(plan_decode_kernels(lm, 16, 100, kernels.KernelTable(None)))
+        assert timed and all(names == set(available_draws()) for names in timed), timed
+    assert numerics(plans[0]) == numerics(plans[1]) and numerics(plans[0])
+    assert set(numerics(plans[0]).values()) == {RULE_LINEAR, "grouped"}
+    assert {plans[0][k] for k in plans[0] if k.startswith("draw/")} == {"numpy"}
+    assert {plans[1][k] for k in plans[1] if k.startswith("draw/")} == {OTHER_MACHINE_DRAW}
 
 
 def test_a_recorded_plan_is_kept_whatever_this_machine_would_choose(tiny_model_path, monkeypatch, caplog):
@@ -81,10 +116,10 @@ def test_a_recorded_plan_is_kept_whatever_this_machine_would_choose(tiny_model_p
     lm = _tiny(tiny_model_path)
     here = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None))
     linear_key, draw_key = "linear/96x96x8", "draw/8x128"
-    recorded = {linear_key: "weight_stationary", draw_key: "a_draw_that_is_gone"}
+    recorded = {linear_key: "linear", draw_key: "a_draw_that_is_gone"}
     with caplog.at_level(logging.WARNING, logger="grpo_trainer.rollout.decode"):
         plan = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None), recorded=recorded)
-    assert here[linear_key] == "linear" and plan[linear_key] == "weight_stationary"
+    assert here[linear_key] == RULE_LINEAR and plan[linear_key] == "linear"
     assert plan[draw_key] == here[draw_key] == "numpy"
     assert {k: v for k, v in plan.items() if k not in recorded} == {k: v for k, v in here.items() if k not in recorded}
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # not other tests' INFO
@@ -114,18 +149,20 @@ def _train(out, steps, timings, cache, *extra, resume="never", kill_after_save=0
 
 
 @pytest.mark.slow
-def test_same_seed_same_run_on_a_fresh_cache_the_cache_it_left_and_across_a_kill_and_resume(tmp_path, tiny_model_path):
-    """Run A measures every decision (fresh cache), run B reads A's cache: identical metrics, bit-identical weights.
-    Run C is killed -9 right after its step-2 checkpoint and resumed in a process whose kernel cache is empty and
-    whose timings would choose other kernels: it keeps the recorded plan and ends bit-identical to A."""
-    cache = tmp_path / "kernels.json"
+def test_same_seed_same_run_on_two_fresh_caches_and_across_a_kill_and_resume(tmp_path, tiny_model_path):
+    """Runs A and B start on fresh kernel caches of machines that time every alternative differently: the same
+    plan for every decision that changes numerics (only the exact draws differ), identical metrics,
+    bit-identical weights. Run C is killed -9 right after its step-2 checkpoint and resumed in a process whose
+    kernel cache is empty and whose timings differ: it keeps the recorded plan and ends bit-identical to A."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    for out in (a, b):
-        result = _train(out, 3, FAST_OTHERS, cache)
+    for out, timings in ((a, FAST_OTHERS), (b, OTHER_MACHINE)):
+        result = _train(out, 3, timings, tmp_path / f"{out.name}-kernels.json")
         assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((a / "decode_kernels.json").read_text())["choices"]
-    assert plan and set(plan.values()) <= {"linear", "grouped_matmul", "numpy"}, plan  # the measured path ran
-    assert json.loads((b / "decode_kernels.json").read_text())["choices"] == plan
+    other = json.loads((b / "decode_kernels.json").read_text())["choices"]
+    assert set(numerics(plan).values()) == {RULE_LINEAR, "grouped"}  # the rule's non-incumbent form ran
+    assert numerics(other) == numerics(plan)
+    assert {other[k] for k in other if k.startswith("draw/")} == {OTHER_MACHINE_DRAW}  # the timed path ran
     assert_same_run(a, b)
 
     killed = _train(c, 3, FAST_OTHERS, tmp_path / "c-kernels.json", "checkpoint.save_every=2", kill_after_save=2)
@@ -154,8 +191,8 @@ def test_the_kernels_command_remeasures_only_when_asked_and_says_what_changed(tm
     assert capsys.readouterr().out == first
     assert main([*args, "--remeasure"]) == 0
     out = capsys.readouterr().out
-    assert "onednn_packed   (was linear)" in out or "weight_stationary   (was linear)" in out, out
-    assert "choices changed: new runs on this machine sample differently" in out
+    assert f"{OTHER_MACHINE_DRAW}   (was numpy)" in out and "(was " + RULE_LINEAR not in out, out
+    assert "choices changed: only exact alternatives are timed" in out
 
 
 def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line(monkeypatch):

@@ -250,7 +250,7 @@ def _supervised_warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine down to a tenth
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / max(steps, 1))))
     )
     prompts = {}  # question -> prompt text (rendering the template is slow next to a step)
     pad = tokenizer.pad_token_id

@@ -12,8 +12,9 @@ showed a large share of the time going to copying the KV cache, not to computing
   the query-length axis instead, so each key/value head is read once, in place.
 
 Then there are alternatives that compute the same products with different kernels, whose speed depends
-on the machine (issue 26). `DecodeKernels` picks one of each per shape by measuring them where they run
-(kernels.py, cached per machine):
+on the machine. `DecodeKernels` picks one of each per shape before the run samples: by rule where they round
+differently (the linear forms, the attention paths: `DecodeKernels.preferred`), by timing where they give the
+same bits (the draws); kernels.py says why:
 
 * linear form: `weight_stationary`, (W @ x^T)^T, which on some CPUs reads the weights faster than
   `nn.Linear`'s x @ W^T does for a few rows; `linear`, `nn.Linear`'s own; or `onednn_packed`, oneDNN on weights
@@ -21,8 +22,8 @@ on the machine (issue 26). `DecodeKernels` picks one of each per shape by measur
   the memory's rate. The output is made contiguous: a transposed one sent the attention after it down SDPA's
   slow "math" path (the flash kernel wants a unit stride on the head dimension).
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
-  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). Measured
-  on CPUs; on GPUs `grouped`, the same on every rank.
+  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). `grouped`
+  unless forced.
 * the multinomial draw: cpu/draw.py.
 
 The CPU-specific alternatives (the linear forms, the draws) live in grpo_trainer/cpu/, with the torch
@@ -179,6 +180,7 @@ ATTENTION = {"grouped": grouped_attention, "repeated": repeated_attention, "grou
 
 
 INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch"}
+ROUNDS_DIFFERENTLY = {"linear", "attention"}  # decided by rule, never by timing; the draws are exact
 
 
 class DecodeKernels:
@@ -282,39 +284,12 @@ class DecodeKernels:
         return found
 
     def decide(self, decision: str, shape: tuple[int, ...], table: KernelTable, remeasure: bool = False) -> str:
-        """This machine's choice for one decision (forced, cached or measured now: KernelTable.decide)."""
+        """This machine's choice for one decision: by rule where the alternatives round differently (the linear
+        forms, the attention paths), timed (forced, cached or measured now: KernelTable.decide) where they give
+        the same bits (the draws). kernels.py says why."""
         alternatives = self.alternatives(decision, shape)
-        if decision == "linear":
-            same_shape = self.by_shape.get(shape[:2], [])
-            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
-            bucket, in_features = shape[2], shape[1]
-            dtype = same_shape[0].weight.dtype if same_shape else torch.float32
-
-            def measure():
-                # Every weight of this shape once, as a decode step reads them: streamed, not hot in a cache.
-                x = torch.randn(bucket, in_features, dtype=dtype, generator=torch.Generator().manual_seed(0))
-                return {name: (lambda form=LINEAR[name]: [form(m, x) for m in same_shape]) for name in alternatives}
-
-            try:
-                return table.decide(
-                    "linear",
-                    shape,
-                    alternatives,
-                    measure,
-                    worth_measuring=weight_bytes >= kernels.MIN_WORK_BYTES,
-                    remeasure=remeasure,
-                )
-            finally:
-                drop_packed_weights(same_shape)  # reordered while being timed; packed again in the loop if chosen
-        if decision == "attention":
-            return table.decide(
-                "attention",
-                shape,
-                alternatives,
-                lambda: _attention_timings(shape, self.layers, self.dtype),
-                worth_measuring=_cache_bytes(shape, self.dtype, self.layers) >= kernels.MIN_WORK_BYTES,
-                remeasure=remeasure,
-            )
+        if decision in ROUNDS_DIFFERENTLY:
+            return kernels.by_rule(decision, alternatives, self.preferred(decision, shape))
         return table.decide(
             "draw",
             shape,
@@ -323,6 +298,23 @@ class DecodeKernels:
             worth_measuring=shape[0] * shape[1] >= kernels.MIN_DRAW_ELEMENTS,
             remeasure=remeasure,
         )
+
+    def preferred(self, decision: str, shape: tuple[int, ...]) -> str | None:
+        """The rule for the decisions that change numerics (None: the incumbent).
+
+        Linear: oneDNN's packed form for float32 weights where the weights of that shape are worth it (a decode
+        step reads at least `MIN_WORK_BYTES` of them): on the CPU measured, it reads the weights 2-3x faster than
+        MKL's few-row products with AVX-512 and 1.2x with AVX2 (docs/performance.md, "oneDNN's packed linear"),
+        and `available_linears` offers it only where its check passes. Smaller models keep today's form, so the
+        tiny models' runs (the demo, the golden metrics) are the same on every machine. Attention: the incumbent,
+        grouped SDPA: its alternatives were within a few per cent of it where measured (near ties are where a
+        timed choice flipped between two fresh caches)."""
+        if decision != "linear":
+            return None
+        same_shape = self.by_shape.get(shape[:2], [])
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in same_shape)
+        float32 = all(m.weight.dtype == torch.float32 for m in same_shape)
+        return "onednn_packed" if float32 and weight_bytes >= kernels.MIN_WORK_BYTES else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -416,25 +408,6 @@ def _chosen_linear(loop: DecodeKernels, module: torch.nn.Linear) -> Callable[[to
         return loop.linear_form(module, x.numel() // in_features)(module, x)
 
     return forward
-
-
-def _cache_bytes(shape: tuple[int, ...], dtype: torch.dtype, layers: int) -> int:
-    rows, _, kv_heads, length, dim = shape
-    return 2 * rows * kv_heads * length * dim * torch.finfo(dtype).bits // 8 * layers
-
-
-def _attention_timings(shape: tuple[int, ...], layers: int, dtype: torch.dtype) -> dict[str, Callable[[], list]]:
-    rows, heads, kv_heads, length, dim = shape
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(rows, heads, 1, dim, generator=generator, dtype=dtype)
-    k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator, dtype=dtype) for _ in range(2))
-    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
-    mask[: rows // 2, ..., : length // 4] = False  # left padding on half the rows
-
-    def every_layer(fn: Callable) -> Callable[[], list]:
-        return lambda: [fn(q, k, v, mask, None) for _ in range(layers)]
-
-    return {name: every_layer(fn) for name, fn in ATTENTION.items()}
 
 
 def _draw_timings(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:

@@ -1,32 +1,33 @@
-"""Which of the decode loop's alternative kernels runs: measured once per machine, before a run samples anything.
+"""Which of the decode loop's alternative kernels runs: decided once, before a run samples anything.
 
 The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
 path; cpu/draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
-and the shapes: a form that wins clearly on one CPU can gain next to nothing on another (docs/performance.md,
-"Which machine a number holds for"). So each decision is timed where it runs, per shape: every alternative a few times,
-alternating, the best time of each kept (the least disturbed on a busy machine), and the fastest wins.
-
-The linear forms and attention paths round differently (the draws are exact), so a choice changes what a run
-samples. A run's samples must be a function of its config, its seed and its recorded kernel choices, so:
+and the shapes. But not all of them give the same bits: the linear forms and attention paths sum in different
+orders, the draws are exact. A run's samples must be a function of its config, its seed and the machine, never
+of a timing (two fresh caches timing a near tie would otherwise give two runs of one seed), so:
+* A decision whose alternatives round differently is made by a rule (`by_rule`): of the machine (what can run
+  here), the model's shapes and dtype (decode.py's `DecodeKernels.preferred`), or the user
+  (`GRPO_TRAINER_DECODE_KERNELS`, below). Never by timing.
+* A decision whose alternatives are exact (the draws) is timed where it runs, per shape: every alternative a
+  few times, alternating, the best time of each kept (the least disturbed on a busy machine), and the fastest
+  wins (`KernelTable.decide`). Whatever it picks, the samples are the same.
 * Every decision a run can reach (each linear shape at every row bucket up to the run's largest batch, each
   attention shape at every context bucket up to its longest sequence, each draw) is decided *before* the run
   samples anything, as one plan (`decode.plan_decode_kernels`); the decode loop only looks its choices up and
   never measures (a shape the plan lacks runs the incumbent). Timing runs under `fork_rng` with its own
   generators: it never moves the run's random stream.
-* A decision is cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the CPU
-  model and its flags (or the GPU's name), ATen's CPU capability (`ATEN_CPU_CAPABILITY=avx2` runs the AVX2
-  kernels on an AVX-512 machine), torch's version and thread count; then by decision and shape. A cached
-  choice is final: nothing re-times it behind the user's back. `python -m grpo_trainer kernels CONFIG
-  --remeasure` times the config's decisions again, and says which changed (runs then sample differently).
+* A timed decision is cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the
+  CPU model and its flags (or the GPU's name), ATen's CPU capability, torch's version and thread count; then by
+  decision and shape. A cached choice is final. `python -m grpo_trainer kernels CONFIG --remeasure` times the
+  config's timed decisions again and says which changed (the speed only).
 * The plan is recorded in the run's output folder (`decode_kernels.json`) and in every checkpoint; a resume
-  uses the recorded plan, whatever this machine's cache says (an alternative not available here is replaced,
-  with one warning line).
+  uses the recorded plan, whatever this machine's rule or cache says (an alternative not available here is
+  replaced, with one warning line).
 
-Two rules keep the measurement honest:
-* A decision is measured only where it can matter (`worth_measuring`, decided by the caller: e.g. the
-  weights or KV cache a kernel class reads per decode step are at least `MIN_WORK_BYTES`). Below that a
+Two rules keep the timing honest:
+* A decision is timed only where it can matter (`worth_measuring`, decided by the caller). Below that a
   kernel class costs microseconds per step, the timings are noise, and the incumbent (the first
-  alternative) stays. This also keeps small models (the demo's, the golden test's) on one path on every machine.
+  alternative) stays.
 * An alternative replaces the incumbent only when it is at least `MARGIN` faster.
 
 `GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native"` forces choices
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 FORCE_ENV = "GRPO_TRAINER_DECODE_KERNELS"
 CACHE_FILE = "decode_kernels.json"
 CACHE_VERSION = 1
-MIN_WORK_BYTES = 16 * 2**20
+MIN_WORK_BYTES = 16 * 2**20  # weights or KV cache a kernel class reads per decode step, below which it stays
 MIN_DRAW_ELEMENTS = 2**16  # rows x vocabulary of a draw worth timing
 MARGIN = 0.10
 REPS = 5
@@ -131,7 +132,7 @@ class KernelTable:
         self._choices: dict[str, dict] | None = None
 
     def decide(
-        self,
+        self,  # only for decisions whose alternatives give the same bits (kernels.py says why)
         decision: str,
         shape: tuple[int, ...],
         alternatives: list[str],
@@ -144,12 +145,8 @@ class KernelTable:
         work is too small to matter, cached, or measured now (`measure()` builds the timed calls; it and the
         timing run with the global random state saved and restored). `remeasure`: time it again even if cached.
         Called while a run is planned, never while it samples."""
-        forced = forced_choices().get(decision)
+        forced = forced_choice(decision, alternatives)
         if forced is not None:
-            if forced not in alternatives:
-                raise ConfigError(
-                    f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}"
-                )
             return forced
         if len(alternatives) == 1 or not worth_measuring:
             return alternatives[0]
@@ -224,6 +221,24 @@ def default_table() -> KernelTable:
     from ..builtin import cache_dir
 
     return KernelTable(cache_dir() / CACHE_FILE)
+
+
+def by_rule(decision: str, alternatives: list[str], preferred: str | None) -> str:
+    """A decision whose alternatives round differently: the user's forced choice, else `preferred` where it can
+    run here, else the incumbent (alternatives[0]). Nothing is timed (kernels.py says why)."""
+    forced = forced_choice(decision, alternatives)
+    if forced is not None:
+        return forced
+    return preferred if preferred in alternatives else alternatives[0]
+
+
+def forced_choice(decision: str, alternatives: list[str]) -> str | None:
+    """The alternative `GRPO_TRAINER_DECODE_KERNELS` forces for `decision`, if any; one that cannot run here is
+    an error naming those that can."""
+    forced = forced_choices().get(decision)
+    if forced is not None and forced not in alternatives:
+        raise ConfigError(f"{FORCE_ENV}: {decision}={forced!r} is not available here; choose from {alternatives}")
+    return forced
 
 
 def forced_choices() -> dict[str, str]:
