@@ -848,3 +848,34 @@ def test_completions_jsonl_shows_the_prompt_with_the_reset_text_and_how_the_epis
     assert "Range 1-4, seed 2." in samples[0]["prompt"] and "Range 1-4" not in texts[0]
     assert (samples[0]["ended_by"], samples[0]["error"]) == ("environment", None)
     assert (samples[2]["ended_by"], samples[2]["error"]) == ("error", "respond: KeyError: 'lost the board'")
+
+
+FAILING_ENV = '''
+class Broken:
+    def reset(self, board, **row):
+        return None
+
+    def get_reward(self):
+        return 1.0
+'''
+
+
+@pytest.mark.parametrize("on_error, mean", [("zero", 0.0), ("none", math.nan)])
+def test_eval_counts_environment_failures_apart_from_the_models_scores(tmp_path, caplog, on_error, mean):
+    """Defect 8: episodes the environment failed are counted (eval/environment/failed, frac_failed) and warned
+    about with their first error, whatever on_error makes of mean@k and pass@k (0, or nan)."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.evaluate import evaluate, format_results
+    from helpers import ROOT
+
+    env_file = tmp_path / "broken_env.py"
+    env_file.write_text(FAILING_ENV)
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [f"environment.factory={env_file}:Broken", "rewards=[]",
+                                                           "environment.max_turns=2", f"environment.on_error={on_error}"])
+    with caplog.at_level("WARNING", logger="grpo_trainer"):
+        results = evaluate(cfg, k=2, num_prompts=3, progress=False)
+    assert results["eval/environment/failed"] == 6 and results["eval/environment/frac_failed"] == 1.0
+    assert results["eval/reward/mean@2"] == pytest.approx(mean, nan_ok=True)
+    assert (f"eval: 6 of 6 episodes failed (first: reset: TypeError: Broken.reset() missing 1 required positional "
+            f"argument: 'board'); mean@k and pass@k count them as ") in caplog.text
+    assert "eval/environment/failed: 6\n" in format_results(results)
