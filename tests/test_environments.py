@@ -879,3 +879,85 @@ def test_eval_counts_environment_failures_apart_from_the_models_scores(tmp_path,
     assert (f"eval: 6 of 6 episodes failed (first: reset: TypeError: Broken.reset() missing 1 required positional "
             f"argument: 'board'); mean@k and pass@k count them as ") in caplog.text
     assert "eval/environment/failed: 6\n" in format_results(results)
+
+
+class StrayServer:
+    """A stand-in OpenEnv server on websockets alone (GET /health and /schema, sessions on /ws answering reset, step
+    and state, as OpenEnv's protocol does) that, once, sends an extra `state` frame after its first reset's answer."""
+
+    SCHEMA = {
+        "action": {"title": "GuessAction", "type": "object", "properties": {"guess": {"type": "integer"}},
+                   "required": ["guess"]},
+        "observation": {"title": "GuessObservation", "type": "object",
+                        "properties": {"feedback": {"type": "string"}, "done": {"type": "boolean"}}},
+    }
+
+    def __init__(self):
+        import json
+
+        from websockets.sync.server import serve
+
+        self.strays, self.sessions, self.lock = 1, 0, threading.Lock()
+
+        def http(connection, request):
+            if request.path in ("/health", "/schema"):
+                body = {"status": "healthy"} if request.path == "/health" else self.SCHEMA
+                return connection.respond(200, json.dumps(body))
+            return None
+
+        def observation(feedback: str, done: bool) -> str:
+            return json.dumps({"type": "observation", "data": {"observation": {"feedback": feedback}, "done": done,
+                                                               "reward": 1.0 if done else 0.0}})
+
+        def session(ws):
+            with self.lock:
+                self.sessions += 1
+            steps = 0
+            for frame in ws:
+                kind = json.loads(frame)["type"]
+                if kind == "state":
+                    ws.send(json.dumps({"type": "state", "data": {"step_count": steps}}))
+                elif kind == "reset":
+                    steps = 0
+                    ws.send(observation("reset", False))
+                    with self.lock:
+                        stray, self.strays = self.strays > 0, self.strays - 1
+                    if stray:
+                        ws.send(json.dumps({"type": "state", "data": {"step_count": steps}}))
+                elif kind == "step":
+                    steps += 1
+                    ws.send(observation(f"step {steps}", steps >= 2))
+                else:
+                    return
+
+        self.server = serve(session, "127.0.0.1", 0, process_request=http)
+        self.url = f"openenv+ws://127.0.0.1:{self.server.socket.getsockname()[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_stray_frame_closes_its_session_and_never_answers_a_later_request():
+    """Defect 5: one extra frame from the server fails the episode it came in (a protocol breach), and its session
+    is closed, not lent again: every later episode reads its own answers."""
+    from grpo_trainer.environments.openenv_ws import OpenEnvRemote
+
+    server = StrayServer()
+    remote = OpenEnvRemote(server.url, sessions=1, step_timeout=2.0, reconnect_timeout=5.0, max_message_mb=1)
+    spec = EpisodeSpec({"prompt": "Guess."}, 3, "s1-d0-p0", lambda text: [])
+    try:
+        first = remote.episode()
+        assert first.reset(spec, 0) == "reset"
+        with pytest.raises(ProtocolBreach, match=r"(sent a frame nobody asked for before step|answered step with a 'state' "
+                                             r"message).*the session is closed$"):
+            first.respond('{"guess": 1}', [])
+        first.close()
+        for j in range(1, 4):
+            episode = remote.episode()
+            assert episode.reset(spec, j) == "reset"
+            replies = [episode.respond('{"guess": 1}', []) for _ in range(2)]
+            assert [(r.messages[0]["content"], r.done) for r in replies] == [("step 1", False), ("step 2", True)]
+            assert episode.snapshot().state == {"step_count": 2}
+            episode.close()
+        assert server.sessions == 2  # the stray's session closed, one new one, reused
+    finally:
+        remote.close()
+        server.server.shutdown()
