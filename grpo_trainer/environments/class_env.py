@@ -7,8 +7,9 @@ One object per episode, made by calling the factory (a class, or any zero-argume
   appended to the prompt (TRL: to the last user message). Ours also passes `seed` (the group's environment seed)
   when the signature names it or takes `**kwargs`, and `episode_id` when it names it; columns the signature cannot
   take are left out (as OpenEnv's server filters them).
-- Every public method other than the reserved ones (`reset`, `step`, `get_reward`, `reward`, `close`) is a tool
-  the model can call; its schema comes from its type hints and `Args:` docstring, as for `rollout.tools`
+- Every public method defined with `def` (a merely callable class attribute, such as `Helper = dict`, is not one)
+  other than the reserved ones (`reset`, `step`, `get_reward`, `reward`, `close`) is a tool the model can call
+  (a generator is refused at load); its schema comes from its type hints and `Args:` docstring, as for `rollout.tools`
   functions. A method that raises is an error message to the model (TRL: "the recommended way to signal that an
   action is invalid"), not an environment failure. `async def` methods are run to completion.
 - `step(reply) -> (feedback, done)`, ours (TRL has no plain-reply hook): answers a turn that calls no tool (games,
@@ -18,7 +19,8 @@ One object per episode, made by calling the factory (a class, or any zero-argume
 - `close()`, if defined, is called once the episode is scored.
 
 What the class returns is checked: `reset` not `str | None`, `step` not a `(str, bool)` pair, a reward that is not a
-finite number or None, is a breach of the convention and ends the episode as a failure naming the class.
+finite number or None, is a breach of the convention and ends the episode as a failure naming the class. Numbers
+are read by the reward functions' rule (NumPy scalars and bools are numbers; a NumPy bool is a `done`).
 Objects are fresh per episode (TRL reuses them): an episode cannot depend on what an object did before, which
 keeps resumed runs exact; a class whose `__init__` is expensive pays it per episode.
 """
