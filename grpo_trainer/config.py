@@ -955,7 +955,8 @@ class TrainConfig(_Section):
         3,
         ge=0,
         description="Steps in which no reward scores any completion (each returns None or NaN for all: nothing "
-        "to learn from) are warned about, naming the rewards; stop after this many in a row.",
+        "to learn from), or the environment fails every episode, are warned about, naming the rewards or the first "
+        "error; stop after this many in a row.",
     )
     trim_host_memory: bool | None = Field(
         None,

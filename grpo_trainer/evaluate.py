@@ -14,7 +14,9 @@ the weighted total the trainer optimises:
   correct, else 0; `pass_at_k` also serves n > k.
 
 Keys: `eval/<reward>/mean@k`, `eval/<reward>/pass@k`, `eval/reward/mean@k`,
-`eval/reward/pass@k` (the weighted total), `eval/num_prompts`.
+`eval/reward/pass@k` (the weighted total), `eval/num_prompts`; with an environment, also
+`eval/environment/failed` and `eval/environment/frac_failed` (episodes the environment failed: no score of the
+model's, counted apart and warned about; mean@k and pass@k take them as `environment.on_error` scores them).
 
 Where the prompts come from: `data.eval_source` (None: `data.source`), split
 `data.eval_split` (None: `test`; a local file is one split, so the split is
@@ -42,7 +44,8 @@ import torch
 
 from .config import Config
 from .data import LOCAL_FORMATS
-from .environments import build_environment
+from .environments import EpisodeRecord, build_environment
+from .environments.scoring import failure_kinds
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
 from .rollout import RolloutEngine, sampling_settings
@@ -54,7 +57,11 @@ from .task import Task, load_task
 logger = logging.getLogger("grpo_trainer")
 
 DEFAULT_EVAL_SPLIT = "test"
-DEFAULT_BATCH_PROMPTS = 32  # prompts per generate call when rollout.batch_size is 0
+DEFAULT_BATCH_PROMPTS = 32
+COUNTS = (
+    "eval/num_prompts",
+    "eval/environment/failed",
+)  # shown as whole numbers  # prompts per generate call when rollout.batch_size is 0
 
 
 # ----------------------------------------------------------------------------- the estimators
@@ -213,6 +220,7 @@ def evaluate_model(
     prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
     chunks: list[torch.Tensor] = []  # [p, k, R + 1] per batch of prompts
+    episodes: list[EpisodeRecord] = []  # with an environment: how every episode went
     from tqdm.auto import tqdm
 
     bar = tqdm(total=prompts_total, desc=f"eval (k={s.k})", unit="prompt", disable=not progress, dynamic_ncols=True)
@@ -221,10 +229,11 @@ def evaluate_model(
             torch.manual_seed(cfg.seed)
             for start in range(0, prompts_total, per_batch):
                 indices = list(range(start, min(start + per_batch, prompts_total)))
-                episodes = None
+                specs = None
                 if engine.needs_episodes:  # eval's own seeds: step 0 is never a training step
-                    episodes = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
-                rollout = engine.generate(task.prompt_ids(indices), s.k, episodes=episodes)
+                    specs = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
+                rollout = engine.generate(task.prompt_ids(indices), s.k, episodes=specs)
+                episodes += rollout.episodes or []
                 scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
                 both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
                 chunks.append(both.view(len(indices), s.k, -1))
@@ -235,7 +244,28 @@ def evaluate_model(
     names = [r.name for r in task.rewards] + ["reward"]
     results = summarize(torch.cat(chunks, 0), names, s.k)
     results["eval/num_prompts"] = float(prompts_total)
+    if episodes:
+        results.update(environment_failures(episodes, cfg))
     return results
+
+
+def environment_failures(episodes: list[EpisodeRecord], cfg: Config) -> dict[str, float]:
+    """`eval/environment/failed` and `frac_failed`: episodes the environment failed are no score of the model's,
+    so they are counted beside mean@k and pass@k (which take them as environment.on_error scores them: 0 under
+    `zero`, left out under `none` and `skip_group`), and warned about with their first error."""
+    failed = sum(e.failed for e in episodes)
+    if failed:
+        policy = cfg.environment.on_error
+        scored_as = "as 0" if policy == "zero" else "as no opinion: left out, nan where nothing is left"
+        logger.warning(
+            "eval: %d of %d episodes failed (first: %s); mean@k and pass@k count them %s (environment.on_error=%s)",
+            failed,
+            len(episodes),
+            failure_kinds(episodes)[0][0],
+            scored_as,
+            policy,
+        )
+    return {"eval/environment/failed": float(failed), "eval/environment/frac_failed": failed / len(episodes)}
 
 
 def evaluate(
@@ -259,7 +289,7 @@ def evaluate(
 def format_results(results: dict[str, float]) -> str:
     """One `key: value` line per metric, for the console."""
     return "\n".join(
-        f"{key}: {value:.4f}" if key != "eval/num_prompts" else f"{key}: {int(value)}" for key, value in results.items()
+        f"{key}: {int(value)}" if key in COUNTS else f"{key}: {value:.4f}" for key, value in results.items()
     )
 
 

@@ -76,22 +76,34 @@ def report(run, step: int, record: dict, scored, advantages: torch.Tensor, log_t
             )
     every = run.cfg.logging.completions_every
     if every and step % every == 0 and run.is_main_process:
-        n = run.geometry.completions_per_rank
-        rows = scored.prompt_rows
+        n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
         rewards = run.geometry.my_completions(scored.rewards)
-        samples = [
-            {
-                "step": step,
-                "prompt": run.task.prompts.texts[rows[j]],
-                "completion": run.tokenizer.decode(scored.rollout.completion_ids[j], skip_special_tokens=True),
-                "reward": float(rewards[j]),
-                "advantage": float(advantages[j]),
-            }
-            for j in range(min(run.cfg.logging.num_completions, n))
-        ]
+        samples = completion_samples(run.task.prompts.texts, run.tokenizer, step, scored, rewards, advantages, n)
         write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
         log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
     run.progress.update(record)
+
+
+def completion_samples(
+    texts: list[str], tokenizer, step: int, scored, rewards: torch.Tensor, advantages: torch.Tensor, n: int
+) -> list[dict]:
+    """The first `n` completions of this rank as completions.jsonl records. The prompt is the one the model was
+    conditioned on: with an environment, the row's prompt extended by its reset text (`rollout.prompt_ids`), not
+    the dataset's; an episode's record also says how it ended and, for a failure, why."""
+    rollout, rows = scored.rollout, scored.prompt_rows
+    samples = []
+    for j in range(n):
+        sample = {
+            "step": step,
+            "prompt": texts[rows[j]] if rollout.prompt_ids is None else tokenizer.decode(rollout.prompt_ids[j]),
+            "completion": tokenizer.decode(rollout.completion_ids[j], skip_special_tokens=True),
+            "reward": float(rewards[j]),
+            "advantage": float(advantages[j]),
+        }
+        if rollout.episodes is not None:
+            sample.update(ended_by=rollout.episodes[j].ended_by, error=rollout.episodes[j].error)
+        samples.append(sample)
+    return samples
 
 
 def write_completions(path: Path, samples: list[dict], echo: bool) -> None:

@@ -387,6 +387,8 @@ def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
     the gathered rewards, so every rank decides alike."""
     from .rewards import unscored
 
+    if scored.tool_metrics.get("environment/frac_failed") == 1.0:  # over all ranks
+        return _all_episodes_failed(run, scored, step, unscored_in_a_row + 1)
     if scored.per_function is None:
         return unscored_in_a_row
     names = unscored(run.task.rewards, scored.per_function)
@@ -419,6 +421,32 @@ def check_scored(run, scored, step: int, unscored_in_a_row: int) -> int:
         limit,
     )
     return unscored_in_a_row
+
+
+def _all_episodes_failed(run, scored, step: int, in_a_row: int) -> int:
+    """A step in which the environment failed every episode (all ranks): whatever on_error scores them, nothing
+    was learnt about the model. Counted as a step no reward scored (the same limit, the same count in checkpoints):
+    warned about with this rank's first error, stopped after train.max_consecutive_unscored in a row."""
+    from .environments.scoring import failure_kinds
+
+    kinds = failure_kinds(scored.rollout.episodes or [])
+    first = f": {kinds[0][0]}" if kinds else ""
+    kind = run.cfg.environment.kind
+    name = f"environment.{kind} {getattr(run.cfg.environment, kind)}" if kind else "the environment"
+    limit = run.cfg.train.max_consecutive_unscored
+    what = f"{name} failed every episode{first}"
+    if in_a_row > limit:
+        raise TrainingError(
+            f"step {step}: {in_a_row} steps in a row in which {what}; stopping (train.max_consecutive_unscored={limit})"
+        )
+    logger.warning(
+        "step %d: %s: nothing to learn from this step (%d in a row; train.max_consecutive_unscored=%d)",
+        step,
+        what,
+        in_a_row,
+        limit,
+    )
+    return in_a_row
 
 
 def _optimizer_step(run, stats: StepStats, step: int, window_loss: torch.Tensor, nonfinite_in_a_row: int) -> int:

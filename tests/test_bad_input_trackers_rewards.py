@@ -93,7 +93,7 @@ def stand_in_run(limit: int, names=("accuracy", "format")):
 
 
 def scores(*columns):
-    return SimpleNamespace(per_function=torch.tensor(columns, dtype=torch.float32).T)  # [N, R]
+    return SimpleNamespace(per_function=torch.tensor(columns, dtype=torch.float32).T, tool_metrics={})  # [N, R]
 
 
 NAN = math.nan

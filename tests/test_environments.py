@@ -6,17 +6,19 @@ assertion is about what the loop and the environment did with it."""
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from grpo_trainer.config import ModelConfig, config_from_dict
-from grpo_trainer.environments import EpisodeRecord, EpisodeSpec, environment_seed
+from grpo_trainer.environments import EpisodeRecord, EpisodeSpec, ProtocolBreach, environment_seed
 from grpo_trainer.environments.calls import EnvCalls, EnvironmentHangs, EpisodeBudget
 from grpo_trainer.environments.class_env import ClassEnvironment
 from grpo_trainer.environments.openenv_ws import EnvironmentServerLost
@@ -600,3 +602,362 @@ def test_an_environment_that_cannot_go_on_stops_the_run_with_one_line_and_the_la
                                                       "within 60 s (environment.reconnect_timeout); stopping")
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
     assert latest.name == "step-000001" and verify(latest) is None
+
+
+# ----------------------------------------------------------------------------- issue 43 part 4: the probe's defects
+
+
+def test_failed_episodes_are_logged_once_per_kind_naming_the_environment(tiny_model_path, caplog):
+    """Defect 3: a failing environment shows in the log (first error of each kind, with how many it ended), not
+    only as a reward of 0."""
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {k: ["3" + END] * 4 for k in "abc"})
+    with caplog.at_level("WARNING", logger="grpo_trainer"):
+        engine.generate([_prompt(tokenizer, k) for k in "abc"], 2,
+                        episodes=[_spec(tokenizer, "a", "reset_raises"), _spec(tokenizer, "b", "step_raises"),
+                                  _spec(tokenizer, "c")])
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment.factory test:Guess: 2 of 6 episodes failed: reset: RuntimeError: no such board",
+        "environment.factory test:Guess: 2 of 6 episodes failed: respond: KeyError: 'lost the board'",
+    ]
+
+
+def test_steps_in_which_every_episode_failed_are_unscored_steps_and_stop_the_run(caplog):
+    """Defect 3: whatever on_error scores them, a step whose episodes all failed (over all ranks) is warned about
+    with its first error and counts toward train.max_consecutive_unscored; one episode that played resets it."""
+    from types import SimpleNamespace
+
+    from grpo_trainer.config import load_config
+    from grpo_trainer.errors import TrainingError
+    from grpo_trainer.update import check_scored
+
+    cfg = load_config(None, ["environment.factory=configs/guess_number_env.py:GuessNumber", "rewards=[]",
+                             "train.max_consecutive_unscored=1"])
+    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(rewards=[environment_reward(1.0)]))
+
+    def scored(frac_failed: float):
+        episodes = [EpisodeRecord("error", error="reset: KeyError: 'secret'")] * 2
+        episodes += [EpisodeRecord("environment")] * (frac_failed < 1) * 2
+        return SimpleNamespace(tool_metrics={"environment/frac_failed": frac_failed},
+                               rollout=SimpleNamespace(episodes=episodes), per_function=torch.zeros(4, 1))
+
+    with caplog.at_level("WARNING", logger="grpo_trainer"):
+        assert check_scored(run, scored(1.0), step=1, unscored_in_a_row=0) == 1
+        assert check_scored(run, scored(0.5), step=2, unscored_in_a_row=1) == 0
+        assert check_scored(run, scored(1.0), step=3, unscored_in_a_row=0) == 1
+        with pytest.raises(TrainingError) as error:
+            check_scored(run, scored(1.0), step=4, unscored_in_a_row=1)
+    name = "environment.factory configs/guess_number_env.py:GuessNumber"
+    assert (f"step 1: {name} failed every episode: reset: KeyError: 'secret': nothing to learn from this step "
+            "(1 in a row; train.max_consecutive_unscored=1)") in caplog.text
+    assert str(error.value) == (f"step 4: 2 steps in a row in which {name} failed every episode: reset: KeyError: "
+                                "'secret'; stopping (train.max_consecutive_unscored=1)")
+
+
+class InitRaises:
+    def __init__(self, size: int = 3):
+        raise RuntimeError("no board\nsecond line")
+
+    def reset(self, **row):
+        return None
+
+
+class CloseRaises:
+    def reset(self, **row):
+        return None
+
+    def close(self):
+        raise OSError("busy")
+
+
+class NeedsBoard:
+    def __init__(self, board: str):
+        self.board = board
+
+    def reset(self, **row):
+        return None
+
+
+@pytest.mark.parametrize("factory, kwargs, says", [
+    (InitRaises, {}, "environment.factory x.py:E: InitRaises(**environment.kwargs) raised RuntimeError: no board "
+                     "(the first object, made at start to read its methods off)"),
+    (CloseRaises, {}, "environment.factory x.py:E: CloseRaises.close() raised OSError: busy"),
+    (InitRaises, {"sise": 4}, "environment.kwargs (given: sise): InitRaises(size=3) cannot take them: got an "
+                              "unexpected keyword argument 'sise'"),
+    (NeedsBoard, {}, "environment.kwargs (given: none): NeedsBoard(board) cannot take them: missing a required "
+                     "argument: 'board'"),
+])
+def test_an_environment_that_raises_at_start_or_wrong_kwargs_is_one_line(factory, kwargs, says):
+    """Defect 6: __init__ / close() of the first object, and environment.kwargs, are ConfigErrors in one line."""
+    with pytest.raises(ConfigError) as error:
+        ClassEnvironment(factory, "environment.factory x.py:E", kwargs, extra_tools=[], tool_timeout=1)
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_openenv_in_process_checks_its_kwargs_at_start():
+    """Defect 6: under environment.openenv a kwargs mistake is refused at start, not every episode failing."""
+    from pydantic import BaseModel
+
+    from grpo_trainer.environments.openenv import OpenEnvEnvironment
+
+    class MoveAction(BaseModel):
+        to: int
+
+    class Board:
+        def __init__(self, size: int):
+            self.size = size
+
+        def reset(self, seed=None, episode_id=None):
+            return None
+
+        def step(self, action: MoveAction):
+            return None
+
+    with pytest.raises(ConfigError, match=r"^environment.kwargs \(given: sise\): Board\(size\) cannot take them"):
+        OpenEnvEnvironment(Board, MoveAction, "environment.openenv x.py:Board", {"sise": 3})
+    OpenEnvEnvironment(Board, MoveAction, "environment.openenv x.py:Board", {"size": 3})
+
+
+@pytest.mark.parametrize("value", [np.float32(1.0), np.int64(1), True, np.bool_(True)])
+def test_numpy_scalars_and_bools_are_numbers_for_class_environments(tiny_model_path, value):
+    """Defect 7: one rule for every real number (the reward functions'): NumPy scalars and bools are rewards, a
+    NumPy bool is a `done`; OpenEnv observations read by the same rule."""
+    from grpo_trainer.environments.openenv import check_observation
+
+    class NumpyGuess(Guess):
+        def step(self, reply: str):
+            feedback, done = super().step(reply)
+            return np.str_(feedback), np.bool_(done)
+
+        def get_reward(self):
+            return value
+
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {"n": ["3" + END] * 4}, factory=NumpyGuess)
+    out = engine.generate([_prompt(tokenizer, "n")], 2, episodes=[_spec(tokenizer, "n")])
+    assert [(e.ended_by, e.env_reward) for e in out.episodes] == [("environment", 1.0)] * 2
+    observed = check_observation({"text": "hi"}, np.bool_(True), value, "the server's step")
+    assert observed.done is True and observed.reward == 1.0
+    with pytest.raises(ProtocolBreach, match="expected true or false"):
+        check_observation({}, np.int64(1), None, "the server's step")
+
+
+def test_each_episode_resets_from_its_own_copy_of_the_row(tiny_model_path):
+    """Defect 9: a reset that changes a nested value of its row changes neither its siblings' row nor the dataset."""
+
+    class Mutates:
+        def reset(self, seed, board, **row):
+            board["moves"].append(seed)
+            self.n = len(board["moves"])
+            return None
+
+        def get_reward(self):
+            return float(self.n)
+
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {"m": ["3" + END]}, factory=Mutates)
+    record = {"prompt": "Guess [m].", "board": {"moves": []}}
+    spec = EpisodeSpec(record, 2, "s1-d0-pm", lambda text: _prompt(tokenizer, "m", text))
+    for _epoch in range(2):
+        out = engine.generate([_prompt(tokenizer, "m")], 4, episodes=[spec])
+        assert [e.env_reward for e in out.episodes] == [1.0] * 4
+    assert record == {"prompt": "Guess [m].", "board": {"moves": []}}
+
+
+class Yields:
+    def reset(self, **row):
+        return None
+
+    def moves(self) -> str:
+        """The moves so far."""
+        yield "e4"
+
+
+class AsyncYields:
+    def reset(self, **row):
+        return None
+
+    async def moves(self) -> str:
+        """The moves so far."""
+        yield "e4"
+
+
+@pytest.mark.parametrize("factory", [Yields, AsyncYields])
+def test_a_generator_tool_method_is_refused_at_load(factory, tmp_path):
+    """Defect 10: a tool that yields would show the model `<generator object ... at 0x...>`: refused, naming it."""
+    with pytest.raises(ConfigError, match=rf"the tool method {factory.__name__}\.moves is a generator"):
+        ClassEnvironment(factory, "environment.factory x.py:E", {}, extra_tools=[], tool_timeout=1)
+    from grpo_trainer.rollout.tools import function_tool
+
+    tool = tmp_path / "gen_tool.py"
+    tool.write_text('def moves(n: int) -> str:\n    """Moves.\n\n    Args:\n        n: how many\n    """\n'
+                    '    yield "e4"\n')
+    with pytest.raises(ConfigError, match=r"^rollout.tools.0: '.*gen_tool.py:moves' is a generator"):
+        function_tool(f"{tool}:moves", "rollout.tools.0")
+
+
+def test_callable_class_attributes_are_not_tools():
+    """Defect 20: only methods defined with def (static and class methods too) are tools; `Helper = dict`, a nested
+    class or a callable object is not, and does not make the config fail."""
+
+    class WithHelpers:
+        Helper = dict
+        Scale = functools.partial(int, base=10)
+
+        class Board:
+            pass
+
+        def reset(self, **row):
+            return None
+
+        @staticmethod
+        def rules() -> str:
+            """The rules."""
+            return "no"
+
+    env = ClassEnvironment(WithHelpers, "environment.factory x.py:E", {}, extra_tools=[], tool_timeout=1)
+    assert [t["function"]["name"] for t in env.tools] == ["rules"]
+
+
+@pytest.mark.parametrize("limit", [1, 30, 200])
+def test_observation_chars_counts_the_cut_note(tiny_model_path, limit):
+    """Defect 22: a message cut to environment.observation_chars has at most that many characters, note included."""
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {"huge": ["3" + END] * 4}, observation_chars=limit, max_turns=2)
+    out = engine.generate([_prompt(tokenizer, "huge")], 1, episodes=[_spec(tokenizer, "huge", "huge")])
+    shown = out.conversations[0][1]["content"]
+    assert len(shown) <= limit and out.episodes[0].observations_cut == 1
+    assert shown.endswith("more characters]") == (limit >= 30)
+
+
+def test_completions_jsonl_shows_the_prompt_with_the_reset_text_and_how_the_episode_ended(tiny_model_path):
+    """Defect 18: completions.jsonl (and print_completions, which shows its end) show the prompt the model was
+    conditioned on, the reset text included; an episode's record says how it ended and why it failed."""
+    from types import SimpleNamespace
+
+    from grpo_trainer.report import completion_samples
+
+    tokenizer = _tokenizer()
+    engine, _ = _engine(tokenizer, {"r": ["3" + END] * 4, "q": ["3" + END] * 4})
+    out = engine.generate([_prompt(tokenizer, "r"), _prompt(tokenizer, "q")], 2,
+                          episodes=[_spec(tokenizer, "r"), _spec(tokenizer, "q", "step_raises")])
+    scored = SimpleNamespace(rollout=out, prompt_rows=[0, 0, 1, 1])
+    texts = [tokenizer.decode(_prompt(tokenizer, "r")), tokenizer.decode(_prompt(tokenizer, "q"))]
+    samples = completion_samples(texts, tokenizer, 1, scored, torch.zeros(4), torch.zeros(4), 4)
+    assert samples[0]["prompt"] == tokenizer.decode(_prompt(tokenizer, "r", " Range 1-4, seed 2."))
+    assert "Range 1-4, seed 2." in samples[0]["prompt"] and "Range 1-4" not in texts[0]
+    assert (samples[0]["ended_by"], samples[0]["error"]) == ("environment", None)
+    assert (samples[2]["ended_by"], samples[2]["error"]) == ("error", "respond: KeyError: 'lost the board'")
+
+
+FAILING_ENV = '''
+class Broken:
+    def reset(self, board, **row):
+        return None
+
+    def get_reward(self):
+        return 1.0
+'''
+
+
+@pytest.mark.parametrize("on_error, mean", [("zero", 0.0), ("none", math.nan)])
+def test_eval_counts_environment_failures_apart_from_the_models_scores(tmp_path, caplog, on_error, mean):
+    """Defect 8: episodes the environment failed are counted (eval/environment/failed, frac_failed) and warned
+    about with their first error, whatever on_error makes of mean@k and pass@k (0, or nan)."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.evaluate import evaluate, format_results
+    from helpers import ROOT
+
+    env_file = tmp_path / "broken_env.py"
+    env_file.write_text(FAILING_ENV)
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [f"environment.factory={env_file}:Broken", "rewards=[]",
+                                                           "environment.max_turns=2", f"environment.on_error={on_error}"])
+    with caplog.at_level("WARNING", logger="grpo_trainer"):
+        results = evaluate(cfg, k=2, num_prompts=3, progress=False)
+    assert results["eval/environment/failed"] == 6 and results["eval/environment/frac_failed"] == 1.0
+    assert results["eval/reward/mean@2"] == pytest.approx(mean, nan_ok=True)
+    assert (f"eval: 6 of 6 episodes failed (first: reset: TypeError: Broken.reset() missing 1 required positional "
+            f"argument: 'board'); mean@k and pass@k count them as ") in caplog.text
+    assert "eval/environment/failed: 6\n" in format_results(results)
+
+
+class StrayServer:
+    """A stand-in OpenEnv server on websockets alone (GET /health and /schema, sessions on /ws answering reset, step
+    and state, as OpenEnv's protocol does) that, once, sends an extra `state` frame after its first reset's answer."""
+
+    SCHEMA = {
+        "action": {"title": "GuessAction", "type": "object", "properties": {"guess": {"type": "integer"}},
+                   "required": ["guess"]},
+        "observation": {"title": "GuessObservation", "type": "object",
+                        "properties": {"feedback": {"type": "string"}, "done": {"type": "boolean"}}},
+    }
+
+    def __init__(self):
+        import json
+
+        from websockets.sync.server import serve
+
+        self.strays, self.sessions, self.lock = 1, 0, threading.Lock()
+
+        def http(connection, request):
+            if request.path in ("/health", "/schema"):
+                body = {"status": "healthy"} if request.path == "/health" else self.SCHEMA
+                return connection.respond(200, json.dumps(body))
+            return None
+
+        def observation(feedback: str, done: bool) -> str:
+            return json.dumps({"type": "observation", "data": {"observation": {"feedback": feedback}, "done": done,
+                                                               "reward": 1.0 if done else 0.0}})
+
+        def session(ws):
+            with self.lock:
+                self.sessions += 1
+            steps = 0
+            for frame in ws:
+                kind = json.loads(frame)["type"]
+                if kind == "state":
+                    ws.send(json.dumps({"type": "state", "data": {"step_count": steps}}))
+                elif kind == "reset":
+                    steps = 0
+                    ws.send(observation("reset", False))
+                    with self.lock:
+                        stray, self.strays = self.strays > 0, self.strays - 1
+                    if stray:
+                        ws.send(json.dumps({"type": "state", "data": {"step_count": steps}}))
+                elif kind == "step":
+                    steps += 1
+                    ws.send(observation(f"step {steps}", steps >= 2))
+                else:
+                    return
+
+        self.server = serve(session, "127.0.0.1", 0, process_request=http)
+        self.url = f"openenv+ws://127.0.0.1:{self.server.socket.getsockname()[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_stray_frame_closes_its_session_and_never_answers_a_later_request():
+    """Defect 5: one extra frame from the server fails the episode it came in (a protocol breach), and its session
+    is closed, not lent again: every later episode reads its own answers."""
+    from grpo_trainer.environments.openenv_ws import OpenEnvRemote
+
+    server = StrayServer()
+    remote = OpenEnvRemote(server.url, sessions=1, step_timeout=2.0, reconnect_timeout=5.0, max_message_mb=1)
+    spec = EpisodeSpec({"prompt": "Guess."}, 3, "s1-d0-p0", lambda text: [])
+    try:
+        first = remote.episode()
+        assert first.reset(spec, 0) == "reset"
+        with pytest.raises(ProtocolBreach, match=r"(sent a frame nobody asked for before step|answered step with a 'state' "
+                                             r"message).*the session is closed$"):
+            first.respond('{"guess": 1}', [])
+        first.close()
+        for j in range(1, 4):
+            episode = remote.episode()
+            assert episode.reset(spec, j) == "reset"
+            replies = [episode.respond('{"guess": 1}', []) for _ in range(2)]
+            assert [(r.messages[0]["content"], r.done) for r in replies] == [("step 1", False), ("step 2", True)]
+            assert episode.snapshot().state == {"step_count": 2}
+            episode.close()
+        assert server.sessions == 2  # the stray's session closed, one new one, reused
+    finally:
+        remote.close()
+        server.server.shutdown()

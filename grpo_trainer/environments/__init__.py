@@ -25,9 +25,13 @@ an invalid action) are never failures: the adapter answers them with a message t
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -48,6 +52,40 @@ FAILURES = (FAILED_ERROR, FAILED_TIMEOUT, FAILED_DISCONNECT)
 class ProtocolBreach(Exception):
     """An environment returned what its convention does not allow (an adapter raises it, naming the class and the
     value): like any exception in its calls, it ends the episode as a failure."""
+
+
+def reward_number(value: Any) -> float | None:
+    """A reward an environment gave, read by the reward functions' rule (`rewards.reward_value`: any real number,
+    NumPy scalars, 0-d arrays and bools included) as a float, or None; ValueError when it is not a finite number
+    or None. One rule for every real number, wherever it comes from."""
+    from ..rewards import reward_value
+
+    number = reward_value(value)
+    if number is not None and (not isinstance(number, float) or not math.isfinite(number)):
+        raise ValueError(f"not a finite number: {value!r}")
+    return number
+
+
+def check_kwargs(factory: Callable[..., Any], label: str, kwargs: dict[str, Any]) -> None:
+    """environment.kwargs against the signature of the class they are given to (missing or unknown arguments): a
+    ConfigError in one line, at start (not a traceback, nor every episode failing)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will say
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        given = ", ".join(kwargs) or "none"
+        takes = ", ".join(str(p.replace(annotation=inspect.Parameter.empty)) for p in signature.parameters.values())
+        raise ConfigError(f"environment.kwargs (given: {given}): {label}({takes}) cannot take them: {exc}") from None
+
+
+def flag(value: Any) -> bool | None:
+    """`done` as a bool (a Python or NumPy bool, or a 0-d bool array), or None when it is not one."""
+    if hasattr(value, "ndim") and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()
+    return value if isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -187,5 +225,8 @@ __all__ = [
     "ProtocolBreach",
     "Reply",
     "build_environment",
+    "check_kwargs",
     "environment_seed",
+    "flag",
+    "reward_number",
 ]

@@ -7,8 +7,9 @@ One object per episode, made by calling the factory (a class, or any zero-argume
   appended to the prompt (TRL: to the last user message). Ours also passes `seed` (the group's environment seed)
   when the signature names it or takes `**kwargs`, and `episode_id` when it names it; columns the signature cannot
   take are left out (as OpenEnv's server filters them).
-- Every public method other than the reserved ones (`reset`, `step`, `get_reward`, `reward`, `close`) is a tool
-  the model can call; its schema comes from its type hints and `Args:` docstring, as for `rollout.tools`
+- Every public method defined with `def` (a merely callable class attribute, such as `Helper = dict`, is not one)
+  other than the reserved ones (`reset`, `step`, `get_reward`, `reward`, `close`) is a tool the model can call
+  (a generator is refused at load); its schema comes from its type hints and `Args:` docstring, as for `rollout.tools`
   functions. A method that raises is an error message to the model (TRL: "the recommended way to signal that an
   action is invalid"), not an environment failure. `async def` methods are run to completion.
 - `step(reply) -> (feedback, done)`, ours (TRL has no plain-reply hook): answers a turn that calls no tool (games,
@@ -18,7 +19,8 @@ One object per episode, made by calling the factory (a class, or any zero-argume
 - `close()`, if defined, is called once the episode is scored.
 
 What the class returns is checked: `reset` not `str | None`, `step` not a `(str, bool)` pair, a reward that is not a
-finite number or None, is a breach of the convention and ends the episode as a failure naming the class.
+finite number or None, is a breach of the convention and ends the episode as a failure naming the class. Numbers
+are read by the reward functions' rule (NumPy scalars and bools are numbers; a NumPy bool is a `done`).
 Objects are fresh per episode (TRL reuses them): an episode cannot depend on what an object did before, which
 keeps resumed runs exact; a class whose `__init__` is expensive pays it per episode.
 """
@@ -28,13 +30,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox
-from . import EpisodeSpec, ProtocolBreach, Reply
+from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -62,8 +63,14 @@ def method_tools(obj: Any) -> list[Tool]:
 
     tools = []
     for name in sorted(dir(type(obj))):
-        if name.startswith("_") or name in RESERVED or not callable(getattr(type(obj), name, None)):
+        fn = None if name.startswith("_") or name in RESERVED else _defined_function(type(obj), name)
+        if fn is None:
             continue
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise ConfigError(
+                f"environment.factory: the tool method {type(obj).__name__}.{name} is a generator (it yields); a tool "
+                "returns the text the model reads (or a name starting with _ keeps it from the model)"
+            )
         method = getattr(obj, name)
         try:
             schema = get_json_schema(method)
@@ -75,6 +82,16 @@ def method_tools(obj: Any) -> list[Tool]:
             ) from None
         tools.append(Tool(name, schema, _sync(method)))
     return tools
+
+
+def _defined_function(cls: type, name: str) -> Callable[..., Any] | None:
+    """The function behind a method defined with `def` in the class (or a base; static and class methods too), else
+    None: a class attribute that is merely callable (`Helper = dict`, a nested class, a callable object) is no
+    tool."""
+    attr = inspect.getattr_static(cls, name, None)
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    return attr if inspect.isfunction(attr) else None
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
@@ -120,26 +137,22 @@ class ClassEpisode:
         if step is None:
             return Reply([])  # TRL: a turn without a tool call ends the episode
         answer = _settled(step(text))
-        if not (
-            isinstance(answer, tuple)
-            and len(answer) == 2
-            and isinstance(answer[0], str)
-            and isinstance(answer[1], bool)
-        ):
+        done = flag(answer[1]) if isinstance(answer, tuple) and len(answer) == 2 else None
+        if done is None or not isinstance(answer[0], str):
             raise ProtocolBreach(f"{self.label}.step returned {_shown(answer)}; expected (feedback: str, done: bool)")
-        feedback, done = answer
-        return Reply([{"role": "user", "content": feedback}], done=done)
+        return Reply([{"role": "user", "content": str(answer[0])}], done=done)
 
     def reward(self) -> float | None:
         scorer = self.env.scorer
         if scorer is None:
             return None
         value = _settled(getattr(self.obj, scorer)())
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ProtocolBreach(f"{self.label}.{scorer} returned {_shown(value)}; expected a finite number or None")
-        return float(value)
+        try:
+            return reward_number(value)
+        except ValueError:
+            raise ProtocolBreach(
+                f"{self.label}.{scorer} returned {_shown(value)}; expected a finite number or None"
+            ) from None
 
     def snapshot(self) -> Any:
         return self.obj
@@ -169,7 +182,15 @@ class ClassEnvironment:
         self.kwargs = dict(kwargs)
         self.extra_tools = extra_tools
         self.tool_timeout = tool_timeout
-        sample = self._make()  # one object, to read the convention off (TRL does the same)
+        label = getattr(factory, "__name__", type(factory).__name__)
+        check_kwargs(factory, label, self.kwargs)
+        try:
+            sample = self._make()  # one object, to read the convention off (TRL does the same)
+        except Exception as exc:  # the user's __init__: one line, not a traceback
+            raise ConfigError(
+                f"{name}: {label}(**environment.kwargs) raised {_first_line(exc)} (the first object, made at start "
+                "to read its methods off)"
+            ) from None
         if not callable(getattr(sample, "reset", None)):
             raise ConfigError(
                 f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)"
@@ -183,7 +204,13 @@ class ClassEnvironment:
         self.has_reward = self.scorer is not None
         close = getattr(sample, "close", None)
         if callable(close):
-            close()
+            try:
+                _settled(close())
+            except Exception as exc:
+                raise ConfigError(
+                    f"{name}: {type(sample).__name__}.close() raised {_first_line(exc)} (the first object, made at "
+                    "start to read its methods off)"
+                ) from None
 
     def _make(self) -> Any:
         return self.factory(**self.kwargs)
@@ -213,6 +240,11 @@ def build(cfg: Config) -> ClassEnvironment:
         extra_tools=list(box.tools.values()) if box else [],
         tool_timeout=cfg.rollout.tool_timeout,
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _shown(value: Any) -> str:

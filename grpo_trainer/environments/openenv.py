@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import re
 import typing
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..rollout.tools import ToolCall, ToolResult
-from . import EpisodeSpec, ProtocolBreach, Reply
+from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -163,15 +162,16 @@ class Observed:
 def check_observation(fields: dict[str, Any], done: Any, reward: Any, where: str) -> Observed:
     """An observation's parts, or ProtocolBreach naming `where` when `done` is not a bool or the reward not a
     finite number or None (an environment that says `done="yes"` is broken, not done)."""
-    if not isinstance(done, bool):
+    ended = flag(done)
+    if ended is None:
         raise ProtocolBreach(f"{where} returned an observation whose done is {done!r}; expected true or false")
-    if reward is not None:
-        if not isinstance(reward, (bool, int, float)) or not math.isfinite(reward):
-            raise ProtocolBreach(
-                f"{where} returned an observation whose reward is {reward!r}; expected a finite number or null"
-            )
-        reward = float(reward)
-    return Observed({k: v for k, v in fields.items() if k not in RESERVED_FIELDS}, done, reward)
+    try:
+        number = reward_number(reward)
+    except ValueError:
+        raise ProtocolBreach(
+            f"{where} returned an observation whose reward is {reward!r}; expected a finite number or null"
+        ) from None
+    return Observed({k: v for k, v in fields.items() if k not in RESERVED_FIELDS}, ended, number)
 
 
 class ObservationText:
@@ -321,6 +321,7 @@ class OpenEnvEnvironment:
         self.action_cls = action_cls
         self.name = name
         self.kwargs = dict(kwargs)
+        check_kwargs(env_cls, getattr(env_cls, "__name__", name), self.kwargs)
         self.codec = ActionCodec(action_cls.model_json_schema(), action_tool)
         self.tools = [self.codec.tool]
         self.text = ObservationText(observation_field)

@@ -147,9 +147,22 @@ class Session:
             raise ProtocolBreach(f"the server answered {message['type']} with {frame[:80]!r}")
         return reply
 
+    def stray(self) -> str | bytes | None:
+        """A frame already waiting before a request is sent (None when there is none): a server that sent more than
+        one answer to a request. Raises ConnectionClosed when the connection closed meanwhile."""
+        try:
+            return self.ws.recv(timeout=0)
+        except TimeoutError:
+            return None
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._stack.close()
+
+
+# What each request may be answered with: anything else is a breach of the protocol, and the session is closed (a
+# reply out of step would otherwise answer the session's next request, in this episode or a later one).
+ANSWERS = {"reset": ("observation", "error"), "step": ("observation", "error"), "state": ("state", "error")}
 
 
 @dataclass
@@ -340,14 +353,15 @@ class RemoteEpisode(OpenEnvTurns):
         pool = self.env.pool
         data = {k: v for k, v in spec.record.items() if _jsonable(v)}  # the server passes what reset's signature takes
         data.update(seed=spec.seed, episode_id=f"{spec.episode_id}-g{j}")
-        # A free session may have died while it waited (the server was restarted between batches): nothing of the
-        # episode has happened yet, so another session is tried, at most once per session the pool can hold.
+        # A free session may have died while it waited (the server was restarted between batches), or be out of step
+        # (a stray frame): nothing of the episode has happened yet, so another session is tried, at most once per
+        # session the pool can hold.
         for attempt in range(pool.wanted + 1):
             self._held.append(pool.acquire(timeout=pool.step_timeout))
             try:
                 reply = self._request({"type": "reset", "data": data})
                 break
-            except Disconnected:
+            except (Disconnected, ProtocolBreach):  # a session out of step was closed: another one
                 if attempt == pool.wanted:
                     raise
         observed = self._observation(reply, "reset")
@@ -368,8 +382,18 @@ class RemoteEpisode(OpenEnvTurns):
         pool, session = self.env.pool, self.session
         if session is None:
             raise Disconnected(f"{pool.url}: this episode's session was lost")
+        kind = message["type"]
         try:
-            return session.request(message, pool.reply_timeout)
+            stray = session.stray()
+            if stray is not None:
+                raise ProtocolBreach(f"{pool.url} sent a frame nobody asked for before {kind}: {stray[:80]!r}")
+            reply = session.request(message, pool.reply_timeout)
+            if reply.get("type") not in ANSWERS.get(kind, (reply.get("type"),)):
+                raise ProtocolBreach(f"{pool.url} answered {kind} with a {reply.get('type')!r} message")
+            return reply
+        except ProtocolBreach as exc:  # the session is out of step with its server: closed, never lent again
+            self._drop()
+            raise ProtocolBreach(f"{exc}; the session is closed") from None
         except StepTimeout:
             self._drop()
             raise

@@ -50,6 +50,25 @@ def apply_on_error(batch: RewardBatch, episodes: list[EpisodeRecord], policy: st
     batch.total[rows] = value
 
 
+def failure_kinds(episodes: list[EpisodeRecord]) -> list[tuple[str, int]]:
+    """The batch's failures by kind (what failed and how: the call, and the exception's type or the limit), each
+    as its first episode's error and how many episodes it ended; in the order they first occur."""
+    kinds: dict[tuple[str, ...], list] = {}
+    for e in episodes:
+        if e.failed:
+            error = e.error or e.ended_by
+            key = (e.ended_by, *error.split(": ")[:2])
+            kinds.setdefault(key, [error, 0])[1] += 1
+    return [(error, count) for error, count in kinds.values()]
+
+
+def failure_summary(name: str, episodes: list[EpisodeRecord]) -> list[str]:
+    """One line per kind of failure (failure_kinds), naming the environment: what the log shows, so that an
+    environment that fails does not pass for a model that scores 0."""
+    n = len(episodes)
+    return [f"{name}: {count} of {n} episodes failed: {error}" for error, count in failure_kinds(episodes)]
+
+
 def episode_counts(episodes: list[EpisodeRecord]) -> torch.Tensor:
     """Per episode [N, 6 + len(ENDINGS)]: turns, errors, timeouts, disconnects, observations cut, invalid actions,
     then one column per normal ending (a failed episode has none)."""

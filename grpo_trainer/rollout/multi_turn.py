@@ -44,10 +44,12 @@ environment.observation_chars.
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,12 +68,15 @@ from ..environments import (
     EpisodeSpec,
 )
 from ..environments.calls import EnvCalls, EpisodeBudget, Outcome
+from ..environments.scoring import failure_summary
 from ..errors import ConfigError
 from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
-from .tools import ToolBox, ToolCall, ToolResult, cut, parse_tool_calls
+from .tools import ToolBox, ToolCall, ToolResult, parse_tool_calls
 
 if TYPE_CHECKING:
     from ..config import Config
+
+logger = logging.getLogger("grpo_trainer")
 
 PLACEHOLDER = "-"  # content of the stand-in conversation environment messages are rendered after
 ABANDONED_PER_WORKER = 4  # hung calls still running, per worker of EnvCalls, before the run stops
@@ -325,6 +330,8 @@ class EpisodeEngine:
         if self.settings.record:
             after = self.environment.counters()
             rollout.env_counters = {name: after[name] - before.get(name, 0) for name in after}
+            for line in failure_summary(self.environment.name, rollout.episodes or []):
+                logger.warning("%s", line)  # the first error of each kind: a failing environment shows
         return rollout
 
     def _waves(self, prompts: int, g: int) -> list[tuple[int, int]]:
@@ -511,7 +518,7 @@ class EpisodeEngine:
         if limit is None or not isinstance(content, str) or len(content) <= limit:
             return message
         conv.record.observations_cut += 1
-        return {**message, "content": cut(content, limit)}
+        return {**message, "content": cut_within(content, limit)}
 
     def _finish(self, conversations: list[Conversation]) -> list[Any]:
         """Score, snapshot and close every episode that did not hang (a timed-out object is never touched again)."""
@@ -632,12 +639,28 @@ def with_environment(
     )
 
 
+def cut_within(text: str, limit: int) -> str:
+    """At most `limit` characters in all, the note of how much was left out counted: the start of `text` and
+    `[... N more characters]`, or only the start where the note alone would not fit."""
+    if len(text) <= limit:
+        return text
+    keep = limit
+    for _ in range(3):  # the note's length depends on N, which depends on what is kept: settles in two rounds
+        note = f"\n[... {len(text) - keep} more characters]"
+        keep = limit - len(note)
+    if keep <= 0:
+        return text[:limit]
+    return text[:keep] + f"\n[... {len(text) - keep} more characters]"
+
+
 def _respond(conv: Conversation):
     return lambda: conv.live_episode.respond(conv.text, conv.calls)
 
 
 def _reset(episode: Episode, spec: EpisodeSpec, j: int):
-    return lambda: episode.reset(spec, j)
+    """Each episode resets from its own copy of the row: a reset that changes a nested value of it must change
+    neither its siblings' row nor the dataset (the next epoch's)."""
+    return lambda: episode.reset(replace(spec, record=copy.deepcopy(spec.record)), j)
 
 
 def _row(values: list | None, j: int):

@@ -219,6 +219,8 @@ def function_tool(spec: str, where: str) -> Tool:
     from ..user_functions import resolve_function
 
     fn = resolve_function(spec, where, "tool", ConfigError, builtins=[PYTHON_TOOL])
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ConfigError(f"{where}: {spec!r} is a generator (it yields); a tool returns the text the model reads")
     try:
         schema = get_json_schema(fn)
     except Exception as exc:
