@@ -33,6 +33,26 @@ HANG_SECONDS = 4.0
 HUGE_CHARS = 2 * 2**20  # over the 1 MiB max_message_mb the tests give the client
 
 
+class Hangs:
+    """Step 14's hangs in this process: `running` counts the steps still in theirs; each lasts `seconds` or until
+    `release` is set (an in-process test holds them longer, sees them still running, then lets them go)."""
+
+    seconds = HANG_SECONDS
+    release = threading.Event()
+    lock = threading.Lock()
+    running = 0
+
+    @classmethod
+    def hang(cls) -> None:
+        with cls.lock:
+            cls.running += 1
+        try:
+            cls.release.wait(cls.seconds)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+
 class GuessAction(Action):
     """Guess the number."""
 
@@ -62,7 +82,7 @@ class GuessEnv(Environment):
         if n == 13:
             raise ValueError("unlucky 13")
         if n == 14:
-            time.sleep(HANG_SECONDS)
+            Hangs.hang()
         if n == 15:
             return GuessObservation(feedback="x" * HUGE_CHARS)
         if n == 16:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +153,17 @@ def test_in_process_episodes_through_the_loop():
     assert type(out.environments[0]).__name__ == "GuessEnv" and out.environments[0].state.step_count == 2
     raised, _ = play(environment(), [call(13) + END, "never"])
     assert [(r.ended_by, r.error) for r in raised.episodes] == [("error", "respond: ValueError: unlucky 13")] * 2
-    start = time.monotonic()
-    hung, _ = play(environment(), [call(14) + END, "never"], step_timeout=0.5)
-    assert [r.ended_by for r in hung.episodes] == ["timeout"] * 2 and time.monotonic() - start < 2.0
+    env = environment()
+    envs = env.env_cls.step.__globals__  # tests/openenv_envs.py as the loader imported it (by path: not sys.modules)
+    hangs = envs["Hangs"]
+    hangs.seconds = 60.0
+    hangs.release.clear()
+    try:
+        hung, _ = play(env, [call(14) + END, "never"], step_timeout=0.5)
+        assert [r.ended_by for r in hung.episodes] == ["timeout"] * 2
+        # Both steps are still hanging when the loop has ended their episodes: abandoned at step_timeout, not
+        # waited out (a loop that waited would return only once they ended, a minute later, and find none running).
+        assert hangs.running == 2
+    finally:
+        hangs.release.set()
+        hangs.seconds = envs["HANG_SECONDS"]

@@ -57,6 +57,25 @@ class ScriptedModel:
                        sampling_logprobs=[[-0.5] * len(t[:limit]) for t in ids])
 
 
+class Hang:
+    """`step_hangs`'s step: it stays in the call until the test lets it go (`release`; at most a minute), and
+    `running` counts the calls still in it, so a test sees that the loop ended their episodes without them."""
+
+    release = threading.Event()
+    lock = threading.Lock()
+    running = 0
+
+    @classmethod
+    def wait(cls) -> None:
+        with cls.lock:
+            cls.running += 1
+        try:
+            cls.release.wait(60)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+
 class Guess:
     """Guess my number from 1 to 4; a row's `mode` makes the environment misbehave in one way."""
 
@@ -86,7 +105,7 @@ class Guess:
         if mode == "server_lost":  # a UserError: the run cannot go on
             raise EnvironmentServerLost("openenv+ws://127.0.0.1:1 went away and did not come back; stopping")
         if mode == "step_hangs":
-            time.sleep(30)
+            Hang.wait()
         if mode == "huge":
             return "x" * 1_000_000, False
         if mode == "never_done":
@@ -210,9 +229,15 @@ def test_hostile_environments_end_their_own_episode_and_say_why(tiny_model_path)
              "nan_reward"]
     scripts = {mode: ["3" + END] * 4 for mode in modes}
     engine, _ = _engine(tokenizer, scripts, step_timeout=0.5, max_turns=3)
-    started = time.perf_counter()
-    out = engine.generate([_prompt(tokenizer, m) for m in modes], 2, episodes=[_spec(tokenizer, m, m) for m in modes])
-    assert time.perf_counter() - started < 10  # not the 30 s hang
+    Hang.release.clear()
+    try:
+        out = engine.generate([_prompt(tokenizer, m) for m in modes], 2,
+                              episodes=[_spec(tokenizer, m, m) for m in modes])
+        # Both hung steps are still in their call when generate has returned: abandoned, not waited out (a loop
+        # that waited would return only once they ended, a minute later, and find none running).
+        assert Hang.running == 2
+    finally:
+        Hang.release.set()
     got = {m: out.episodes[2 * i] for i, m in enumerate(modes)}
     assert got["fair"].ended_by == "environment" and got["fair"].env_reward == 1.0
     assert got["reset_raises"].ended_by == "error" and "RuntimeError: no such board" in got["reset_raises"].error
@@ -240,13 +265,20 @@ def test_an_episode_budget_counts_environment_time_only(tiny_model_path):
 
 
 def test_episodes_run_concurrently():
-    """64 calls sleeping 50 ms, three rounds: about 3 sleeps, not 192."""
+    """64 calls, three rounds, each call waiting at a barrier of 64 before it returns: a round passes only if all
+    64 calls are running at once. Calls run fewer at a time would leave the first waiting alone until the barrier's
+    timeout breaks it (BrokenBarrierError, every outcome of the round an error)."""
     calls = EnvCalls(64, "environment.factory test:Sleepy", 256)
-    started = time.perf_counter()
+    barrier = threading.Barrier(64, timeout=30)  # reused: it resets once all 64 have passed
+
+    def meet():
+        barrier.wait()
+        return "ok"
+
     for _ in range(3):
-        outcomes = calls.run([(lambda: time.sleep(0.05) or "ok", 1.0)] * 64)
-        assert all(o.value == "ok" for o in outcomes)
-    assert time.perf_counter() - started < 3.0  # 9.6 s one at a time
+        outcomes = calls.run([(meet, 60.0)] * 64)
+        assert [(o.value, o.error) for o in outcomes] == [("ok", None)] * 64
+    assert not barrier.broken
     calls.close()
 
 

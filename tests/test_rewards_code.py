@@ -2,7 +2,8 @@
 
 import json
 import os
-import time
+import sys
+import threading
 
 import pytest
 
@@ -127,15 +128,34 @@ def test_fake_markers_and_patched_assert_score_zero():
     )
 
 
-def test_tests_run_in_parallel():
-    """Six one-second runs on six workers take less time than three of them on one worker, measured here."""
-    sleepy = "import time\ndef add(a, b):\n    time.sleep(1.0)\n    return a + b"
-    start = time.monotonic()
-    assert code_tests(None, [fenced(sleepy)], tests=[ADD_TESTS], max_workers=1) == [1.0]
-    three_in_a_row = time.monotonic() - start
-    start = time.monotonic()
-    assert code_tests(None, [fenced(sleepy)] * 2, tests=[ADD_TESTS] * 2, max_workers=6) == [1.0, 1.0]
-    assert time.monotonic() - start < three_in_a_row
+def test_tests_run_in_parallel(monkeypatch):
+    """Six test runs on six workers are all running at once: each waits at a barrier of six before its sandbox
+    starts, so one at a time the first would wait alone until the barrier's timeout breaks it (BrokenBarrierError
+    from code_tests). On one worker, one run at a time."""
+    add = fenced("def add(a, b):\n    return a + b")
+    module = sys.modules[parse_tests.__module__]  # rewards.code_tests (the package's `code_tests` is the function)
+    real, lock = module._run_test, threading.Lock()
+    running, most, barrier = 0, 0, None
+
+    def counted(*args, **kwargs):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            if barrier is not None:
+                barrier.wait()
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(module, "_run_test", counted)
+    assert code_tests(None, [add], tests=[ADD_TESTS], max_workers=1) == [1.0]
+    assert most == 1
+    barrier = threading.Barrier(6, timeout=60)
+    assert code_tests(None, [add] * 2, tests=[ADD_TESTS] * 2, max_workers=6) == [1.0, 1.0]
+    assert most == 6 and not barrier.broken
 
 
 def test_secret_environment_is_not_visible_to_code(monkeypatch):
