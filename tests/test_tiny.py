@@ -160,13 +160,15 @@ def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_we
     import sys
 
     script = load_script("build_builtins")
+    shipped = {module: shipped_weights(module.FOLDER) for module in (tiny, tiny_tools)}
+    shipped_sha256 = read_manifest()[tiny.FOLDER]["sha256"]
 
     def assemble(builder, folder, threads=1, sft_steps=None, **kwargs):
         module = tiny if builder.startswith("grpo_trainer.builtin.tiny:") else tiny_tools
         if sft_steps == 0:
             module.build_model(folder, sft_steps=0)
         else:
-            module.build_model(folder, weights=shipped_weights(module.FOLDER))
+            module.build_model(folder, weights=shipped[module])
 
     monkeypatch.setattr(script, "build_canonically", assemble)
     monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER])
@@ -189,5 +191,5 @@ def test_the_rebuild_script_reports_a_recipe_that_no_longer_gives_the_shipped_we
     monkeypatch.setattr(sys, "argv", ["build_builtins.py", "--only", tiny.FOLDER, "--write"])
     assert script.main() == 0
     recorded = json.loads(manifest.read_text())[tiny.FOLDER]
-    assert recorded["sha256"] == sha256_of(tmp_path / f"{tiny.FOLDER}.safetensors") == read_manifest()[tiny.FOLDER]["sha256"]
+    assert recorded["sha256"] == sha256_of(tmp_path / f"{tiny.FOLDER}.safetensors") == shipped_sha256
     assert check_distance(tiny.FOLDER, tmp_path / f"{tiny.FOLDER}.safetensors") == 0.0
