@@ -32,9 +32,10 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox
 from . import EpisodeSpec, ProtocolBreach, Reply
+from .calls import EnvCalls
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -163,13 +164,17 @@ class ClassEnvironment:
         *,
         extra_tools: list[Tool],
         tool_timeout: float,
+        step_timeout: float = 30.0,
     ):
         self.factory = factory
         self.name = name
         self.kwargs = dict(kwargs)
         self.extra_tools = extra_tools
         self.tool_timeout = tool_timeout
-        sample = self._make()  # one object, to read the convention off (TRL does the same)
+        # One object, to read the convention off (TRL does the same). Made and closed under the deadline, as every
+        # episode's object is: an __init__ or close() that hangs, raises or calls sys.exit stops the run in one line.
+        calls = EnvCalls(1, name, max_abandoned=0)
+        sample = self._sample_call(calls, self._make, f"{_callable_name(factory)}(**environment.kwargs)", step_timeout)
         if not callable(getattr(sample, "reset", None)):
             raise ConfigError(
                 f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)"
@@ -183,7 +188,20 @@ class ClassEnvironment:
         self.has_reward = self.scorer is not None
         close = getattr(sample, "close", None)
         if callable(close):
-            close()
+            self._sample_call(calls, lambda: _settled(close()), f"{type(sample).__name__}.close()", step_timeout)
+        calls.close()
+
+    def _sample_call(self, calls: EnvCalls, fn: Callable[[], Any], what: str, step_timeout: float) -> Any:
+        outcome = calls.run([(fn, step_timeout)], check=False)[0]
+        if outcome.timed_out is not None:  # abandoned in its daemon thread; the object is never used
+            raise ConfigError(
+                f"{self.name}: {what} did not return within environment.step_timeout ({step_timeout:g} s); stopping"
+            )
+        if isinstance(outcome.exception, UserError):
+            raise outcome.exception
+        if outcome.error is not None:
+            raise ConfigError(f"{self.name}: {what} raised {outcome.error}")
+        return outcome.value
 
     def _make(self) -> Any:
         return self.factory(**self.kwargs)
@@ -212,7 +230,12 @@ def build(cfg: Config) -> ClassEnvironment:
         env.kwargs,
         extra_tools=list(box.tools.values()) if box else [],
         tool_timeout=cfg.rollout.tool_timeout,
+        step_timeout=env.step_timeout,
     )
+
+
+def _callable_name(factory: Any) -> str:
+    return getattr(factory, "__qualname__", None) or type(factory).__name__
 
 
 def _shown(value: Any) -> str:
