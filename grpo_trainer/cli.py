@@ -10,7 +10,9 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from .errors import UserError
 
@@ -124,7 +126,22 @@ def report_kernels(cfg, remeasure: bool) -> int:
     return 0
 
 
+USER_CODE_COMMANDS = ("train", "eval", "kernels")  # commands that call the user's rewards, tools, environments
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; its exit status. Commands that run user code end the process themselves when threads that
+    code left behind (non-daemon) would keep it from exiting (deadline.end_process_if_held), once everything is
+    written."""
+    from .deadline import end_process_if_held
+
+    command, code = _main(argv)
+    if command in USER_CODE_COMMANDS:
+        end_process_if_held(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> tuple[str, int]:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -138,38 +155,49 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        if args.command == "plot":
-            from .plot import plot_run
+        return args.command, _command(args, vllm_args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return args.command, 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return args.command, 130
 
-            for path in plot_run(args.output_dir, args.out, on_skip=lambda note: print(f"skipped: {note}")):
-                print(path)
-            return 0
-        if args.command == "export":
-            from .export import export_checkpoint
 
-            print(f"exported to {export_checkpoint(args.checkpoint, args.out, merge=args.merge)}")
-            return 0
-        from .config import load_config
+def _command(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    if args.command == "plot":
+        from .plot import plot_run
 
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "validate":
-            from .preflight import preflight
+        for path in plot_run(args.output_dir, args.out, on_skip=lambda note: print(f"skipped: {note}")):
+            print(path)
+        return 0
+    if args.command == "export":
+        from .export import export_checkpoint
 
-            for warning in preflight(cfg):
-                print(f"warning: {warning}", file=sys.stderr)
-            print(cfg.to_yaml(), end="")
-            return 0
-        if args.command == "serve":
-            from .serve import serve
+        print(f"exported to {export_checkpoint(args.checkpoint, args.out, merge=args.merge)}")
+        return 0
+    from .config import load_config
 
-            return serve(
-                cfg,
-                host=args.host,
-                port=args.port,
-                tensor_parallel_size=args.tensor_parallel_size,
-                vllm_args=vllm_args,
-                dry_run=args.dry_run,
-            )
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "validate":
+        from .preflight import preflight
+
+        for warning in preflight(cfg):
+            print(f"warning: {warning}", file=sys.stderr)
+        print(cfg.to_yaml(), end="")
+        return 0
+    if args.command == "serve":
+        from .serve import serve
+
+        return serve(
+            cfg,
+            host=args.host,
+            port=args.port,
+            tensor_parallel_size=args.tensor_parallel_size,
+            vllm_args=vllm_args,
+            dry_run=args.dry_run,
+        )
+    with _user_code(args.command):
         if args.command == "kernels":
             return report_kernels(cfg, args.remeasure)
         if args.command == "eval":
@@ -177,26 +205,36 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_results(evaluate(cfg, args.checkpoint, args.k)))
             return 0
-        if args.command == "train":
-            from .distributed import exit_without_teardown, launched_ranks
-            from .trainer import train
+        from .trainer import train
 
-            result = train(cfg)
-            code = 0
-            if result.preempted_by:
-                from .preemption import PREEMPTED_EXIT_CODE
+        result = train(cfg)
+    from .distributed import exit_without_teardown, launched_ranks
 
-                code = PREEMPTED_EXIT_CODE
-            elif result.is_main_process:
-                print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
-                print(next_commands(result.output_dir))
-            if launched_ranks() > 1:
-                exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
-            return code
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 1
+    code = 0
+    if result.preempted_by:
+        from .preemption import PREEMPTED_EXIT_CODE
+
+        code = PREEMPTED_EXIT_CODE
+    elif result.is_main_process:
+        print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
+        print(next_commands(result.output_dir))
+    if launched_ranks() > 1:
+        exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
+    return code
+
+
+@contextlib.contextmanager
+def _user_code(command: str) -> Iterator[None]:
+    """Around a command that calls user code: `os._exit` from that code ends the process with a failure and a line
+    saying so (deadline.guard_os_exit); `sys.exit()` reaching here from it (user code run in this thread) is an
+    error, never a silent success."""
+    from .deadline import guard_os_exit
+
+    with guard_os_exit():
+        try:
+            yield
+        except SystemExit as exc:
+            raise UserError(
+                f"{command}: user code called sys.exit({exc.code!r}) (SystemExit) while it ran; the {command} did not "
+                "finish (a reward, a tool or an environment must raise an exception or return, not exit)"
+            ) from None

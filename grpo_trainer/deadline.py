@@ -10,8 +10,8 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
   the call was working on again (an environment object whose call was abandoned is not closed, scored or reused).
 - Daemon threads, never `concurrent.futures` ones: those are joined when the interpreter exits, so one call that
   never returns would hold the trainer's exit forever. A daemon thread cannot.
-- Abandoned calls still running are counted (`abandoned`, and `abandoned_total` since the pool started); more than
-  the pool's bound means the function hangs as a rule, not by accident, and the run stops with one line naming
+- Abandoned calls still running are counted (`abandoned`, and `abandoned_total` since the pool started); more of
+  one function's than the pool's bound means the function hangs as a rule, not by accident, and the run stops with one line naming
   the function (`CallsHang`, a UserError: exit status 2) instead of piling up threads.
 - Whatever a call raises is its outcome, `SystemExit` included: `sys.exit()` in user code is an error of that code,
   never a silent end of the run. (`KeyboardInterrupt` reaches only the main thread; `run_inline` lets it through.)
@@ -162,12 +162,14 @@ class UserCalls:
         return outcomes
 
     def check(self) -> None:
-        """Raise `stop`, naming the function, when more calls than the bound are still running past their limit."""
+        """Raise `stop`, naming the function, when more of one function's calls than the bound are still running
+        past their limit (counted per function: a pool may run several, e.g. the tools of `rollout.tools`)."""
         with self._changed:
-            running = sum(self._abandoned.values())
+            if not self._abandoned:
+                return
+            name, running = self._abandoned.most_common(1)[0]
             if running <= self.max_abandoned:
                 return
-            name = self._abandoned.most_common(1)[0][0]
         raise self.stop(
             f"{name}: {running} calls are still running after their timeout ({self.limit_key}): {self.what}; stopping"
         )
@@ -251,8 +253,8 @@ _guarded_pid: int | None = None
 
 
 @contextlib.contextmanager
-def guard_os_exit(what: str) -> Iterator[None]:
-    """While the run runs (`what`: "the run"), a Python-level `os._exit(status)` in this process (user code in an
+def guard_os_exit() -> Iterator[None]:
+    """While a command runs, a Python-level `os._exit(status)` in this process (user code in an
     environment or a tool: the trainer's own code never calls it then) prints one line saying so and ends the
     process with `status`, or 1 for 0: a run that vanished is never a success. Child processes (a fork inherits
     the guard) are left alone. A C-level _exit or a signal cannot be seen here (see the module docstring)."""
