@@ -11,8 +11,8 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
 - Daemon threads, never `concurrent.futures` ones: those are joined when the interpreter exits, so one call that
   never returns would hold the trainer's exit forever. A daemon thread cannot.
 - Abandoned calls still running are counted (`abandoned`, and `abandoned_total` since the pool started); more of
-  one function's than the pool's bound means the function hangs as a rule, not by accident, and the run stops with one line naming
-  the function (`CallsHang`, a UserError: exit status 2) instead of piling up threads.
+  one function's than the pool's bound means the function hangs as a rule, not by accident, and the run stops
+  with one line naming the function (`CallsHang`, a UserError: exit status 2) instead of piling up threads.
 - Whatever a call raises is its outcome, `SystemExit` included: `sys.exit()` in user code is an error of that code,
   never a silent end of the run. (`KeyboardInterrupt` reaches only the main thread; `run_inline` lets it through.)
 
@@ -24,8 +24,9 @@ Process isolation, where a hung call must really be killed, is running an enviro
 the `python` tool's sandbox.
 
 `end_process_if_held` is the other half of "never keeps the process from exiting": threads that user code
-started itself (not ours) and left running as non-daemon would hold the interpreter's exit after "done"; the
-CLI then ends the process itself, with the run's status, once everything is written.
+started itself (not ours) and left running as non-daemon would hold the interpreter's exit after "done" forever;
+the CLI then ends the process itself, with the run's status, once everything is written and the interpreter's
+own exit has had `EXIT_GRACE` seconds (so idle `concurrent.futures` workers and exit hooks end as usual).
 """
 
 from __future__ import annotations
@@ -291,22 +292,35 @@ def held_by(threads: Sequence[threading.Thread] | None = None) -> list[str]:
     return [t.name for t in live if t is not main and not t.daemon and t.is_alive()]
 
 
-def end_process_if_held(status: int, logger: logging.Logger | None = None) -> None:
-    """Once a command is over and everything is written: if threads user code left behind (non-daemon) would keep
-    the interpreter from exiting, say so and end the process now with `status`; else return (a normal exit)."""
-    held = held_by()
-    if not held:
-        return
-    message = (
-        f"{len(held)} non-daemon thread(s) still running ({', '.join(sorted(held)[:5])}; started by user code or "
-        f"a library it called) would keep the process from exiting; ending it now (status {status})"
-    )
-    if logger is not None:
-        logger.warning(message)
-    else:
-        print(f"warning: {message}", file=sys.stderr)
-    _flush()
-    _real_exit(status)
+EXIT_GRACE = 10.0  # seconds the interpreter's own exit may take once a command is over (its threads, atexit hooks)
+
+
+def end_process_if_held(status: int, grace: float = EXIT_GRACE) -> None:
+    """Called last, when a command is over and everything is written (metrics, trackers, checkpoints, the model):
+    the process is going to exit with `status`. The interpreter first joins every non-daemon thread (and runs its
+    exit hooks, which end idle `concurrent.futures` workers); a thread user code left running would hold that
+    forever. A daemon watchdog started here ends the process with `status` if it is still alive `grace` seconds
+    later, naming the threads that held it; a normal exit, sooner, ends the watchdog with the process."""
+
+    def watch() -> None:
+        time.sleep(grace)
+        held = held_by()
+        named = ", ".join(sorted(held)[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        message = (
+            f"the process is still running {grace:g} s after the command ended, held by "
+            + (
+                f"{len(held)} non-daemon thread(s) ({named}; started by user code or a library it called)"
+                if held
+                else "its exit handlers"
+            )
+            + f"; ending it now (status {status})"
+        )
+        _flush()
+        with contextlib.suppress(Exception):
+            os.write(2, f"warning: {message}\n".encode())
+        _real_exit(status)
+
+    threading.Thread(target=watch, name="grpo-exit-watchdog", daemon=True).start()
 
 
 def _flush() -> None:

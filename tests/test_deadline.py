@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_trainer.deadline import Call, CallsHang, UserCalls, end_process_if_held, held_by, run_inline
+from grpo_trainer.deadline import Call, CallsHang, UserCalls, held_by, run_inline
 from grpo_trainer.errors import ConfigError, RewardError
 
 FOREVER = 10**6  # seconds: a call that never returns within any test
@@ -103,17 +103,19 @@ def test_held_by_names_live_non_daemon_threads_only():
 
 
 @pytest.mark.slow
-def test_a_non_daemon_thread_left_behind_does_not_keep_the_process_alive():
-    """end_process_if_held ends the process with the status it is given, and says why; without such a thread it
-    returns and the interpreter exits as usual."""
-    code = ("import threading, sys\nfrom grpo_trainer.deadline import end_process_if_held\n"
-            "end_process_if_held(5)\nprint('not held', flush=True)\n"
-            "threading.Thread(target=threading.Event().wait, name='user-keeper').start()\n"
-            "end_process_if_held(3)\nprint('unreachable')")
+@pytest.mark.parametrize("held", [False, True])
+def test_a_non_daemon_thread_left_behind_does_not_keep_the_process_alive(held):
+    """end_process_if_held: a process held by a non-daemon thread is ended with the status given, naming the thread;
+    one that is not (an idle concurrent.futures worker ends with the interpreter's own exit) exits as usual."""
+    code = ("import concurrent.futures, sys, threading\nfrom grpo_trainer.deadline import end_process_if_held\n"
+            "concurrent.futures.ThreadPoolExecutor(1).submit(print, 'idle worker left').result()\n"
+            + ("threading.Thread(target=threading.Event().wait, name='user-keeper').start()\n" if held else "")
+            + "end_process_if_held(3, grace=1.0)\nprint('returned', flush=True)\nsys.exit(3)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3, result.stderr[-2000:]
-    assert result.stdout.strip() == "not held"
-    assert "user-keeper" in result.stderr and "ending it now (status 3)" in result.stderr
+    assert result.stdout.split() == ["idle", "worker", "left", "returned"]
+    assert ("user-keeper" in result.stderr and "ending it now (status 3)" in result.stderr) is held
+    assert ("held by" in result.stderr) is held
 
 
 @pytest.mark.slow
@@ -125,10 +127,6 @@ def test_os_exit_zero_in_a_thread_during_the_run_is_not_a_success():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "unreachable" not in result.stdout
     assert "os._exit(0) was called in thread 'environment-step' before the run finished" in result.stderr
-
-
-def test_end_process_if_held_returns_when_nothing_holds_the_process():
-    end_process_if_held(0)  # this test process has only daemon helpers here: it returns
 
 
 # ---------------------------------------------------------------------------- tools
@@ -286,6 +284,10 @@ def test_an_object_whose_snapshot_was_abandoned_is_not_closed():
 
 
 # ---------------------------------------------------------------------------- the CLI, as a user runs it
+# In a real `python -m grpo_trainer` process (PYTHON_M), not run_cli's fork of a warm server: that child ends with
+# os._exit once main returns, so the interpreter's exit (the join of non-daemon and concurrent.futures threads,
+# where a hung tool used to hold the process forever) would never be reached.
+PYTHON_M = [sys.executable, "-m"]
 
 ENV_FILE = '''
 import os, sys, threading, time
@@ -344,7 +346,7 @@ def _env_run(tmp_path: Path, cls: str, *extra: str, command: str = "train", time
     env_file.write_text(ENV_FILE)
     return run_cli([command, "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "out", 2),
                     f"environment.factory={env_file}:{cls}", "environment.step_timeout=1", "environment.max_turns=2",
-                    "rewards=[]", "eval.every=0", "checkpoint.save_every=0"], timeout=timeout)
+                    "rewards=[]", "eval.every=0", "checkpoint.save_every=0"], timeout=timeout, launcher=PYTHON_M)
 
 
 @pytest.mark.slow
@@ -361,9 +363,10 @@ def test_an_environment_whose_init_or_close_hangs_or_exits_stops_the_run_in_one_
 
 @pytest.mark.slow
 def test_kernels_does_not_hang_on_an_environment_whose_init_hangs(tmp_path):
+    """`kernels` builds the environment too (its prompts may carry reset text): one line, exit 2."""
     result = _env_run(tmp_path, "InitHangs", command="kernels")
-    assert result.returncode in (0, 2), result.stderr[-3000:]  # 0: this config reaches no environment code
-    assert result.returncode == 0 or "did not return within environment.step_timeout" in result.stderr
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "InitHangs(**environment.kwargs) did not return within environment.step_timeout" in result.stderr
 
 
 @pytest.mark.slow
@@ -420,7 +423,7 @@ def test_a_tool_that_never_returns_lets_a_cli_run_finish_and_the_process_exit(tm
     result = run_cli(["train", "configs/tools_cpu.yaml", f"output_dir={out}", "train.max_steps=2",
                       "train.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=16",
                       "eval.every=0", "checkpoint.save_every=0", "logging.progress_bar=false",
-                      f"rollout.tools=[{tool}:python]", "rollout.tool_timeout=0.5"], timeout=300)
+                      f"rollout.tools=[{tool}:python]", "rollout.tool_timeout=0.5"], timeout=300, launcher=PYTHON_M)
     assert result.returncode == 0 and "done: 2 steps" in result.stdout, result.stderr[-3000:]
     records = read_metrics(out)
     assert sum(r["tools/calls_per_completion"] for r in records) > 0
@@ -453,13 +456,13 @@ def test_a_reward_that_never_returns_lets_a_cli_run_finish_with_on_timeout_none_
     hanging = (f"{{name: {reward}:blocks, timeout: 0.5, on_timeout: none}}, "
                f"{{name: {reward}:hangs, timeout: 0.5, on_timeout: none}}")
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "a", 2),
-                      f"rewards=[{{name: math_accuracy}}, {hanging}]"], timeout=300)
+                      f"rewards=[{{name: math_accuracy}}, {hanging}]"], timeout=300, launcher=PYTHON_M)
     assert result.returncode == 0 and "done: 2 steps" in result.stdout, result.stderr[-3000:]
     records = read_metrics(tmp_path / "a")
     assert [r["rewards/blocks/timed_out_batches"] for r in records] == [1.0, 1.0]
     assert [r["rewards/hangs/timed_out_batches"] for r in records] == [1.0, 1.0]
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "b", 2),
-                      f"rewards=[{{name: {reward}:hangs, timeout: 0.5}}]"], timeout=300)
+                      f"rewards=[{{name: {reward}:hangs, timeout: 0.5}}]"], timeout=300, launcher=PYTHON_M)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: reward 'hangs' did not return within 0.5 s (rewards.0.timeout)" in result.stderr
     assert "Traceback" not in result.stderr
