@@ -4,7 +4,7 @@
 Works the same under `accelerate launch -m grpo_trainer ...`. Exit status: 0 done; 2 a problem the
 user can fix (config, data, rewards, a failed checkpoint save), printed as one clear message; 75 stopped
 by a preemption signal after saving a checkpoint (resume with checkpoint.resume=auto); anything else is a
-bug and keeps its traceback.
+bug and keeps its traceback (or, with a line saying so, user code that ended the process with `os._exit(0)`: 1).
 """
 
 from __future__ import annotations
@@ -126,22 +126,25 @@ def report_kernels(cfg, remeasure: bool) -> int:
     return 0
 
 
-USER_CODE_COMMANDS = ("train", "eval", "kernels")  # commands that call the user's rewards, tools, environments
+@contextlib.contextmanager
+def user_code(command: str) -> Iterator[None]:
+    """Around a command that calls user code (rewards, tools, environments): `os._exit` from that code ends the
+    process with a failure and a line saying so (deadline.guard_os_exit); `sys.exit()` from it reaching here (user
+    code run in this thread) is an error, never a silent success. (__main__ then ends a process that threads left by
+    that code would keep alive: deadline.end_process_if_held.)"""
+    from .deadline import guard_os_exit
+
+    with guard_os_exit():
+        try:
+            yield
+        except SystemExit as exc:
+            raise UserError(
+                f"{command}: user code called sys.exit({exc.code!r}) (SystemExit) while it ran; the {command} did not "
+                "finish (a reward, a tool or an environment must raise an exception or return, not exit)"
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; its exit status. Commands that run user code end the process themselves when threads that
-    code left behind (non-daemon) would keep it from exiting (deadline.end_process_if_held), once everything is
-    written."""
-    from .deadline import end_process_if_held
-
-    command, code = _main(argv)
-    if command in USER_CODE_COMMANDS:
-        end_process_if_held(code)
-    return code
-
-
-def _main(argv: list[str] | None) -> tuple[str, int]:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
@@ -155,86 +158,68 @@ def _main(argv: list[str] | None) -> tuple[str, int]:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.command, _command(args, vllm_args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return args.command, 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return args.command, 130
+        if args.command == "plot":
+            from .plot import plot_run
 
+            for path in plot_run(args.output_dir, args.out, on_skip=lambda note: print(f"skipped: {note}")):
+                print(path)
+            return 0
+        if args.command == "export":
+            from .export import export_checkpoint
 
-def _command(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    if args.command == "plot":
-        from .plot import plot_run
+            print(f"exported to {export_checkpoint(args.checkpoint, args.out, merge=args.merge)}")
+            return 0
+        from .config import load_config
 
-        for path in plot_run(args.output_dir, args.out, on_skip=lambda note: print(f"skipped: {note}")):
-            print(path)
-        return 0
-    if args.command == "export":
-        from .export import export_checkpoint
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            from .preflight import preflight
 
-        print(f"exported to {export_checkpoint(args.checkpoint, args.out, merge=args.merge)}")
-        return 0
-    from .config import load_config
+            for warning in preflight(cfg):
+                print(f"warning: {warning}", file=sys.stderr)
+            print(cfg.to_yaml(), end="")
+            return 0
+        if args.command == "serve":
+            from .serve import serve
 
-    cfg = load_config(args.config, args.overrides)
-    if args.command == "validate":
-        from .preflight import preflight
-
-        for warning in preflight(cfg):
-            print(f"warning: {warning}", file=sys.stderr)
-        print(cfg.to_yaml(), end="")
-        return 0
-    if args.command == "serve":
-        from .serve import serve
-
-        return serve(
-            cfg,
-            host=args.host,
-            port=args.port,
-            tensor_parallel_size=args.tensor_parallel_size,
-            vllm_args=vllm_args,
-            dry_run=args.dry_run,
-        )
-    with _user_code(args.command):
+            return serve(
+                cfg,
+                host=args.host,
+                port=args.port,
+                tensor_parallel_size=args.tensor_parallel_size,
+                vllm_args=vllm_args,
+                dry_run=args.dry_run,
+            )
         if args.command == "kernels":
-            return report_kernels(cfg, args.remeasure)
+            with user_code("kernels"):
+                return report_kernels(cfg, args.remeasure)
         if args.command == "eval":
             from .evaluate import evaluate, format_results
 
-            print(format_results(evaluate(cfg, args.checkpoint, args.k)))
+            with user_code("eval"):
+                print(format_results(evaluate(cfg, args.checkpoint, args.k)))
             return 0
-        from .trainer import train
+        if args.command == "train":
+            from .distributed import exit_without_teardown, launched_ranks
+            from .trainer import train
 
-        result = train(cfg)
-    from .distributed import exit_without_teardown, launched_ranks
+            with user_code("train"):
+                result = train(cfg)
+            code = 0
+            if result.preempted_by:
+                from .preemption import PREEMPTED_EXIT_CODE
 
-    code = 0
-    if result.preempted_by:
-        from .preemption import PREEMPTED_EXIT_CODE
-
-        code = PREEMPTED_EXIT_CODE
-    elif result.is_main_process:
-        print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
-        print(next_commands(result.output_dir))
-    if launched_ranks() > 1:
-        exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
-    return code
-
-
-@contextlib.contextmanager
-def _user_code(command: str) -> Iterator[None]:
-    """Around a command that calls user code: `os._exit` from that code ends the process with a failure and a line
-    saying so (deadline.guard_os_exit); `sys.exit()` reaching here from it (user code run in this thread) is an
-    error, never a silent success."""
-    from .deadline import guard_os_exit
-
-    with guard_os_exit():
-        try:
-            yield
-        except SystemExit as exc:
-            raise UserError(
-                f"{command}: user code called sys.exit({exc.code!r}) (SystemExit) while it ran; the {command} did not "
-                "finish (a reward, a tool or an environment must raise an exception or return, not exit)"
-            ) from None
+                code = PREEMPTED_EXIT_CODE
+            elif result.is_main_process:
+                print(f"done: {result.steps_done} steps; outputs in {result.output_dir}")
+                print(next_commands(result.output_dir))
+            if launched_ranks() > 1:
+                exit_without_teardown(code)  # see its docstring: a rank can abort in teardown after a finished run
+            return code
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1

@@ -81,6 +81,20 @@ def test_system_exit_from_user_code_is_its_error_in_a_thread_and_inline():
         run_inline(interrupted)
 
 
+def test_system_exit_reaching_the_cli_or_the_api_callback_is_an_error():
+    from grpo_trainer.cli import user_code
+    from grpo_trainer.errors import UserError
+    from grpo_trainer.trainer import call_on_step_end
+
+    with pytest.raises(UserError, match=r"^train: user code called sys.exit\(0\) \(SystemExit\) while it ran"):
+        with user_code("train"):
+            sys.exit(0)
+    with pytest.raises(UserError, match=r"^on_step_end raised SystemExit: 4 after step 2; the run did not finish$"):
+        call_on_step_end(lambda step: sys.exit(4), 2)
+    with pytest.raises(ValueError, match="its own"):  # anything else reaches the API's caller as it is
+        call_on_step_end(lambda step: (_ for _ in ()).throw(ValueError("its own")), 2)
+
+
 @pytest.mark.slow
 def test_an_abandoned_call_never_holds_the_process_at_exit():
     code = ("from grpo_trainer.deadline import UserCalls; import threading\n"
