@@ -4,13 +4,15 @@
 Works the same under `accelerate launch -m grpo_trainer ...`. Exit status: 0 done; 2 a problem the
 user can fix (config, data, rewards, a failed checkpoint save), printed as one clear message; 75 stopped
 by a preemption signal after saving a checkpoint (resume with checkpoint.resume=auto); anything else is a
-bug and keeps its traceback.
+bug and keeps its traceback (or, with a line saying so, user code that ended the process with `os._exit(0)`: 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from .errors import UserError
 
@@ -125,6 +127,24 @@ def report_kernels(cfg, remeasure: bool) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def user_code(command: str) -> Iterator[None]:
+    """Around a command that calls user code (rewards, tools, environments): `os._exit` from that code ends the
+    process with a failure and a line saying so (deadline.guard_os_exit); `sys.exit()` from it reaching here (user
+    code run in this thread) is an error, never a silent success. (__main__ then ends a process that threads left by
+    that code would keep alive: deadline.end_process_if_held.)"""
+    from .deadline import guard_os_exit
+
+    with guard_os_exit():
+        try:
+            yield
+        except SystemExit as exc:
+            raise UserError(
+                f"{command}: user code called sys.exit({exc.code!r}) (SystemExit) while it ran; the {command} did not "
+                "finish (a reward, a tool or an environment must raise an exception or return, not exit)"
+            ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -172,17 +192,20 @@ def main(argv: list[str] | None = None) -> int:
                 dry_run=args.dry_run,
             )
         if args.command == "kernels":
-            return report_kernels(cfg, args.remeasure)
+            with user_code("kernels"):
+                return report_kernels(cfg, args.remeasure)
         if args.command == "eval":
             from .evaluate import evaluate, format_results
 
-            print(format_results(evaluate(cfg, args.checkpoint, args.k)))
+            with user_code("eval"):
+                print(format_results(evaluate(cfg, args.checkpoint, args.k)))
             return 0
         if args.command == "train":
             from .distributed import exit_without_teardown, launched_ranks
             from .trainer import train
 
-            result = train(cfg)
+            with user_code("train"):
+                result = train(cfg)
             code = 0
             if result.preempted_by:
                 from .preemption import PREEMPTED_EXIT_CODE

@@ -14,22 +14,25 @@ Everything a reward can get wrong (import, signature, exception, wrong length,
 non-numbers) stops the run with a RewardError naming the reward and the sample.
 A reward with a `timeout` that does not return in time stops the run the same
 way (naming the sample that hangs on its own), or with `on_timeout: none` its
-batch is scored None and counted. A hung call cannot be killed (it is Python in
-this process); it is left running in a daemon thread. Async rewards must await,
-not block, for their timeout to act.
+batch is scored None and counted. Calls run under the trainer's deadline utility
+(deadline.py): a reward with a `timeout` runs in a daemon thread, and a call past
+it is abandoned there (it cannot be killed: it is Python in this process), never
+holding the run or its exit; more than MAX_ABANDONED of one reward's calls still
+running stops the run naming it. Async rewards run at once, each in its own
+thread and event loop, so one that blocks instead of awaiting times out too.
+Whatever a reward raises, SystemExit included, is its error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import importlib
 import importlib.util
 import inspect
 import math
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +42,7 @@ import torch
 
 from . import in_memory
 from .config import RewardConfig
+from .deadline import Call, Outcome, UserCalls, one_line, run_inline
 from .errors import RewardError
 from .user_functions import first_duplicate, resolve_function
 
@@ -66,6 +70,14 @@ class Reward:
     timeout: float | None = None  # seconds per call on a batch (None: no limit)
     on_timeout: str = "error"  # or "none": the batch gets no opinion
     where: str = "rewards"  # its config path, for messages (rewards.N)
+    # Where its calls run under the deadline (grpo_trainer/deadline.py); load_rewards gives one pool to all
+    # the rewards of a run, so that async rewards run at once.
+    calls: UserCalls = field(default_factory=lambda: reward_calls(), repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The reward, for the deadline's one-line stop: `reward 'slow_judge' (rewards.0)`."""
+        return f"reward '{self.name}' ({self.where})"
 
     @property
     def is_async(self) -> bool:
@@ -93,10 +105,21 @@ class Reward:
         return chosen
 
 
+def reward_calls() -> UserCalls:
+    """A pool for reward calls under the deadline: a function with more than MAX_ABANDONED calls still running past
+    its `timeout` stops the run (RewardError, one line naming it)."""
+    return UserCalls("rewards", REWARD_WORKERS, MAX_ABANDONED, "rewards.N.timeout", stop=RewardError)
+
+
+REWARD_WORKERS = 64  # reward calls at once: the async rewards of a batch, a hanging reward's per-sample probes
+MAX_ABANDONED = 8  # one reward's timed-out calls still running (on_timeout: none) before the run stops
+
+
 def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", device: Any = None) -> list[Reward]:
     """The configured rewards, resolved and checked. Reward models (`model`) are loaded here, in the policy's
     dtype unless they set their own, on `device` (None: the trainer's); see reward_model.py."""
     rewards = []
+    calls = reward_calls()
     for i, cfg in enumerate(configs):
         if cfg.model is not None:
             from .reward_model import load_reward_model
@@ -124,6 +147,7 @@ def load_rewards(configs: list[RewardConfig], policy_dtype: str = "float32", dev
                 timeout=cfg.timeout,
                 on_timeout=cfg.on_timeout,
                 where=f"rewards.{i}",
+                calls=calls,
             )
         )
     duplicate = first_duplicate([r.name for r in rewards])
@@ -211,38 +235,26 @@ def compute_rewards(
         offered["log_metric"] = log_metric if rows is None else (lambda key, value: None)
         return reward.fn(**reward.arguments(offered))
 
-    async def run_async(batch: list[Reward]):
-        async def one(reward):
-            start = time.perf_counter()
-            if reward.timeout is not None:
-                metrics[f"rewards/{reward.name}/timed_out_batches"] = 0.0
-            try:
-                out = await asyncio.wait_for(_guard(reward, lambda: call(reward), prompts), reward.timeout)
-            except asyncio.TimeoutError:
-                hung = None if reward.on_timeout == "none" else await _hung_async(reward, call, n)
-                out = _timed_out(reward, hung, prompts, metrics)
-            return reward, out, time.perf_counter() - start
-
-        return await asyncio.gather(*(one(r) for r in batch))
-
     for reward in rewards:
-        if reward.is_async:
-            continue
-        start = time.perf_counter()
         if reward.timeout is not None:
             metrics[f"rewards/{reward.name}/timed_out_batches"] = 0.0
-        try:
-            out = _call_sync(reward, call, prompts)
-        except _Timeout:
-            hung = None if reward.on_timeout == "none" else _hung_sync(reward, call, n)
-            out = _timed_out(reward, hung, prompts, metrics)
-        values[reward.name] = _check(reward, out, n, prompts)
-        metrics[f"rewards/{reward.name}/seconds"] = time.perf_counter() - start
+    for reward in rewards:  # one at a time, in order
+        if reward.is_async:
+            continue
+        outcome = _attempt(reward, functools.partial(call, reward))
+        values[reward.name] = _check(reward, _result(reward, outcome, call, n, prompts, metrics), n, prompts)
+        metrics[f"rewards/{reward.name}/seconds"] = outcome.seconds
     async_rewards = [r for r in rewards if r.is_async]
-    if async_rewards:
-        for reward, out, seconds in asyncio.run(run_async(async_rewards)):
-            values[reward.name] = _check(reward, out, n, prompts)
-            metrics[f"rewards/{reward.name}/seconds"] = seconds
+    for pool in {id(r.calls): r.calls for r in async_rewards}.values():  # all at once (one pool under load_rewards)
+        batch = [r for r in async_rewards if r.calls is pool]
+        outcomes = pool.run(
+            [Call(functools.partial(_awaited, call, r), _limit(r), name=r.label) for r in batch], check=False
+        )
+        for reward, outcome in zip(batch, outcomes):
+            values[reward.name] = _check(reward, _result(reward, outcome, call, n, prompts, metrics), n, prompts)
+            metrics[f"rewards/{reward.name}/seconds"] = outcome.seconds
+    for reward in rewards:
+        reward.calls.check()  # too many of one reward's calls still running past its timeout: stop, naming it
 
     per_function = torch.tensor(
         [[math.nan if values[r.name][i] is None else values[r.name][i] for r in rewards] for i in range(n)],
@@ -288,94 +300,59 @@ def _timed_out(reward: Reward, hung_sample: int | None, prompts: list[Any], metr
     )
 
 
-class _Timeout(Exception):
-    """A reward call outlived its `timeout`."""
+def _awaited(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """An async reward's call, run to its end on an event loop of its own (in a thread of the deadline's pool)."""
+    return asyncio.run(fn(*args, **kwargs))
 
 
-def _within(timeout: float | None, thunk: Callable[[], Any]) -> Any:
-    """thunk(), or _Timeout after `timeout` seconds. The call runs in a daemon thread, which cannot be killed:
-    a hung call keeps running in the background, but no longer holds up the run (nor its exit)."""
-    if timeout is None:
-        return thunk()
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = thunk()
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True, name="grpo-reward-call")
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise _Timeout()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+def _limit(reward: Reward) -> float:
+    return math.inf if reward.timeout is None else reward.timeout
 
 
-def _hung_sync(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
-    """The first sample that, alone, does not return within the timeout (all probed at once)."""
-    threads = [
-        threading.Thread(target=lambda i=i: _ignore_errors(lambda: call(reward, rows=[i])), daemon=True)
-        for i in range(n)
-    ]
-    for thread in threads:
-        thread.start()
-    assert reward.timeout is not None, "only a reward with a timeout times out"
-    deadline = time.monotonic() + reward.timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return next((i for i, thread in enumerate(threads) if thread.is_alive()), None)
+def _attempt(reward: Reward, thunk: Callable[[], Any]) -> Outcome:
+    """thunk() (a call of a sync reward) under the deadline: with a `timeout`, in a daemon thread of the reward's
+    pool, abandoned when it overruns (it cannot be killed: it keeps running, but no longer holds up the run nor its
+    exit); without one, in this thread. Either way whatever it raises, SystemExit included, is its outcome."""
+    if reward.timeout is None:
+        return run_inline(thunk)
+    return reward.calls.run([Call(thunk, reward.timeout, name=reward.label)], check=False)[0]
 
 
-async def _hung_async(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
-    async def probe(i: int) -> bool:
-        try:
-            await asyncio.wait_for(call(reward, rows=[i]), reward.timeout)
-        except asyncio.TimeoutError:
-            return True
-        except Exception:  # noqa: BLE001 (only hanging matters here)
-            pass
-        return False
-
-    hung = await asyncio.gather(*(probe(i) for i in range(n)))
-    return next((i for i, h in enumerate(hung) if h), None)
-
-
-def _ignore_errors(thunk: Callable[[], Any]) -> None:
-    try:
-        thunk()
-    except Exception:  # noqa: BLE001 (a probe for hanging, not for errors)
-        pass
-
-
-def _call_sync(reward: Reward, call: Callable[..., Any], prompts: list[Any]) -> Any:
-    try:
-        return _within(reward.timeout, lambda: call(reward))
-    except (RewardError, _Timeout):
-        raise
-    except Exception as exc:
-        # Find the sample that breaks it, so the message can point at real data.
+def _result(
+    reward: Reward, outcome: Outcome, call: Callable[..., Any], n: int, prompts: list[Any], metrics: dict[str, float]
+) -> Any:
+    """What a reward's call on the batch returned; a timeout scored None or stopping the run (naming the sample that
+    hangs on its own), an error stopping the run naming the sample that raises it (sync rewards; async ones: the
+    batch)."""
+    if outcome.timed_out is not None:
+        hung = None if reward.on_timeout == "none" else _hung(reward, call, n)
+        return _timed_out(reward, hung, prompts, metrics)
+    exc = outcome.exception
+    if exc is None:
+        return outcome.value
+    if isinstance(exc, RewardError):
+        raise exc
+    if not reward.is_async:  # find the sample that breaks it, so the message can point at real data
         for i in range(min(len(prompts), 64)):
-            try:
-                call(reward, rows=[i])
-            except Exception as single:
+            single = _attempt(reward, functools.partial(call, reward, rows=[i])).exception
+            if single is not None and not isinstance(single, RewardError):
                 raise RewardError(
-                    f"reward '{reward.name}' raised {type(single).__name__}: {single} on sample {i} "
-                    f"(prompt: {_short(prompts[i])})"
+                    f"reward '{reward.name}' raised {one_line(single)} on sample {i} (prompt: {_short(prompts[i])})"
                 ) from exc
-        raise RewardError(f"reward '{reward.name}' raised {type(exc).__name__}: {exc}{_first_prompt(prompts)}") from exc
+    raise RewardError(f"reward '{reward.name}' raised {outcome.error}{_first_prompt(prompts)}") from exc
 
 
-async def _guard(reward: Reward, thunk: Callable[[], Any], prompts: list[Any]) -> Any:
-    try:
-        return await thunk()
-    except RewardError:
-        raise
-    except Exception as exc:
-        raise RewardError(f"reward '{reward.name}' raised {type(exc).__name__}: {exc}{_first_prompt(prompts)}") from exc
+def _hung(reward: Reward, call: Callable[..., Any], n: int) -> int | None:
+    """The first sample that, alone, does not return within the timeout (all probed at once, under the deadline)."""
+    if reward.is_async:
+        probes = [
+            Call(functools.partial(_awaited, call, reward, rows=[i]), _limit(reward), name=reward.label)
+            for i in range(n)
+        ]
+    else:
+        probes = [Call(functools.partial(call, reward, rows=[i]), _limit(reward), name=reward.label) for i in range(n)]
+    outcomes = reward.calls.run(probes, check=False)
+    return next((i for i, outcome in enumerate(outcomes) if outcome.timed_out is not None), None)
 
 
 def _first_prompt(prompts: list[Any]) -> str:

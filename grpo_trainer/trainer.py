@@ -47,6 +47,8 @@ from .advantages import batch_advantages
 from .batches import build_train_batch
 from .collect import collect
 from .config import Config
+from .deadline import run_inline
+from .errors import UserError
 from .evaluate import evaluate_model
 from .metrics import PhaseTimer
 from .preemption import StopRequests
@@ -83,13 +85,24 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
             while state.step < cfg.train.max_steps:
                 last, state = train_step(run, state, state.step + 1)
                 if on_step_end is not None:
-                    on_step_end(state.step)
+                    call_on_step_end(on_step_end, state.step)
                 if state.step < cfg.train.max_steps and stop.agreed(run.comm):
                     return preempt(run, state, start_step, last, stop.received)
             finish(run)
         finally:
             run.heap_trimmer.unwatch()  # the model may be the caller's (grpo_trainer.train(model=...)): no hooks left
     return TrainResult(run.output_dir, cfg.train.max_steps - start_step, last, run.is_main_process)
+
+
+def call_on_step_end(on_step_end: Callable[[int], None], step: int) -> None:
+    """The Python API's callback, under the deadline utility's rules but in this thread and with no limit (it is the
+    caller's own program, and a profiler's step() must run in the thread it profiles): what it raises reaches the
+    caller as it is, except SystemExit, which is an error of the callback (never a silent end of the run)."""
+    outcome = run_inline(lambda: on_step_end(step))
+    if isinstance(outcome.exception, Exception):
+        raise outcome.exception
+    if outcome.exception is not None:
+        raise UserError(f"on_step_end raised {outcome.error} after step {step}; the run did not finish") from None
 
 
 def preempt(run: Run, state: TrainState, start_step: int, last: dict, received) -> TrainResult:

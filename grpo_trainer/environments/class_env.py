@@ -33,9 +33,10 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox
 from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
+from .calls import EnvCalls
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -176,6 +177,7 @@ class ClassEnvironment:
         *,
         extra_tools: list[Tool],
         tool_timeout: float,
+        step_timeout: float = 30.0,
     ):
         self.factory = factory
         self.name = name
@@ -184,13 +186,16 @@ class ClassEnvironment:
         self.tool_timeout = tool_timeout
         label = getattr(factory, "__name__", type(factory).__name__)
         check_kwargs(factory, label, self.kwargs)
-        try:
-            sample = self._make()  # one object, to read the convention off (TRL does the same)
-        except Exception as exc:  # the user's __init__: one line, not a traceback
-            raise ConfigError(
-                f"{name}: {label}(**environment.kwargs) raised {_first_line(exc)} (the first object, made at start "
-                "to read its methods off)"
-            ) from None
+        # One object, to read the convention off (TRL does the same). Made and closed under the deadline, as every
+        # episode's object is: an __init__ or close() that hangs, raises or calls sys.exit stops the run in one line.
+        calls = EnvCalls(1, name, max_abandoned=0)
+        sample = self._sample_call(
+            calls,
+            self._make,
+            f"{label}(**environment.kwargs)",
+            step_timeout,
+            note=" (the first object, made at start to read its methods off)",
+        )
         if not callable(getattr(sample, "reset", None)):
             raise ConfigError(
                 f"{name}: {type(sample).__name__} has no reset method; an environment class needs reset(**row)"
@@ -204,13 +209,22 @@ class ClassEnvironment:
         self.has_reward = self.scorer is not None
         close = getattr(sample, "close", None)
         if callable(close):
-            try:
-                _settled(close())
-            except Exception as exc:
-                raise ConfigError(
-                    f"{name}: {type(sample).__name__}.close() raised {_first_line(exc)} (the first object, made at "
-                    "start to read its methods off)"
-                ) from None
+            self._sample_call(calls, lambda: _settled(close()), f"{type(sample).__name__}.close()", step_timeout)
+        calls.close()
+
+    def _sample_call(
+        self, calls: EnvCalls, fn: Callable[[], Any], what: str, step_timeout: float, note: str = ""
+    ) -> Any:
+        outcome = calls.run([(fn, step_timeout)], check=False)[0]
+        if outcome.timed_out is not None:  # abandoned in its daemon thread; the object is never used
+            raise ConfigError(
+                f"{self.name}: {what} did not return within environment.step_timeout ({step_timeout:g} s); stopping"
+            )
+        if isinstance(outcome.exception, UserError):
+            raise outcome.exception
+        if outcome.error is not None:
+            raise ConfigError(f"{self.name}: {what} raised {outcome.error}{note}")
+        return outcome.value
 
     def _make(self) -> Any:
         return self.factory(**self.kwargs)
@@ -239,12 +253,8 @@ def build(cfg: Config) -> ClassEnvironment:
         env.kwargs,
         extra_tools=list(box.tools.values()) if box else [],
         tool_timeout=cfg.rollout.tool_timeout,
+        step_timeout=env.step_timeout,
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _shown(value: Any) -> str:

@@ -535,6 +535,10 @@ class EpisodeEngine:
         alive = [c for c in alive if not c.untouchable]
         shots = self.calls.run([(conv.live_episode.snapshot, conv.limits) for conv in alive])
         snapshot = {id(conv): outcome.value for conv, outcome in zip(alive, shots)}
+        for conv, outcome in zip(alive, shots):
+            if outcome.timed_out is not None:  # abandoned: the object is not closed either
+                conv.untouchable = True
+        alive = [c for c in alive if not c.untouchable]
         for conv, outcome in zip(
             alive, self.calls.run([(conv.live_episode.close, self.settings.step_timeout) for conv in alive])
         ):

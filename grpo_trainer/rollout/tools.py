@@ -12,8 +12,10 @@ goes back to the model as the tool message. Two kinds:
   `package.module:fn`); its schema comes from its signature and docstring
   (transformers' `get_json_schema`, which needs type hints and an Args section).
   It runs in the trainer's process (it is the user's own code, trusted), with
-  the same wall-clock limit: one that overruns is reported to the model as an
-  error and left to finish in its thread.
+  the same wall-clock limit, under the trainer's deadline utility (deadline.py):
+  one that overruns is reported to the model as an error at its limit and
+  abandoned in a daemon thread (it never holds the process's exit); too many
+  still running stops the run naming the tool.
 
 Calls are parsed from the Hermes / Qwen format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (several per turn allowed). Whatever the model writes, parsing and running never raise: a malformed call,
@@ -25,21 +27,24 @@ is cut to `rollout.tool_output_chars`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ..deadline import Call, UserCalls
 
 if TYPE_CHECKING:
     from ..config import RolloutConfig
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TOOL = "python"
+SELF_TIMED_GRACE = 5.0  # seconds after rollout.tool_timeout before a self-timed tool (the sandbox) is abandoned
+ABANDONED_PER_WORKER = 4  # a user's tool calls still running past their timeout, per worker, before the run stops
 
 PYTHON_SCHEMA = {
     "type": "function",
@@ -60,6 +65,7 @@ class Tool:
     name: str
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
     run: Callable[..., str]  # keyword arguments from the call -> text for the model; may raise
+    self_timed: bool = False  # ends itself at the tool timeout (the sandbox): the deadline is only its backstop
 
 
 @dataclass(frozen=True)
@@ -126,37 +132,52 @@ class ToolBox:
         self.timeout = timeout
         self.output_chars = output_chars
         self.max_workers = max_workers
+        self._calls = UserCalls(
+            "rollout.tools", max_workers, ABANDONED_PER_WORKER * max_workers, "rollout.tool_timeout"
+        )
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
 
     def run(self, calls: list[ToolCall | ToolResult]) -> list[ToolResult]:
-        """Run every call (parse errors pass through); results in the order of the calls."""
+        """Run every call (parse errors pass through); results in the order of the calls. Each runs under the
+        deadline (grpo_trainer/deadline.py): a user's function past `timeout` is reported to the model as an error
+        at its limit and abandoned in its daemon thread; the `python` tool's sandbox kills its own program at
+        `timeout`, so its deadline is a backstop `SELF_TIMED_GRACE` s later. Raises CallsHang (the run stops, one
+        line naming the tool) when more than `max_abandoned` abandoned calls are still running."""
         pending = [c for c in calls if isinstance(c, ToolCall)]
         if not pending:
             return list(calls)  # type: ignore[arg-type]
-        pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(pending)))
-        try:
-            futures = {id(c): pool.submit(self.call, c) for c in pending}
-            results = []
-            for c in calls:
-                if isinstance(c, ToolResult):
-                    results.append(c)
-                    continue
-                try:
-                    results.append(
-                        futures[id(c)].result(timeout=self.timeout + 5)
-                    )  # the tools time out themselves first
-                except FutureTimeout:
-                    results.append(
-                        ToolResult(
-                            c.name, f"error: {c.name} did not return within {self.timeout:g} s", True, self.timeout
-                        )
+        ran = iter(
+            self._calls.run(
+                [Call(functools.partial(self.call, c), self._limit(c.name), name=self._name(c.name)) for c in pending]
+            )
+        )
+        results = []
+        for c in calls:
+            if isinstance(c, ToolResult):
+                results.append(c)
+                continue
+            outcome = next(ran)
+            if outcome.timed_out is not None:
+                results.append(
+                    ToolResult(
+                        c.name, f"error: {c.name} did not return within {outcome.seconds:g} s", True, outcome.seconds
                     )
-            return results
-        finally:
-            pool.shutdown(wait=False)  # an overrunning user function is left to finish in its thread
+                )
+            elif outcome.error is not None:  # what self.call does not catch: SystemExit, KeyboardInterrupt
+                results.append(ToolResult(c.name, f"error: {outcome.error}", True, outcome.seconds))
+            else:
+                results.append(outcome.value)
+        return results
+
+    def _limit(self, name: str) -> float:
+        tool = self.tools.get(name)
+        return self.timeout + (SELF_TIMED_GRACE if tool is not None and tool.self_timed else 0.0)
+
+    def _name(self, name: str) -> str:
+        return f"rollout.tools {name}" if name in self.tools else "rollout.tools"
 
     def call(self, call: ToolCall) -> ToolResult:
         """One call, in the caller's thread (no time limit of its own: the caller's); never raises."""
@@ -208,7 +229,7 @@ def python_tool(timeout: float) -> Tool:
             stdout + (lines[-1] if lines else f"error: the program exited with status {result.returncode}")
         )
 
-    return Tool(PYTHON_TOOL, PYTHON_SCHEMA, run)
+    return Tool(PYTHON_TOOL, PYTHON_SCHEMA, run, self_timed=True)
 
 
 def function_tool(spec: str, where: str) -> Tool:
