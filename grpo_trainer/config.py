@@ -53,10 +53,11 @@ class _Section(BaseModel):
 
     Pydantic's lax mode reads a bool as 1 or 0 where an int or float is asked (`train.max_steps=true` would run
     one step); that is refused for every number field of the tree. Strings stay readable as numbers: PyYAML reads
-    `1e-4` (no dot) as a string, and `train.learning_rate: 1e-4` must mean 0.0001.
+    `1e-4` (no dot) as a string, and `train.learning_rate: 1e-4` must mean 0.0001. NaN and infinity (`.nan`,
+    `.inf`) are refused too: no number of the tree means anything at them (a NaN weight scores every sample NaN).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

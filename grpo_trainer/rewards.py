@@ -382,6 +382,11 @@ def _first_prompt(prompts: list[Any]) -> str:
     return f" (on a batch of {len(prompts)} completions; first prompt: {_short(prompts[0])})" if prompts else ""
 
 
+# The largest reward magnitude taken: a group's std squares its rewards in float32 (largest 3.4e38), and a weighted
+# sum of several must stay finite too; a larger value would only make the step's advantages NaN and skip it.
+REWARD_LIMIT = 1e15
+
+
 def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float | None]:
     values = _as_sequence(out)
     if values is None:
@@ -400,6 +405,11 @@ def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float |
             )
         if number is not None and math.isinf(number):
             raise RewardError(f"reward '{reward.name}' returned {number} for sample {i} (prompt: {_short(prompts[i])})")
+        if number is not None and abs(number) > REWARD_LIMIT:  # finite, but its square (the std) overflows float32
+            raise RewardError(
+                f"reward '{reward.name}' returned {number:g} for sample {i} (prompt: {_short(prompts[i])}); rewards "
+                f"are summed and scaled in float32: keep them within +-{REWARD_LIMIT:g}"
+            )
         checked.append(None if number is None or math.isnan(number) else number)
     return checked
 

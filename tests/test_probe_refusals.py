@@ -1,0 +1,43 @@
+"""Issue 43 part 4's probe defects on config, validate, kernels and serve: each refusal in one line, naming the key,
+file, class or URL, before any model loads where it can."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_trainer.config import load_config
+from grpo_trainer.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("environment.reward_weight=.nan", "environment.reward_weight", "nan"),
+        ("rewards.0.weight=.nan", "rewards.0.weight", "nan"),
+        ("loss.teacher_kl=.inf", "loss.teacher_kl", "inf"),
+        ("train.learning_rate=-.inf", "train.learning_rate", "-inf"),
+        ("loss.epsilon_high=.nan", "loss: epsilon_high (options.epsilon_high of type grpo)", "nan"),
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_key(override, key, value):
+    """Defect 12: a NaN weight scored every step NaN (nothing trained, exit 0); an infinite teacher_kl skipped
+    every step."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"{key}: Input should be a finite number (got {value})" in str(err.value)
+
+
+def test_a_finite_reward_too_large_for_float32_arithmetic_stops_naming_the_reward():
+    """Defect 12: an environment reward of 1e300 passed the finite check, and the step was skipped as NaN."""
+    from types import SimpleNamespace
+
+    from grpo_trainer.environments.scoring import environment_reward
+    from grpo_trainer.errors import RewardError
+    from grpo_trainer.rewards import compute_rewards
+
+    episodes = [SimpleNamespace(env_reward=r) for r in (1.0, 1e300, 0.0)]
+    with pytest.raises(RewardError, match=r"reward 'environment' returned 1e\+300 for sample 1 .*keep them within"):
+        compute_rewards([environment_reward(1.0)], ["p"] * 3, ["c"] * 3, [[1]] * 3, {"episodes": episodes})
+    fine = compute_rewards([environment_reward(1.0)], ["p"] * 3, ["c"] * 3, [[1]] * 3,
+                           {"episodes": [SimpleNamespace(env_reward=r) for r in (1.0, 1e6, 0.0)]})
+    assert fine.total.tolist() == [1.0, 1e6, 0.0]
