@@ -1089,8 +1089,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
-        if not self.rewards and self.environment.kind is None:
-            raise ValueError("rewards: at least one reward is needed (or an environment that scores its episodes)")
+        if not self.rewards and self.environment.kind is None and not self.loss.teacher_only:
+            raise ValueError(
+                "rewards: at least one reward is needed (or an environment that scores its episodes, or "
+                "loss.teacher_only with a teacher: pure distillation needs none)"
+            )
         if self.environment.kind is not None:
             self._check_environment()
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)

@@ -41,3 +41,13 @@ def test_a_finite_reward_too_large_for_float32_arithmetic_stops_naming_the_rewar
     fine = compute_rewards([environment_reward(1.0)], ["p"] * 3, ["c"] * 3, [[1]] * 3,
                            {"episodes": [SimpleNamespace(env_reward=r) for r in (1.0, 1e6, 0.0)]})
     assert fine.total.tolist() == [1.0, 1e6, 0.0]
+
+
+def test_pure_distillation_needs_no_reward_and_the_refusal_says_so():
+    """Defect 21: `teacher_only` with `rewards: []` was refused with a message that never named the teacher, though
+    docs/distillation.md says pure distillation needs no reward (a 2-step CLI run of it trains: teacher/reverse_kl)."""
+    cfg = load_config(None, ["teacher={name_or_path: builtin:tiny}", "loss.teacher_kl=1", "loss.teacher_only=true",
+                             "rewards=[]"])
+    assert cfg.rewards == [] and cfg.loss.teacher_only
+    with pytest.raises(ConfigError, match=r"rewards: at least one reward is needed \(.*or loss.teacher_only with a teacher"):
+        load_config(None, ["teacher={name_or_path: builtin:tiny}", "loss.teacher_kl=1", "rewards=[]"])
