@@ -1108,6 +1108,14 @@ class Config(_Section):
                 f"(got tis_cap {self.loss.tis_cap})"
             )
         self._check_teacher()
+        if self.rollout.lora_sync == "adapter":
+            from .rollout.lora_sync import config_refusal
+
+            reason = config_refusal(self)
+            if reason is not None:
+                raise ValueError(
+                    f"rollout.lora_sync=adapter: {reason} (rollout.lora_sync=auto pushes merged weights instead)"
+                )
         if (
             self.loss.variant.sampler_weight_in_ratio
             and self.loss.correction_on

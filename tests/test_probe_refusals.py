@@ -51,3 +51,36 @@ def test_pure_distillation_needs_no_reward_and_the_refusal_says_so():
     assert cfg.rewards == [] and cfg.loss.teacher_only
     with pytest.raises(ConfigError, match=r"rewards: at least one reward is needed \(.*or loss.teacher_only with a teacher"):
         load_config(None, ["teacher={name_or_path: builtin:tiny}", "loss.teacher_kl=1", "rewards=[]"])
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ([], "the model has no LoRA adapters (model.lora is not set)"),
+        (["rollout.engine=vllm_server", "model.lora={r: 8}"], "rollout.vllm_server.weights_dir is not set"),
+        (["rollout.engine=vllm_colocate", "model.lora={r: 1024}"], "model.lora.r=1024 is above vLLM's largest"),
+    ],
+)
+def test_lora_sync_adapter_is_refused_at_load_for_what_the_config_alone_tells(overrides, says):
+    """Defect 16: without model.lora, `adapter` was silently ignored on the hf engine; on vllm_server the refusals
+    that depend only on the config came after `train` had waited 60 s for a server, and never from validate."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.lora_sync=adapter", *overrides])
+    assert f"rollout.lora_sync=adapter: {says}" in str(err.value)
+
+
+@pytest.mark.slow
+def test_serve_dry_run_refuses_adapter_without_weights_dir_and_an_empty_host():
+    """Defects 16 and 23: `serve --dry-run` printed a command for an adapter set-up the trainer refuses, and
+    `--host ''` silently became 127.0.0.1."""
+    from helpers import run_cli
+
+    server = ["rollout.engine=vllm_server", "model.lora={r: 8}"]
+    refused = run_cli(["serve", "configs/demo_cpu.yaml", *server, "rollout.lora_sync=adapter", "--dry-run"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "rollout.lora_sync=adapter: rollout.vllm_server.weights_dir is not set" in refused.stderr
+    empty = run_cli(["serve", "configs/demo_cpu.yaml", *server, "--dry-run", "--host", ""])
+    assert empty.returncode == 2 and empty.stdout == ""
+    assert "argument --host: '' is not a host name or address" in empty.stderr
+    ok = run_cli(["serve", "configs/demo_cpu.yaml", *server, "--dry-run", "--host", "10.0.0.5"])
+    assert ok.returncode == 0 and "--host 10.0.0.5 " in ok.stdout
