@@ -551,8 +551,25 @@ class EnvironmentConfig(_Section):
     @field_validator("url")
     @classmethod
     def _openenv_url(cls, url: str | None) -> str | None:
-        if url is not None and not re.fullmatch(r"openenv\+wss?://[^/:\s]+:\d+/?", url):
-            raise ValueError("expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT")
+        """openenv+ws://HOST:PORT or openenv+wss://HOST:PORT, HOST a name, an IPv4 or a bracketed IPv6 address, PORT
+        from 1 to 65535 (as rollout.vllm_server's URLs); refused when the config loads, not when the run connects."""
+        if url is None:
+            return url
+        import urllib.parse
+
+        expected = "expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT (IPv6: openenv+ws://[::1]:8001)"
+        match = re.fullmatch(r"openenv\+wss?://(\[[0-9A-Fa-f:.]+\]|[^/:\s\[\]]+):(\d+)/?", url)
+        if match is None:
+            raise ValueError(expected)
+        if not 1 <= int(match.group(2)) <= 65535:
+            raise ValueError("the port must be a number from 1 to 65535")
+        if match.group(1).startswith("["):
+            import ipaddress
+
+            try:
+                ipaddress.IPv6Address(urllib.parse.urlsplit(url).hostname or "")
+            except ValueError:
+                raise ValueError(f"{match.group(1)} is not an IPv6 address") from None
         return url
 
     @model_validator(mode="after")

@@ -84,3 +84,69 @@ def test_serve_dry_run_refuses_adapter_without_weights_dir_and_an_empty_host():
     assert "argument --host: '' is not a host name or address" in empty.stderr
     ok = run_cli(["serve", "configs/demo_cpu.yaml", *server, "--dry-run", "--host", "10.0.0.5"])
     assert ok.returncode == 0 and "--host 10.0.0.5 " in ok.stdout
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("openenv+ws://127.0.0.1:0", "the port must be a number from 1 to 65535"),
+        ("openenv+ws://127.0.0.1:99999", "the port must be a number from 1 to 65535"),
+        ("openenv+ws://[::1", "expected openenv+ws://HOST:PORT"),
+        ("openenv+ws://[1::2::3]:80", "[1::2::3] is not an IPv6 address"),
+    ],
+)
+def test_environment_url_port_range_and_ipv6(url, says):
+    """Defect 17: ports 0 and 99999 passed validate (refused for rollout.vllm_server.urls and serve --port), and an
+    IPv6 address was refused."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"environment.url={url}"])
+    assert f"environment.url: {says}" in str(err.value)
+    assert load_config(None, ["environment.url=openenv+ws://[::1]:8001"]).environment.url == "openenv+ws://[::1]:8001"
+
+
+def _http_server(host: str, family, answers: dict[str, bytes]):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = answers.get(self.path, b"{}")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = family
+
+    server = Server((host, 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_schema_that_is_not_json_is_named_as_such_and_ipv6_servers_are_reached():
+    """Defect 17: a /schema that is not JSON was reported as "no OpenEnv server answers"."""
+    import socket
+
+    from grpo_trainer.environments.openenv_ws import fetch_schema
+
+    server = _http_server("127.0.0.1", socket.AF_INET, {"/schema": b"<html>a web page</html>"})
+    url = f"openenv+ws://127.0.0.1:{server.server_address[1]}"
+    with pytest.raises(ConfigError) as err:
+        fetch_schema(url, timeout=5)
+    server.shutdown()
+    assert str(err.value) == (f"environment.url {url}: GET http://127.0.0.1:{server.server_address[1]}/schema "
+                              "answered, but not with JSON ('<html>a web page</html>'); is it an OpenEnv server?")
+    if not socket.has_ipv6:
+        return
+    try:
+        server = _http_server("::1", socket.AF_INET6, {"/schema": b'{"action": {}, "observation": {}}'})
+    except OSError:  # no IPv6 loopback on this machine
+        return
+    url = f"openenv+ws://[::1]:{server.server_address[1]}"
+    assert fetch_schema(load_config(None, [f"environment.url={url}"]).environment.url, timeout=5) == {
+        "action": {}, "observation": {}}
+    server.shutdown()
