@@ -78,8 +78,24 @@ class LoraConfig(_Section):
     alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     target_modules: list[str] | str = Field(
-        "all-linear", description="Modules to adapt: PEFT's `all-linear` or a list of module names."
+        "all-linear",
+        description="Modules to adapt: PEFT's `all-linear`, a module name, or a list of names (a name matches a module "
+        "whose dotted path ends with it, as PEFT matches a list); a name the model lacks is refused naming its linear "
+        "layers.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: list[str] | str) -> list[str] | str:
+        """A plain string is one module name: PEFT would read it as a regular expression matched against whole
+        dotted paths, so `q_proj` would match nothing."""
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [targets]
+        if isinstance(targets, list) and not targets:
+            raise ValueError("empty: name the modules to adapt (e.g. [q_proj, v_proj]) or use all-linear")
+        if isinstance(targets, list) and any(not t.strip() for t in targets):
+            raise ValueError(f"{targets}: an empty module name")
+        return targets
 
 
 class ModelConfig(_Section):

@@ -150,3 +150,35 @@ def test_a_schema_that_is_not_json_is_named_as_such_and_ipv6_servers_are_reached
     assert fetch_schema(load_config(None, [f"environment.url={url}"]).environment.url, timeout=5) == {
         "action": {}, "observation": {}}
     server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "targets, says",
+    [
+        ("[nonexistent_proj]", "model.lora.target_modules: 'nonexistent_proj' is not a module of builtin:tiny; "
+                               "builtin:tiny's linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"),
+        ("[norm]", "model.lora.target_modules: Target module LlamaRMSNorm"),
+    ],
+)
+def test_lora_targets_the_model_lacks_are_one_line_naming_its_layers(targets, says, tiny_model_path):
+    """Defect 14: PEFT tracebacks."""
+    from grpo_trainer.models import load_causal_lm
+
+    cfg = load_config(None, [f"model.lora={{target_modules: {targets}}}"])
+    with pytest.raises(ConfigError) as err:
+        load_causal_lm(cfg.model)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lora_targets_empty_is_refused_and_a_string_is_one_module_name(tiny_model_path):
+    """Defect 14: `[]` passed validate (then a PEFT traceback); `q_proj` as a string was read by PEFT as a regular
+    expression over whole dotted paths, matching nothing."""
+    from grpo_trainer.models import load_causal_lm
+
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: empty: name the modules to adapt"):
+        load_config(None, ["model.lora={target_modules: []}"])
+    cfg = load_config(None, ["model.lora={target_modules: q_proj}"])
+    assert cfg.model.lora.target_modules == ["q_proj"]
+    adapted = [name for name, _ in load_causal_lm(cfg.model).named_modules() if name.endswith(".lora_A")]
+    assert adapted and all(name.endswith("self_attn.q_proj.lora_A") for name in adapted)
+    assert load_config(None, ["model.lora={r: 8}"]).model.lora.target_modules == "all-linear"
