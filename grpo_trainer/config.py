@@ -137,6 +137,18 @@ class ModelConfig(_Section):
         "needs the most (each head call gathers weights across ranks).",
     )
 
+    @field_validator("name_or_path", "tokenizer")
+    @classmethod
+    def _names_not_empty(cls, value: str | None) -> str | None:
+        return _not_empty(value)
+
+
+def _not_empty(value: Any) -> Any:
+    """A model name or folder is not empty: `""` reached Hugging Face as a repo id, after the policy had loaded."""
+    if value is not None and not value.strip():
+        raise ValueError("empty: name a Hugging Face model id, a local folder or a builtin: model")
+    return value
+
 
 class TeacherConfig(_Section):
     """A frozen model that scores every sampled token (on-policy distillation, `loss.teacher_kl`)."""
@@ -149,6 +161,11 @@ class TeacherConfig(_Section):
         None, description="Parameter dtype of the teacher (None: model.dtype)."
     )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _name_not_empty(cls, value: str) -> str:
+        return _not_empty(value)
 
     def as_model(self, policy: ModelConfig) -> ModelConfig:
         """The teacher as a model entry to load (models.load_causal_lm, load_tokenizer): frozen, no adapters, the

@@ -46,7 +46,7 @@ from .models import (
     load_causal_lm,
     load_tokenizer,
 )
-from .preflight import run_preflight
+from .preflight import check_model_sources, run_preflight
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.engines import engine_kind
@@ -379,6 +379,7 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
 
     if not engine_kind(cfg.rollout.engine).plans_kernels or not cfg.model.share_prompt:
         return {}, {}
+    check_model_sources(cfg)  # one line naming the key, not a Hugging Face traceback
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
     task = _training_task(cfg, tokenizer, lm, build_environment(cfg))

@@ -182,3 +182,34 @@ def test_lora_targets_empty_is_refused_and_a_string_is_one_module_name(tiny_mode
     adapted = [name for name, _ in load_causal_lm(cfg.model).named_modules() if name.endswith(".lora_A")]
     assert adapted and all(name.endswith("self_attn.q_proj.lora_A") for name in adapted)
     assert load_config(None, ["model.lora={r: 8}"]).model.lora.target_modules == "all-linear"
+
+
+def test_empty_model_names_are_refused_at_load():
+    """Defect 13: `teacher.name_or_path=""` reached Hugging Face as a repo id, after the policy had loaded."""
+    for override in ['teacher.name_or_path=""', 'model.name_or_path=" "', 'model.tokenizer=""']:
+        with pytest.raises(ConfigError, match=r"name_or_path|tokenizer"):
+            load_config(None, [override, "loss.teacher_kl=1"] if "teacher" in override else [override])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["validate", "train", "kernels"])
+def test_missing_model_folders_are_one_line_before_anything_loads(command, tmp_path):
+    """Defect 13: a missing teacher folder, or one without a model, was a Hugging Face traceback (`Repo id must be
+    in the form ...`) after the policy had loaded; the same for model.name_or_path, and in `kernels`."""
+    from helpers import run_cli
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["teacher={name_or_path: " + str(tmp_path / "nope") + "}", "loss.teacher_kl=1"],
+         f"error: teacher.name_or_path: {tmp_path / 'nope'}: no such folder (and not a Hugging Face model id"),
+        ([f"model.name_or_path={empty}"], f"error: model.name_or_path: {empty} is a folder without a model (no config.json"),
+    ]
+    for overrides, says in cases[:1] if command == "kernels" else cases:
+        if command == "kernels":
+            overrides = [f"model.name_or_path={tmp_path / 'nope'}"]
+            says = f"error: model.name_or_path: {tmp_path / 'nope'}: no such folder"
+        result = run_cli([command, "configs/demo_cpu.yaml", *overrides, f"output_dir={tmp_path / 'out'}"])
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert says in result.stderr and "Traceback" not in result.stderr
+        assert "Loading weights" not in result.stderr  # nothing loaded first
