@@ -17,6 +17,7 @@ import os
 
 from .checkpoint import require_complete
 from .config import Config
+from .environments import check_environment
 from .errors import ConfigError
 from .geometry import geometry_of
 from .rollout.engines import engine_kind
@@ -34,6 +35,7 @@ def preflight(cfg: Config) -> list[str]:
     """Raise ConfigError for a setting that cannot work here; return warnings for ones that probably do not
     do what was meant."""
     check_model_sources(cfg)
+    check_environment(cfg, contact_server=False)
     if cfg.checkpoint.resume not in ("auto", "never"):
         require_complete(cfg.checkpoint.resume)
     if engine_kind(cfg.rollout.engine).vllm_in_process:
@@ -149,6 +151,7 @@ def run_preflight(cfg: Config) -> None:
     """`preflight`, with its warnings logged, then the servers (what `train` does before anything loads)."""
     for warning in preflight(cfg):
         logger.warning("%s", warning)
+    check_environment(cfg, contact_server=True)  # environment.url: the server answers, before anything loads
     if engine_kind(cfg.rollout.engine).vllm_servers:
         from .rollout.vllm_server import check_servers
 

@@ -213,3 +213,50 @@ def test_missing_model_folders_are_one_line_before_anything_loads(command, tmp_p
         assert result.returncode == 2, result.stderr[-2000:]
         assert says in result.stderr and "Traceback" not in result.stderr
         assert "Loading weights" not in result.stderr  # nothing loaded first
+
+
+GUESS = ["configs/guess_cpu.yaml", "train.max_steps=1", "train.prompts_per_step=2", "rollout.num_generations=4",
+         "train.micro_batch_size=8", "eval.every=0", "checkpoint.save_every=0"]
+
+
+def _env_files(tmp_path):
+    (tmp_path / "noreset.py").write_text("class Env:\n    def step(self, reply):\n        return 'x', True\n")
+    (tmp_path / "broken.py").write_text("class Env(:\n")
+    return [
+        ([f"environment.factory={tmp_path / 'missing.py'}:Env"],
+         f"error: environment.factory: environment file not found: {tmp_path / 'missing.py'}"),
+        ([f"environment.factory={tmp_path / 'noreset.py'}:Nope"], "error: environment.factory: "),
+        ([f"environment.factory={tmp_path / 'noreset.py'}:Env"], "Env has no reset method; an environment class needs"),
+        ([f"environment.factory={tmp_path / 'broken.py'}:Env"], "failed: SyntaxError"),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["validate", "train", "kernels"])
+def test_environment_problems_are_one_line_before_the_model_loads(command, tmp_path):
+    """Defect 15: a missing factory file or class, a syntax error, no reset: found after the model loaded; validate
+    exited 0 for a factory file that did not exist."""
+    from helpers import run_cli
+
+    for overrides, says in _env_files(tmp_path):
+        result = run_cli([command, *GUESS, *overrides, f"output_dir={tmp_path / 'out'}"])
+        assert result.returncode == 2, (overrides, result.stderr[-2000:])
+        assert says in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "Loading weights" not in result.stderr  # before the model loads
+
+
+@pytest.mark.slow
+def test_an_unreachable_environment_server_stops_train_before_the_model_loads_and_kernels_plans_without_it(tmp_path):
+    """Defect 15: an unreachable environment.url was found after the model loaded; `kernels` needed the server up."""
+    from helpers import free_port, run_cli
+
+    url = f"openenv+ws://127.0.0.1:{free_port()}"
+    base = ["configs/demo_cpu.yaml", f"environment.url={url}", "rewards=[]", "train.max_steps=1",
+            f"output_dir={tmp_path / 'out'}"]
+    train = run_cli(["train", *base])
+    assert train.returncode == 2 and f"error: environment.url {url}: no OpenEnv server answers" in train.stderr
+    assert "Loading weights" not in train.stderr and "Traceback" not in train.stderr
+    assert run_cli(["validate", *base]).returncode == 0  # as for vLLM servers: validate does not contact it
+    kernels = run_cli(["kernels", *base])
+    assert kernels.returncode == 0, kernels.stderr[-2000:]
+    assert "kernels: planned for prompts without the environment's tool schema" in kernels.stderr
