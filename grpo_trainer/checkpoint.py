@@ -296,6 +296,15 @@ def remove_incomplete(output_dir: str | Path) -> list[Path]:
     return stale
 
 
+def remove_checkpoints(output_dir: str | Path) -> None:
+    """Delete every checkpoint of `output_dir` and its `latest` pointer (a run that starts over: resume=never).
+    `latest` goes first, so a crash part-way leaves no pointer to a half-deleted folder."""
+    root = checkpoint_root(output_dir)
+    (root / LATEST).unlink(missing_ok=True)
+    for path in sorted(root.glob("step-*")) + sorted(root.glob(".tmp-step-*")) if root.is_dir() else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoint_root(output_dir)
     if not root.is_dir():

@@ -311,7 +311,21 @@ def resume(run: Run) -> TrainState:
         logger.info("resumed from %s at step %d", found, state.step)
         recorded = saved.get("decode_kernels")
     else:
-        if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
+        earlier = ckpt.complete_checkpoints(run.output_dir) if accelerator.is_main_process else []
+        if earlier and cfg.checkpoint.resume == "never":
+            # Removed, not overwritten one by one: the earlier run's steps would stay interleaved with this one's
+            # (its step-5 beside our step-10), and a resume=auto after a crash would take its newest.
+            logger.warning(
+                "starting over in %s (checkpoint.resume=never): removing the earlier run's %d checkpoint(s) (%s) "
+                "and its metrics",
+                run.output_dir,
+                len(earlier),
+                ", ".join(c.name for c in earlier)
+                if len(earlier) <= 3
+                else f"{earlier[0].name} ... {earlier[-1].name}",
+            )
+            ckpt.remove_checkpoints(run.output_dir)
+        elif earlier:
             logger.warning(
                 "starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
                 run.output_dir,

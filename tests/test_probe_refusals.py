@@ -260,3 +260,23 @@ def test_an_unreachable_environment_server_stops_train_before_the_model_loads_an
     kernels = run_cli(["kernels", *base])
     assert kernels.returncode == 0, kernels.stderr[-2000:]
     assert "kernels: planned for prompts without the environment's tool schema" in kernels.stderr
+
+
+@pytest.mark.slow
+def test_resume_never_in_a_used_folder_removes_the_earlier_runs_checkpoints(tmp_path):
+    """Defect 19: `checkpoint.resume: never` kept the old run's checkpoints interleaved with the new run's (A's
+    step-1/3 beside B's step-2), though the message said they "will be overwritten"; a later resume=auto could then
+    take the old run's newest."""
+    from helpers import run_cli, small_run_overrides
+
+    out = tmp_path / "run"
+    first = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), "checkpoint.save_every=1"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001", "step-000002", "step-000003"]
+    second = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=2), "checkpoint.save_every=2",
+                      "seed=5"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "removing the earlier run's 3 checkpoint(s) (step-000001, step-000002, step-000003)" in second.stderr
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000002"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert '"seed": 5' in (out / "checkpoints" / "step-000002" / "trainer_state.json").read_text()
