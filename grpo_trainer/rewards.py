@@ -382,9 +382,9 @@ def _first_prompt(prompts: list[Any]) -> str:
     return f" (on a batch of {len(prompts)} completions; first prompt: {_short(prompts[0])})" if prompts else ""
 
 
-# The largest reward magnitude taken: a group's std squares its rewards in float32 (largest 3.4e38), and a weighted
-# sum of several must stay finite too; a larger value would only make the step's advantages NaN and skip it.
-REWARD_LIMIT = 1e15
+# The largest reward magnitude taken: rewards are held and summed in float32, where a larger finite Python float
+# (1e300) is inf, and the step's advantages NaN (the step skipped, nothing said).
+REWARD_LIMIT = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float | None]:
@@ -405,10 +405,10 @@ def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float |
             )
         if number is not None and math.isinf(number):
             raise RewardError(f"reward '{reward.name}' returned {number} for sample {i} (prompt: {_short(prompts[i])})")
-        if number is not None and abs(number) > REWARD_LIMIT:  # finite, but its square (the std) overflows float32
+        if number is not None and abs(number) > REWARD_LIMIT:  # finite here, inf in float32
             raise RewardError(
-                f"reward '{reward.name}' returned {number:g} for sample {i} (prompt: {_short(prompts[i])}); rewards "
-                f"are summed and scaled in float32: keep them within +-{REWARD_LIMIT:g}"
+                f"reward '{reward.name}' returned {number:g} for sample {i} (prompt: {_short(prompts[i])}), beyond "
+                f"float32's range, in which rewards are summed: keep them within +-{REWARD_LIMIT:.3g}"
             )
         checked.append(None if number is None or math.isnan(number) else number)
     return checked
