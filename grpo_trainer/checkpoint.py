@@ -442,14 +442,17 @@ def check_resume_compatible(
     return notes + [(f"(forced) {p}", False) for p in problems]
 
 
-def resolved_today(saved: dict[str, Any]) -> dict[str, Any]:
+def resolved_today(saved: dict[str, Any], *, absolute_paths: bool = False) -> dict[str, Any]:
     """A checkpoint's config as this version resolves it (an older version's keys, e.g. the flat loss options,
-    read into today's places), so that only real changes are reported; as saved where it no longer loads."""
-    from .config import config_from_dict
+    read into today's places; with `absolute_paths`, its local paths made absolute as a run's are), so that only
+    real changes are reported; as saved where it no longer loads."""
+    from .config import config_from_dict, with_absolute_paths
     from .errors import UserError
 
     try:
-        return config_from_dict(saved, source="the checkpoint's config").model_dump(mode="json")
+        config = config_from_dict(saved, source="the checkpoint's config")
+        # An earlier run saved its local paths as written: compared as a run resolves them now (trainer.train).
+        return (with_absolute_paths(config) if absolute_paths else config).model_dump(mode="json")
     except (UserError, ValueError, TypeError):
         return saved
 

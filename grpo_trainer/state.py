@@ -295,7 +295,7 @@ def resume(run: Run) -> TrainState:
     if found is not None:
         saved = ckpt.read_trainer_state(found)
         for note, harmless in ckpt.check_resume_compatible(
-            ckpt.resolved_today(saved.get("config", {})),
+            ckpt.resolved_today(saved.get("config", {}), absolute_paths=True),
             cfg.model_dump(mode="json"),
             saved.get("world_size"),
             run.geometry.world,

@@ -280,3 +280,34 @@ def test_resume_never_in_a_used_folder_removes_the_earlier_runs_checkpoints(tmp_
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000002"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
     assert '"seed": 5' in (out / "checkpoints" / "step-000002" / "trainer_state.json").read_text()
+
+
+@pytest.mark.slow
+def test_user_code_that_changes_folder_does_not_split_the_run(tmp_path):
+    """Defect 4: an environment (here a reward) that calls os.chdir split the run: config.yaml and metrics.jsonl in
+    ./rel_out, checkpoints and the model under the new folder; a later resume=auto found nothing. Every local path
+    is made absolute once, at the start (output_dir and the reward file given relative to the working folder)."""
+    import os
+
+    from helpers import ROOT, run_cli, small_run_overrides
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    reward = tmp_path / "wander.py"
+    reward.write_text("import os\n"
+                      "def wander(completions, **kw):\n"
+                      f"    os.chdir({str(elsewhere)!r})\n"
+                      "    return [1.0 if i % 2 else 0.0 for i in range(len(completions))]\n")
+    out = os.path.relpath(tmp_path / "rel_out", ROOT)  # run_cli runs from the repository's root
+    spec = os.path.relpath(reward, ROOT) + ":wander"
+    overrides = [*small_run_overrides(out, steps=2), f"rewards=[{{name: '{spec}'}}]", "checkpoint.save_every=1"]
+    first = run_cli(["train", "configs/demo_cpu.yaml", *overrides])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert list(elsewhere.iterdir()) == []  # nothing written where the reward went
+    run = tmp_path / "rel_out"
+    assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file() and (run / "model").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000001", "step-000002"]
+    again = run_cli(["train", "configs/demo_cpu.yaml", *overrides, "train.max_steps=3", "checkpoint.resume=auto"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr and "step-000002 at step 2" in again.stderr
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == "step-000003"
