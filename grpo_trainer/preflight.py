@@ -35,6 +35,7 @@ def preflight(cfg: Config) -> list[str]:
     """Raise ConfigError for a setting that cannot work here; return warnings for ones that probably do not
     do what was meant."""
     check_model_sources(cfg)
+    check_lora_targets_early(cfg)
     check_environment(cfg, contact_server=False)
     if cfg.checkpoint.resume not in ("auto", "never"):
         require_complete(cfg.checkpoint.resume)
@@ -104,6 +105,31 @@ def check_model_sources(cfg: Config) -> None:
             raise ConfigError(f"{key}: {name} is a file; name the folder that holds the model (its config.json)")
         if not _hub_id(name):
             raise ConfigError(f"{key}: {name}: no such folder (and not a Hugging Face model id such as org/name)")
+
+
+def check_lora_targets_early(cfg: Config) -> None:
+    """model.lora.target_modules against the model's modules, on a skeleton built from its config.json without
+    weights (meta device), so a name the model lacks is refused before it loads; skipped where the config cannot
+    be read here (a hub id offline: the load checks it again, models.check_lora_targets)."""
+    from . import in_memory
+
+    lora, name = cfg.model.lora, cfg.model.name_or_path
+    if lora is None or isinstance(lora.target_modules, str) or in_memory.is_reference(name):
+        return
+    try:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .builtin import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=cfg.model.trust_remote_code)
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:  # offline, an unusual model class: loading the model says what is wrong
+        return
+    from .models import check_lora_targets
+
+    check_lora_targets(skeleton, lora.target_modules, name)
 
 
 def _holds_model(path: str, key: str) -> bool:

@@ -311,3 +311,14 @@ def test_user_code_that_changes_folder_does_not_split_the_run(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stderr and "step-000002 at step 2" in again.stderr
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == "step-000003"
+
+
+@pytest.mark.slow
+def test_lora_targets_the_model_lacks_are_refused_by_validate(tiny_model_path):
+    """Defect 14, before the model loads: checked on a weightless skeleton of the model (its config.json)."""
+    from helpers import run_cli
+
+    result = run_cli(["validate", "configs/demo_cpu.yaml", "model.lora={target_modules: [nonexistent_proj]}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: model.lora.target_modules: 'nonexistent_proj' is not a module of builtin:tiny" in result.stderr
+    assert run_cli(["validate", "configs/demo_cpu.yaml", "model.lora={target_modules: [q_proj]}"]).returncode == 0
