@@ -296,6 +296,15 @@ def remove_incomplete(output_dir: str | Path) -> list[Path]:
     return stale
 
 
+def remove_checkpoints(output_dir: str | Path) -> None:
+    """Delete every checkpoint of `output_dir` and its `latest` pointer (a run that starts over: resume=never).
+    `latest` goes first, so a crash part-way leaves no pointer to a half-deleted folder."""
+    root = checkpoint_root(output_dir)
+    (root / LATEST).unlink(missing_ok=True)
+    for path in sorted(root.glob("step-*")) + sorted(root.glob(".tmp-step-*")) if root.is_dir() else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoint_root(output_dir)
     if not root.is_dir():
@@ -433,14 +442,17 @@ def check_resume_compatible(
     return notes + [(f"(forced) {p}", False) for p in problems]
 
 
-def resolved_today(saved: dict[str, Any]) -> dict[str, Any]:
+def resolved_today(saved: dict[str, Any], *, absolute_paths: bool = False) -> dict[str, Any]:
     """A checkpoint's config as this version resolves it (an older version's keys, e.g. the flat loss options,
-    read into today's places), so that only real changes are reported; as saved where it no longer loads."""
-    from .config import config_from_dict
+    read into today's places; with `absolute_paths`, its local paths made absolute as a run's are), so that only
+    real changes are reported; as saved where it no longer loads."""
+    from .config import config_from_dict, with_absolute_paths
     from .errors import UserError
 
     try:
-        return config_from_dict(saved, source="the checkpoint's config").model_dump(mode="json")
+        config = config_from_dict(saved, source="the checkpoint's config")
+        # An earlier run saved its local paths as written: compared as a run resolves them now (trainer.train).
+        return (with_absolute_paths(config) if absolute_paths else config).model_dump(mode="json")
     except (UserError, ValueError, TypeError):
         return saved
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (the trainer's)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--port", type=port_number, help="default: the port of the (first) server URL in the config")
-    p.add_argument("--host", help="default: the URL's host if it is loopback, else 0.0.0.0")
+    p.add_argument("--host", type=host_name, help="default: the URL's host if it is loopback, else 0.0.0.0")
     p.add_argument("--tensor-parallel-size", type=positive_int, help="default: rollout.vllm.tensor_parallel_size")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p = sub.add_parser(
@@ -71,6 +71,13 @@ def port_number(text: str) -> int:
     if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
     return int(text)
+
+
+def host_name(text: str) -> str:
+    """An address a server can listen on: not empty (vLLM would read '' as every interface, serve as the default)."""
+    if not text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or address (e.g. 127.0.0.1 or 0.0.0.0)")
+    return text
 
 
 def positive_int(text: str) -> int:

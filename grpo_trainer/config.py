@@ -53,10 +53,11 @@ class _Section(BaseModel):
 
     Pydantic's lax mode reads a bool as 1 or 0 where an int or float is asked (`train.max_steps=true` would run
     one step); that is refused for every number field of the tree. Strings stay readable as numbers: PyYAML reads
-    `1e-4` (no dot) as a string, and `train.learning_rate: 1e-4` must mean 0.0001.
+    `1e-4` (no dot) as a string, and `train.learning_rate: 1e-4` must mean 0.0001. NaN and infinity (`.nan`,
+    `.inf`) are refused too: no number of the tree means anything at them (a NaN weight scores every sample NaN).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -77,8 +78,24 @@ class LoraConfig(_Section):
     alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     target_modules: list[str] | str = Field(
-        "all-linear", description="Modules to adapt: PEFT's `all-linear` or a list of module names."
+        "all-linear",
+        description="Modules to adapt: PEFT's `all-linear`, a module name, or a list of names (a name matches a module "
+        "whose dotted path ends with it, as PEFT matches a list); a name the model lacks is refused naming its linear "
+        "layers.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: list[str] | str) -> list[str] | str:
+        """A plain string is one module name: PEFT would read it as a regular expression matched against whole
+        dotted paths, so `q_proj` would match nothing."""
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [targets]
+        if isinstance(targets, list) and not targets:
+            raise ValueError("empty: name the modules to adapt (e.g. [q_proj, v_proj]) or use all-linear")
+        if isinstance(targets, list) and any(not t.strip() for t in targets):
+            raise ValueError(f"{targets}: an empty module name")
+        return targets
 
 
 class ModelConfig(_Section):
@@ -120,6 +137,18 @@ class ModelConfig(_Section):
         "needs the most (each head call gathers weights across ranks).",
     )
 
+    @field_validator("name_or_path", "tokenizer")
+    @classmethod
+    def _names_not_empty(cls, value: str | None) -> str | None:
+        return _not_empty(value)
+
+
+def _not_empty(value: Any) -> Any:
+    """A model name or folder is not empty: `""` reached Hugging Face as a repo id, after the policy had loaded."""
+    if value is not None and not value.strip():
+        raise ValueError("empty: name a Hugging Face model id, a local folder or a builtin: model")
+    return value
+
 
 class TeacherConfig(_Section):
     """A frozen model that scores every sampled token (on-policy distillation, `loss.teacher_kl`)."""
@@ -132,6 +161,11 @@ class TeacherConfig(_Section):
         None, description="Parameter dtype of the teacher (None: model.dtype)."
     )
     trust_remote_code: bool = Field(False, description="Passed to `from_pretrained`.")
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _name_not_empty(cls, value: str) -> str:
+        return _not_empty(value)
 
     def as_model(self, policy: ModelConfig) -> ModelConfig:
         """The teacher as a model entry to load (models.load_causal_lm, load_tokenizer): frozen, no adapters, the
@@ -550,8 +584,25 @@ class EnvironmentConfig(_Section):
     @field_validator("url")
     @classmethod
     def _openenv_url(cls, url: str | None) -> str | None:
-        if url is not None and not re.fullmatch(r"openenv\+wss?://[^/:\s]+:\d+/?", url):
-            raise ValueError("expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT")
+        """openenv+ws://HOST:PORT or openenv+wss://HOST:PORT, HOST a name, an IPv4 or a bracketed IPv6 address, PORT
+        from 1 to 65535 (as rollout.vllm_server's URLs); refused when the config loads, not when the run connects."""
+        if url is None:
+            return url
+        import urllib.parse
+
+        expected = "expected openenv+ws://HOST:PORT or openenv+wss://HOST:PORT (IPv6: openenv+ws://[::1]:8001)"
+        match = re.fullmatch(r"openenv\+wss?://(\[[0-9A-Fa-f:.]+\]|[^/:\s\[\]]+):(\d+)/?", url)
+        if match is None:
+            raise ValueError(expected)
+        if not 1 <= int(match.group(2)) <= 65535:
+            raise ValueError("the port must be a number from 1 to 65535")
+        if match.group(1).startswith("["):
+            import ipaddress
+
+            try:
+                ipaddress.IPv6Address(urllib.parse.urlsplit(url).hostname or "")
+            except ValueError:
+                raise ValueError(f"{match.group(1)} is not an IPv6 address") from None
         return url
 
     @model_validator(mode="after")
@@ -1089,8 +1140,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
-        if not self.rewards and self.environment.kind is None:
-            raise ValueError("rewards: at least one reward is needed (or an environment that scores its episodes)")
+        if not self.rewards and self.environment.kind is None and not self.loss.teacher_only:
+            raise ValueError(
+                "rewards: at least one reward is needed (or an environment that scores its episodes, or "
+                "loss.teacher_only with a teacher: pure distillation needs none)"
+            )
         if self.environment.kind is not None:
             self._check_environment()
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
@@ -1105,6 +1159,14 @@ class Config(_Section):
                 f"(got tis_cap {self.loss.tis_cap})"
             )
         self._check_teacher()
+        if self.rollout.lora_sync == "adapter":
+            from .rollout.lora_sync import config_refusal
+
+            reason = config_refusal(self)
+            if reason is not None:
+                raise ValueError(
+                    f"rollout.lora_sync=adapter: {reason} (rollout.lora_sync=auto pushes merged weights instead)"
+                )
         if (
             self.loss.variant.sampler_weight_in_ratio
             and self.loss.correction_on
@@ -1165,6 +1227,57 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- local paths
+
+
+def with_absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
+    """`cfg` with every local path it names made absolute against `base` (default: the current folder), once, at
+    the start of a run: user code that calls os.chdir (an environment, a reward) would otherwise split the run,
+    its config.yaml and metrics in one folder and its checkpoints and model in another, and a later resume=auto
+    would find nothing. Paths: output_dir, checkpoint.resume, rollout.vllm_server.weights_dir; the file of each
+    `file.py:name` spec (rewards, rollout.tools, environment.factory/openenv/action, loss.type); model, tokenizer,
+    teacher and reward-model folders and data files that exist here. Hub ids, `builtin:` and `object:` names,
+    and `package.module:name` specs are left as they are."""
+    import os
+
+    root = Path(base) if base is not None else Path.cwd()
+
+    def absolute(path: str) -> str:
+        return os.path.normpath(root / path) if not os.path.isabs(path) else path
+
+    def spec(value: str) -> str:
+        module, sep, name = value.rpartition(":")
+        return f"{absolute(module)}:{name}" if sep and module.endswith(".py") else value
+
+    def existing(value: str | None) -> str | None:
+        if value is None or ":" in value.split("/", 1)[0]:  # builtin:..., object:..., a URL
+            return value
+        return absolute(value) if (root / value).exists() else value
+
+    data = cfg.model_dump(mode="json")
+    data["output_dir"] = absolute(cfg.output_dir)
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        data["checkpoint"]["resume"] = absolute(cfg.checkpoint.resume)
+    if cfg.rollout.vllm_server.weights_dir:
+        data["rollout"]["vllm_server"]["weights_dir"] = absolute(cfg.rollout.vllm_server.weights_dir)
+    data["rollout"]["tools"] = [spec(t) for t in cfg.rollout.tools]
+    for key in ("factory", "openenv", "action"):
+        if data["environment"][key] is not None:
+            data["environment"][key] = spec(data["environment"][key])
+    data["loss"]["type"] = spec(cfg.loss.type)
+    for entry in data["rewards"]:
+        entry["name"] = spec(entry["name"])
+        if entry.get("model"):
+            entry["model"]["path"] = existing(entry["model"]["path"])
+    data["model"]["name_or_path"] = existing(cfg.model.name_or_path)
+    data["model"]["tokenizer"] = existing(cfg.model.tokenizer)
+    if data.get("teacher"):
+        data["teacher"]["name_or_path"] = existing(data["teacher"]["name_or_path"])
+    data["data"]["source"] = existing(cfg.data.source)
+    data["data"]["eval_source"] = existing(cfg.data.eval_source)
+    return config_from_dict(data, source="the config with absolute paths")
 
 
 # ----------------------------------------------------------------------------- loading

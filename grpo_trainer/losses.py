@@ -61,7 +61,7 @@ class LossOptions(BaseModel):
     config names the loss type that reads it), values are frozen once validated. A type without options uses
     this model as it is; a user's type subclasses it (register_loss and loss_variant refuse other models)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as config._Section
 
 
 class ClipOptions(LossOptions):

@@ -67,6 +67,7 @@ def load_causal_lm(cfg: ModelConfig):
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
+        check_lora_targets(model, cfg.lora.target_modules, cfg.name_or_path)
         lora = LoraConfig(
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
@@ -74,8 +75,34 @@ def load_causal_lm(cfg: ModelConfig):
             target_modules=cfg.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as exc:  # a target PEFT cannot adapt (`Target module LlamaRMSNorm() is not supported...`)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"model.lora.target_modules: {first}") from None
     return model
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str] | str, name: str) -> None:
+    """Each name of model.lora.target_modules matches a module of the model (as PEFT matches a list: the module's
+    dotted path is the name or ends with `.name`); ConfigError naming the key and the model's linear layers
+    otherwise, instead of PEFT's traceback. (A module PEFT cannot adapt, a norm, is PEFT's ValueError, made one
+    line by load_causal_lm.)"""
+    if isinstance(targets, str):  # all-linear (config.LoraConfig makes any other string a list)
+        return
+    modules = dict(model.named_modules())
+    linear = sorted(
+        {
+            path.rsplit(".", 1)[-1]
+            for path, m in modules.items()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+        }
+    )  # Conv1D: transformers' linear layer of GPT-2
+    hint = f"{name}'s linear layers: {', '.join(linear)} (or all-linear)"
+    for target in targets:
+        found = [m for path, m in modules.items() if path == target or path.endswith("." + target)]
+        if not found:
+            raise ConfigError(f"model.lora.target_modules: {target!r} is not a module of {name}; {hint}")
 
 
 def is_lora(lm) -> bool:

@@ -224,7 +224,11 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
         # weight file): resuming saves the model.
         return None
     ckpt.check_resume_compatible(
-        ckpt.resolved_today(saved.get("config", {})), cfg.model_dump(mode="json"), None, 1, cfg.checkpoint.force_resume
+        ckpt.resolved_today(saved.get("config", {}), absolute_paths=True),
+        cfg.model_dump(mode="json"),
+        None,
+        1,
+        cfg.checkpoint.force_resume,
     )
     setup_logging(cfg, is_main_process)
     logger.info(

@@ -17,6 +17,7 @@ import os
 
 from .checkpoint import require_complete
 from .config import Config
+from .environments import check_environment
 from .errors import ConfigError
 from .geometry import geometry_of
 from .rollout.engines import engine_kind
@@ -33,6 +34,9 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def preflight(cfg: Config) -> list[str]:
     """Raise ConfigError for a setting that cannot work here; return warnings for ones that probably do not
     do what was meant."""
+    check_model_sources(cfg)
+    check_lora_targets_early(cfg)
+    check_environment(cfg, contact_server=False)
     if cfg.checkpoint.resume not in ("auto", "never"):
         require_complete(cfg.checkpoint.resume)
     if engine_kind(cfg.rollout.engine).vllm_in_process:
@@ -61,6 +65,92 @@ def preflight(cfg: Config) -> list[str]:
     return warnings
 
 
+def model_sources(cfg: Config) -> list[tuple[str, str]]:
+    """(config key, value) of every model the run loads from a name: the policy, its tokenizer, the teacher, the
+    reward models."""
+    sources = [("model.name_or_path", cfg.model.name_or_path)]
+    if cfg.model.tokenizer is not None:
+        sources.append(("model.tokenizer", cfg.model.tokenizer))
+    if cfg.teacher is not None:
+        sources.append(("teacher.name_or_path", cfg.teacher.name_or_path))
+    sources += [(f"rewards.{i}.model.path", r.model.path) for i, r in enumerate(cfg.rewards) if r.model is not None]
+    return sources
+
+
+def check_model_sources(cfg: Config) -> None:
+    """Each model the run loads is a built-in, a folder holding a model, or a Hugging Face id: ConfigError naming
+    the key for a folder that does not exist or holds no model, before anything loads (Hugging Face would say
+    `Repo id must be in the form ...` for a missing path, after the policy had loaded). A well-formed hub id is
+    left to the download, which may need the network."""
+    from . import in_memory
+    from .builtin import MODELS, PREFIX, is_builtin
+
+    for key, name in model_sources(cfg):
+        if in_memory.is_reference(name):
+            continue
+        if is_builtin(name):
+            if name.removeprefix(PREFIX) not in MODELS:
+                raise ConfigError(
+                    f"{key}: unknown built-in model {name!r}; the built-ins are "
+                    + ", ".join(f"'{PREFIX}{n}'" for n in MODELS)
+                )
+            continue
+        path = os.path.expanduser(name)
+        if os.path.isdir(path):
+            wanted = "tokenizer_config.json" if key == "model.tokenizer" else "config.json"
+            if not os.path.isfile(os.path.join(path, wanted)) and not _holds_model(path, key):
+                raise ConfigError(f"{key}: {name} is a folder without a model (no {wanted} in it)")
+            continue
+        if os.path.exists(path):
+            raise ConfigError(f"{key}: {name} is a file; name the folder that holds the model (its config.json)")
+        if not _hub_id(name):
+            raise ConfigError(f"{key}: {name}: no such folder (and not a Hugging Face model id such as org/name)")
+
+
+def check_lora_targets_early(cfg: Config) -> None:
+    """model.lora.target_modules against the model's modules, on a skeleton built from its config.json without
+    weights (meta device), so a name the model lacks is refused before it loads; skipped where the config cannot
+    be read here (a hub id offline: the load checks it again, models.check_lora_targets)."""
+    from . import in_memory
+
+    lora, name = cfg.model.lora, cfg.model.name_or_path
+    if lora is None or isinstance(lora.target_modules, str) or in_memory.is_reference(name):
+        return
+    try:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .builtin import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=cfg.model.trust_remote_code)
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:  # offline, an unusual model class: loading the model says what is wrong
+        return
+    from .models import check_lora_targets
+
+    check_lora_targets(skeleton, lora.target_modules, name)
+
+
+def _holds_model(path: str, key: str) -> bool:
+    """Other files that make a folder loadable: a PEFT adapter (from_pretrained loads its base), a tokenizer folder
+    with only tokenizer.json or a sentencepiece model."""
+    files = (
+        ("tokenizer.json", "tokenizer.model", "vocab.json") if key == "model.tokenizer" else ("adapter_config.json",)
+    )
+    return any(os.path.isfile(os.path.join(path, f)) for f in files)
+
+
+def _hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _runs_on_cpu() -> bool:
     import torch
 
@@ -87,6 +177,7 @@ def run_preflight(cfg: Config) -> None:
     """`preflight`, with its warnings logged, then the servers (what `train` does before anything loads)."""
     for warning in preflight(cfg):
         logger.warning("%s", warning)
+    check_environment(cfg, contact_server=True)  # environment.url: the server answers, before anything loads
     if engine_kind(cfg.rollout.engine).vllm_servers:
         from .rollout.vllm_server import check_servers
 

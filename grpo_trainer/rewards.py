@@ -359,6 +359,11 @@ def _first_prompt(prompts: list[Any]) -> str:
     return f" (on a batch of {len(prompts)} completions; first prompt: {_short(prompts[0])})" if prompts else ""
 
 
+# The largest reward magnitude taken: rewards are held and summed in float32, where a larger finite Python float
+# (1e300) is inf, and the step's advantages NaN (the step skipped, nothing said).
+REWARD_LIMIT = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float | None]:
     values = _as_sequence(out)
     if values is None:
@@ -377,6 +382,11 @@ def _check(reward: Reward, out: Any, n: int, prompts: list[Any]) -> list[float |
             )
         if number is not None and math.isinf(number):
             raise RewardError(f"reward '{reward.name}' returned {number} for sample {i} (prompt: {_short(prompts[i])})")
+        if number is not None and abs(number) > REWARD_LIMIT:  # finite here, inf in float32
+            raise RewardError(
+                f"reward '{reward.name}' returned {number:g} for sample {i} (prompt: {_short(prompts[i])}), beyond "
+                f"float32's range, in which rewards are summed: keep them within +-{REWARD_LIMIT:.3g}"
+            )
         checked.append(None if number is None or math.isnan(number) else number)
     return checked
 

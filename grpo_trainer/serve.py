@@ -83,7 +83,7 @@ def serve_command(
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", resolve_model_path(cfg.model.name_or_path),
-        "--host", host or (url.hostname if url.hostname in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"),  # a remote trainer must reach it
+        "--host", host if host is not None else (url.hostname if url.hostname in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"),  # a remote trainer must reach it
         "--port", str(port if port is not None else url.port or DEFAULT_PORTS[url.scheme]),  # where the trainer connects
         "--dtype", cfg.model.dtype if engine.dtype == "auto" else engine.dtype,
         "--logprobs-mode", "processed_logprobs",

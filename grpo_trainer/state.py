@@ -28,8 +28,8 @@ from .cpu import paths as cpu_paths
 from .cpu.adamw import adamw_for
 from .cpu.heap import HeapTrimmer
 from .data import PromptSampler
-from .environments import build_environment
-from .errors import TrainingError
+from .environments import build_environment, check_environment
+from .errors import ConfigError, TrainingError
 from .evaluate import load_eval_task
 from .export import save_model
 from .geometry import Geometry, batch_geometry
@@ -46,7 +46,7 @@ from .models import (
     load_causal_lm,
     load_tokenizer,
 )
-from .preflight import run_preflight
+from .preflight import check_model_sources, run_preflight
 from .report import ProgressBar, flat_hparams
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.engines import engine_kind
@@ -295,7 +295,7 @@ def resume(run: Run) -> TrainState:
     if found is not None:
         saved = ckpt.read_trainer_state(found)
         for note, harmless in ckpt.check_resume_compatible(
-            ckpt.resolved_today(saved.get("config", {})),
+            ckpt.resolved_today(saved.get("config", {}), absolute_paths=True),
             cfg.model_dump(mode="json"),
             saved.get("world_size"),
             run.geometry.world,
@@ -311,7 +311,21 @@ def resume(run: Run) -> TrainState:
         logger.info("resumed from %s at step %d", found, state.step)
         recorded = saved.get("decode_kernels")
     else:
-        if accelerator.is_main_process and ckpt.complete_checkpoints(run.output_dir):
+        earlier = ckpt.complete_checkpoints(run.output_dir) if accelerator.is_main_process else []
+        if earlier and cfg.checkpoint.resume == "never":
+            # Removed, not overwritten one by one: the earlier run's steps would stay interleaved with this one's
+            # (its step-5 beside our step-10), and a resume=auto after a crash would take its newest.
+            logger.warning(
+                "starting over in %s (checkpoint.resume=never): removing the earlier run's %d checkpoint(s) (%s) "
+                "and its metrics",
+                run.output_dir,
+                len(earlier),
+                ", ".join(c.name for c in earlier)
+                if len(earlier) <= 3
+                else f"{earlier[0].name} ... {earlier[-1].name}",
+            )
+            ckpt.remove_checkpoints(run.output_dir)
+        elif earlier:
             logger.warning(
                 "starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
                 run.output_dir,
@@ -379,13 +393,28 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
 
     if not engine_kind(cfg.rollout.engine).plans_kernels or not cfg.model.share_prompt:
         return {}, {}
+    check_model_sources(cfg)  # one line naming the key, not a Hugging Face traceback
+    check_environment(cfg, contact_server=False)  # a missing factory file: before the model loads
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
-    task = _training_task(cfg, tokenizer, lm, build_environment(cfg))
+    task = _training_task(cfg, tokenizer, lm, _environment_for_kernels(cfg))
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)
     return before, plan_decode_kernels(lm, rows, context, remeasure=True) if remeasure else before
+
+
+def _environment_for_kernels(cfg: Config):
+    """The environment whose tools lengthen the prompts the plan covers. An `environment.url` server that does not
+    answer is not needed to plan: the plan is then made for prompts without its tool schema, and says so (a run
+    measures the longer contexts it reaches where the cache lacks them)."""
+    if cfg.environment.kind != "url":
+        return build_environment(cfg)
+    try:
+        return build_environment(cfg)
+    except ConfigError as exc:
+        logger.warning("kernels: planned for prompts without the environment's tool schema: %s", exc)
+        return None
 
 
 def save_checkpoint(run: Run, state: TrainState, history: str) -> None:

@@ -46,7 +46,7 @@ from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
 from .collect import collect
-from .config import Config
+from .config import Config, with_absolute_paths
 from .deadline import run_inline
 from .errors import UserError
 from .evaluate import evaluate_model
@@ -71,6 +71,7 @@ class TrainResult:
 
 def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> TrainResult:
     """Train as `cfg` says. `on_step_end(step)` is called after every step (a profiler's step(), a test's probe)."""
+    cfg = with_absolute_paths(cfg)  # once: user code that calls os.chdir cannot split the run's folders
     is_main = distributed.partial_state().is_main_process
     with StopRequests(cfg.checkpoint.save_on_signals) as stop, output_dir.claimed(cfg.output_dir, is_main):
         finished = output_dir.finished_run(cfg, is_main)

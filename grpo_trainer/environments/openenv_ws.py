@@ -100,15 +100,22 @@ def fetch_schema(url: str, timeout: float) -> dict[str, Any]:
     for path in ("/health", "/schema"):
         try:
             with urllib.request.urlopen(http + path, timeout=timeout) as response:
-                answers[path] = json.loads(response.read())
+                body = response.read()
         except urllib.error.HTTPError as exc:
             raise ConfigError(
                 f"environment.url {url}: GET {http}{path} answered {exc.code} {exc.reason}; is it an OpenEnv server?"
             ) from None
-        except (OSError, ValueError) as exc:  # refused, timed out, unresolvable, not JSON
+        except (OSError, ValueError) as exc:  # refused, timed out, unresolvable
             reason = getattr(exc, "reason", None) or exc
             raise ConfigError(
                 f"environment.url {url}: no OpenEnv server answers (GET {http}{path}: {reason})"
+            ) from None
+        try:
+            answers[path] = json.loads(body)
+        except ValueError:  # something answers, but not an OpenEnv server (a web page, another API)
+            raise ConfigError(
+                f"environment.url {url}: GET {http}{path} answered, but not with JSON ({_start(body)}); "
+                "is it an OpenEnv server?"
             ) from None
     schema = answers["/schema"]
     if not (
@@ -118,6 +125,12 @@ def fetch_schema(url: str, timeout: float) -> dict[str, Any]:
     ):
         raise ConfigError(f"environment.url {url}: GET {http}/schema gave no OpenEnv action and observation schemas")
     return schema
+
+
+def _start(body: bytes) -> str:
+    """The first characters of an answer, for a message."""
+    text = body[:60].decode("utf-8", "replace")
+    return repr(text + ("..." if len(body) > 60 else ""))
 
 
 class Session:

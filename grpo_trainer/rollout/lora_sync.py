@@ -88,15 +88,30 @@ def vllm_embedding_lora(architecture: str) -> bool | None:
     return None if model_cls is None else bool(getattr(model_cls, "embedding_modules", None))
 
 
-def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None:
-    """Why vLLM cannot take this run's adapter (one line naming the key to change), or None if it can."""
+def config_refusal(cfg: Config) -> str | None:
+    """Why vLLM cannot take this run's adapter, as far as the config alone tells (no LoRA, a rank above vLLM's, no
+    weights_dir for servers); None if it may. `rollout.lora_sync=adapter` is refused for these when the config
+    loads (validate, serve --dry-run, train before it waits for a server)."""
     lora = cfg.model.lora
     if lora is None:
         return "the model has no LoRA adapters (model.lora is not set)"
-    if fsdp:
-        return "FSDP: only DeepSpeed ZeRO-3's adapter tensors are gathered for a push"
     if vllm_lora_rank(lora.r) is None:
         return f"model.lora.r={lora.r} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+    if engine_kind(cfg.rollout.engine).vllm_servers and not cfg.rollout.vllm_server.weights_dir:
+        return (
+            "rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
+            "one both trainer and servers can read"
+        )
+    return None
+
+
+def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None:
+    """Why vLLM cannot take this run's adapter (one line naming the key to change), or None if it can."""
+    lora = cfg.model.lora
+    if lora is None or vllm_lora_rank(lora.r) is None:
+        return config_refusal(cfg)
+    if fsdp:
+        return "FSDP: only DeepSpeed ZeRO-3's adapter tensors are gathered for a push"
     if facts.moe:
         return f"{facts.architecture} is a mixture of experts: vLLM's MoE LoRA does not match PEFT's"
     targets = [lora.target_modules] if isinstance(lora.target_modules, str) else lora.target_modules
@@ -105,12 +120,7 @@ def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None
     if not supported:
         why = "vLLM is not installed here to check" if supported is None else "vLLM has no embedding LoRA for it"
         return f"model.lora.target_modules has {', '.join(embedding)} on {facts.architecture}: {why}"
-    if engine_kind(cfg.rollout.engine).vllm_servers and not cfg.rollout.vllm_server.weights_dir:
-        return (
-            "rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
-            "one both trainer and servers can read"
-        )
-    return None
+    return config_refusal(cfg)
 
 
 def push_adapters(cfg: Config, model: torch.nn.Module, *, fsdp: bool | None = None) -> bool:
