@@ -35,6 +35,7 @@ process groups) lives in `distributed`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,15 +46,17 @@ import torch
 from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
-from .collect import collect
+from .collect import CollectSettings, Sources, collect
 from .config import Config
 from .evaluate import evaluate_model
 from .metrics import PhaseTimer
 from .preemption import StopRequests
-from .report import report, step_record
+from .report import completion_samples, step_record, write_completions
 from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
+from .terms import term_types
+from .trackers import log_samples
 from .train_state import TrainState
-from .update import add_logprobs, check_scored, update
+from .update import Learner, LogprobSettings, ScoreChecks, UpdateSettings, add_logprobs, check_scored, update
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -118,9 +121,10 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     after it."""
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
-    scored = collect(run, step, timer)
+    scored = collect(Sources(run.rollouts, run.task, run.comm, geometry, CollectSettings.of(cfg)), step, timer)
     # a step no reward scored: warned about, stopped after a few in a row
-    state = replace(state, step=step, unscored_in_a_row=check_scored(run, scored, step, state.unscored_in_a_row))
+    checks = ScoreChecks.of(cfg, run.task.rewards)
+    state = replace(state, step=step, unscored_in_a_row=check_scored(scored, step, state.unscored_in_a_row, checks))
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
@@ -140,19 +144,22 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
             mini_batches=geometry.mini_batches,
             comm=run.comm,
         ).to(run.accelerator.device)
-        add_logprobs(run, batch)
+        add_logprobs(run.policy, batch, run.terms, run.comm, LogprobSettings.of(cfg))
     with timer.phase("timing/update"):
-        stats, state = update(run, batch, state)
+        learner = Learner(run.accelerator, run.policy, run.optimizer, run.scheduler, run.heap_trimmer)
+        stats, state = update(learner, batch, state, run.terms, run.comm, UpdateSettings.of(cfg, geometry))
     with timer.phase("timing/weight_sync"):
         run.rollouts.after_update(step)
     eval_metrics = periodic_eval(run, state, timer)
     record = step_record(
-        run,
+        run.comm,
         step,
         scored,
         reward_stats,
         batch,
         stats.reduced(run.comm),
+        geometry.total_completions,
+        run.scheduler.get_last_lr()[0],
         {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()},
     )
     if run.heap_trimmer.active:
@@ -169,8 +176,7 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
 
 def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
-    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values. Under
-    `loss.teacher_only` the rewards are only reported: the teacher's per-token term (update.py) is the advantage."""
+    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
     loss = run.cfg.loss
     per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
@@ -182,18 +188,16 @@ def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
         per_function=per_function,
         weights=weights,
     )
-    return (torch.zeros_like(advantages) if loss.teacher_only else advantages), stats
+    return advantages, stats
 
 
 def skips_zero_advantage(cfg: Config) -> bool:
-    """Leave zero-advantage completions out of the passes: exact only without a KL, entropy or teacher term (each
-    has a gradient at a group advantage of 0) and for losses whose normaliser does not count the tokens present in a
-    micro-batch (losses.LossVariant)."""
+    """Leave zero-advantage completions out of the passes: exact only without a term that acts at a group
+    advantage of 0 (KL, entropy, the teacher's: `LossTerm.acts_at_zero_advantage`) and for losses whose normaliser
+    does not count the tokens present in a micro-batch (losses.LossVariant)."""
     return (
         cfg.train.skip_zero_advantage
-        and not cfg.loss.kl_on
-        and not cfg.loss.entropy_term
-        and not cfg.loss.teacher_on
+        and not any(term.acts_at_zero_advantage for term in term_types(cfg))
         and cfg.loss.variant.exact_zero_advantage_skip
     )
 
@@ -221,3 +225,22 @@ def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, f
             kernel_plan=dict(state.decode_kernels),
         )
     return results if run.is_main_process else {}
+
+
+def report(run: Run, step: int, record: dict, scored, advantages: torch.Tensor, log_this_step: bool) -> None:
+    """Phase 8: write the record where it goes (metrics.jsonl, trackers), sample completions when due, advance the
+    progress bar."""
+    if log_this_step:
+        run.metrics.write(record)
+        if run.trackers:
+            run.accelerator.log(
+                {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
+            )
+    every = run.cfg.logging.completions_every
+    if every and step % every == 0 and run.is_main_process:
+        n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
+        rewards = run.geometry.my_completions(scored.rewards)
+        samples = completion_samples(run.task.prompts.texts, run.tokenizer, step, scored, rewards, advantages, n)
+        write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
+        log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
+    run.progress.update(record)
