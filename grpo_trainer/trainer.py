@@ -11,17 +11,20 @@ One step, as named phases (each a function with a typed input and output):
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
                                   packed, fixed size or a token budget               -> TrainBatch
     4. log-probs    (update.py)   old (num_iterations or mini_batches > 1), entropy selection
-                                  (top_entropy_quantile < 1), reference (beta > 0)   -> into the TrainBatch
-    5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss, backward,
-                                  a step per mini-batch                               -> StepStats
+                                  (top_entropy_quantile < 1), the loss terms' annotations (reference,
+                                  teacher)                                            -> into the TrainBatch
+    5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss with its optional
+                                  terms (terms/), backward, a step per mini-batch     -> StepStats
     6. weight sync  (rollout_queue.py) the engine gets the new weights, if it keeps its own copy (after the
                                   generation in flight, K >= 1), and the queue samples the batch K+1 steps ahead
     7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
+                                  (written by `report` below)
     then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
 
 What lives for the whole run is one frozen `state.Run` of components, built once by `state.build_run`; what a
-step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py).
+step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py). Only
+this loop and the builder take the `Run`: each phase is given the parts it reads (tests/test_phase_inputs.py).
 Distribution is Accelerate's: every rank samples its own slice of the prompts,
 advantages are computed from the gathered rewards of the whole batch, and the
 loss of each micro-batch is scaled so that gradient accumulation and the

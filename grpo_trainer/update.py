@@ -2,8 +2,9 @@
 
 Each micro-batch's loss is scaled so that gradient accumulation (Accelerate
 divides by the accumulation steps) and the cross-rank gradient average add up to
-exactly the batch loss `losses.aggregate` defines. The math is in `losses`; this
-module only runs passes and counts.
+exactly the batch loss `losses.aggregate` defines. The math is in `losses`, the optional terms (KL, teacher,
+entropy, rollout correction, off-policy mask) in `terms`; this module only runs passes and counts. Each phase
+is given what it reads (`Learner`, the terms, the collectives, a settings dataclass), not the run.
 """
 
 from __future__ import annotations
