@@ -50,8 +50,8 @@ class MicroBatch:
     advantages: torch.Tensor  # [mb]
     sampling_logp: torch.Tensor | None = None  # [mb, C] the sampler's own log-probs (vLLM engines)
     old_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when train.policy_moves_within_step
-    ref_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.kl_on
-    teacher_logp: torch.Tensor | None = None  # [mb, C] filled by the log-prob pass when loss.teacher_on
+    # [mb, C] per loss term that scores tokens before the update (the reference's, the teacher's log-probs), by name
+    annotations: dict[str, torch.Tensor] = field(default_factory=dict)
     entropy_mask: torch.Tensor | None = (
         None  # [mb, C] 1 on tokens that carry policy gradient (top_entropy_quantile < 1)
     )
@@ -62,6 +62,7 @@ class MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
         moved["sequences"] = {k: v.to(device) for k, v in self.sequences.items()}
+        moved["annotations"] = {k: v.to(device) for k, v in self.annotations.items()}
         return MicroBatch(**moved)
 
 

@@ -14,13 +14,13 @@ ways to fill the batch, one result type:
   If the bound is hit, degenerate groups (advantage 0, no gradient) fill the
   batch and a warning says so.
 
-Prompts and completions come from `run.rollouts` (rollout_queue.py): the step's batch is drawn and sampled
+Prompts and completions come from the rollout queue (rollout_queue.py): the step's batch is drawn and sampled
 there and then (the synchronous loop, rollout.max_staleness 0), or was sampled while earlier steps trained
 (max_staleness K >= 1, no completion more than K weight versions old); dynamic sampling's extra rounds are
 sampled when asked for, with the current weights.
 
-The phase reads `run.cfg`, `run.geometry`, `run.comm`, `run.rollouts`, `run.task`, nothing else, so tests call
-it with stand-ins for those.
+The phase is given what it reads (the queue, the task, the collectives, the geometry and its `CollectSettings`),
+so tests call it with stand-ins for those.
 """
 
 from __future__ import annotations
@@ -28,14 +28,19 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .advantages import group_advantages
+from .config import Config
 from .environments.scoring import environment_metrics, episode_counts
+from .geometry import Geometry
 from .metrics import PhaseTimer
 from .rewards import RewardBatch, reward_statistics
 from .rollout import Rollout
+from .rollout_queue import RolloutQueue
+from .task import Task
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -61,34 +66,58 @@ class ScoredBatch:
         return [i for i in self.prompt_indices for _ in range(g)]
 
 
-def collect(run, step: int, timer: PhaseTimer) -> ScoredBatch:
-    if run.cfg.loss.dynamic_sampling:
-        return _collect_dynamic(run, step, timer)
-    indices, rollout, scores = _sample_and_score(run, step, 0, timer)
-    rewards = run.comm.gather(scores.total)  # [world * local_n]
+@dataclass(frozen=True)
+class CollectSettings:
+    dynamic_sampling: bool  # loss.dynamic_sampling
+    prompts_per_step: int  # train.prompts_per_step: the groups dynamic sampling fills the batch with
+    max_sampling_rounds: int  # loss.max_sampling_rounds
+
+    @classmethod
+    def of(cls, cfg: Config) -> CollectSettings:
+        return cls(cfg.loss.dynamic_sampling, cfg.train.prompts_per_step, cfg.loss.max_sampling_rounds)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where a step's completions and rewards come from, and what the phase needs to share them over ranks."""
+
+    rollouts: RolloutQueue
+    task: Task
+    comm: Any  # distributed.Collectives
+    geometry: Geometry
+    settings: CollectSettings
+
+
+def collect(sources: Sources, step: int, timer: PhaseTimer) -> ScoredBatch:
+    if sources.settings.dynamic_sampling:
+        return _collect_dynamic(sources, step, timer)
+    indices, rollout, scores = _sample_and_score(sources, step, 0, timer)
+    rewards = sources.comm.gather(scores.total)  # [world * local_n]
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
-    per_function = run.comm.gather(scores.per_function)  # [world * local_n, R]
+    per_function = sources.comm.gather(scores.per_function)  # [world * local_n, R]
     return ScoredBatch(
         indices,
         rollout,
         rewards,
-        {**scores.metrics, **reward_statistics(run.task.rewards, per_function)},
+        {**scores.metrics, **reward_statistics(sources.task.rewards, per_function)},
         per_function=per_function,
-        tool_metrics=tool_metrics(run.comm, rollout),
+        tool_metrics=tool_metrics(sources.comm, rollout),
     )
 
 
-def _sample_and_score(run, step: int, draw: int, timer: PhaseTimer) -> tuple[list[int], Rollout, RewardBatch]:
+def _sample_and_score(
+    sources: Sources, step: int, draw: int, timer: PhaseTimer
+) -> tuple[list[int], Rollout, RewardBatch]:
     """This rank's prompts of round `draw` (0: the step's batch; more: dynamic sampling), completions, rewards."""
-    g = run.geometry.group_size
+    g, rollouts = sources.geometry.group_size, sources.rollouts
     with timer.phase("timing/rollout"):
-        indices, rollout = run.rollouts.take(step) if draw == 0 else run.rollouts.sample_more(step, draw)
+        indices, rollout = rollouts.take(step) if draw == 0 else rollouts.sample_more(step, draw)
     if rollout.tool_calls is not None:  # part of the rollout's time, shown on its own
         timer.seconds["timing/tools"] = timer.seconds.get("timing/tools", 0.0) + rollout.tool_seconds
     if rollout.episodes is not None:  # the same for every environment call (tools' included)
         timer.seconds["timing/environment"] = timer.seconds.get("timing/environment", 0.0) + rollout.env_seconds
     with timer.phase("timing/reward"):
-        scores = run.task.score([i for i in indices for _ in range(g)], rollout)
+        scores = sources.task.score([i for i in indices for _ in range(g)], rollout)
     return indices, rollout, scores
 
 
@@ -120,15 +149,15 @@ def _groups(indices: list[int], rollout: Rollout, scores: RewardBatch, g: int) -
     ]
 
 
-def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
-    target, g = run.cfg.train.prompts_per_step, run.geometry.group_size
+def _collect_dynamic(sources: Sources, step: int, timer: PhaseTimer) -> ScoredBatch:
+    target, g, comm = sources.settings.prompts_per_step, sources.geometry.group_size, sources.comm
     kept: list[Group] = []
     degenerate: list[Group] = []
     first_round: list[Group] = []
     generated = 0
-    for draw in range(run.cfg.loss.max_sampling_rounds + 1):
-        indices, rollout, scores = _sample_and_score(run, step, draw, timer)
-        all_groups: list[Group] = run.comm.gather_objects(_groups(indices, rollout, scores, g))  # rank order
+    for draw in range(sources.settings.max_sampling_rounds + 1):
+        indices, rollout, scores = _sample_and_score(sources, step, draw, timer)
+        all_groups: list[Group] = comm.gather_objects(_groups(indices, rollout, scores, g))  # rank order
         if draw == 0:
             first_round, counters = all_groups, scores.metrics
         generated += len(all_groups)
@@ -147,7 +176,7 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
             short,
         )
     batch = (kept + degenerate[:short])[:target]
-    mine = run.geometry.my_prompts(batch)
+    mine = sources.geometry.my_prompts(batch)
     rollout = Rollout.concat([grp.rollout for grp in mine])
     first_rewards = torch.tensor([r for grp in first_round for r in grp.rewards])
     first_per_function = torch.tensor([row for grp in first_round for row in grp.per_function])
@@ -163,10 +192,10 @@ def _collect_dynamic(run, step: int, timer: PhaseTimer) -> ScoredBatch:
         prompt_indices=[grp.prompt_index for grp in mine],
         rollout=rollout,
         rewards=torch.tensor([r for grp in batch for r in grp.rewards]),
-        reward_metrics={**counters, **reward_statistics(run.task.rewards, first_per_function)},
+        reward_metrics={**counters, **reward_statistics(sources.task.rewards, first_per_function)},
         sampling_stats=sampling_stats,
         per_function=torch.tensor([row for grp in batch for row in grp.per_function]),
-        tool_metrics=tool_metrics(run.comm, rollout),
+        tool_metrics=tool_metrics(comm, rollout),
     )
 
 

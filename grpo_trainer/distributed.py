@@ -224,7 +224,7 @@ def launched_ranks() -> int:
 _KEPT_UNTIL_EXIT: list[object] = []
 
 
-def keep_until_exit(run: object) -> None:
+def keep_until_exit(components: object) -> None:
     """Keep a finished multi-process run's objects alive until the process ends (the CLI then leaves without
     teardown: `exit_without_teardown`).
 
@@ -234,7 +234,7 @@ def keep_until_exit(run: object) -> None:
     once in ten two-rank launches; py-spy: ProcessGroupGloo::~ProcessGroupGloo in std::thread::join under
     Reducer::~Reducer). One process: nothing is kept."""
     if launched_ranks() > 1:
-        _KEPT_UNTIL_EXIT.append(run)
+        _KEPT_UNTIL_EXIT.append(components)
 
 
 def exit_without_teardown(code: int):

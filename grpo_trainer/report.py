@@ -1,4 +1,5 @@
-"""Phase 8, report: one step's record (reduced over ranks), then metrics.jsonl, trackers, samples, progress.
+"""Phase 8, report: one step's record (reduced over ranks), and what the loop (trainer.report) writes it with:
+completions.jsonl samples, the progress bar.
 
 It comes after the checkpoint (phase 7): the checkpoint's metrics history already holds this step's record.
 
@@ -19,31 +20,25 @@ import torch
 
 from .checkpoint import flatten
 from .config import Config
-from .trackers import log_samples
 
 logger = logging.getLogger("grpo_trainer")
 
 
-def step_record(run, step: int, scored, reward_stats: dict, batch, stats, extra: dict) -> dict:
-    """Every metric of the step; `stats` already reduced over ranks, `extra` (eval, timing) appended last."""
-    all_lengths = run.comm.gather(batch.lengths)
-    all_truncated = run.comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
-    with_sampler_gap = scored.rollout.sampling_logprobs is not None
-    corrected = with_sampler_gap and run.cfg.loss.correction_on
+def step_record(
+    comm, step: int, scored, reward_stats: dict, batch, stats, total_completions: int, learning_rate: float, extra: dict
+) -> dict:
+    """Every metric of the step (a collective: every rank gathers); `stats` already reduced over ranks, `extra`
+    (eval, timing) appended last."""
+    all_lengths = comm.gather(batch.lengths)
+    all_truncated = comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
     step_metrics = stats.metrics(
-        batch.total_tokens,
-        run.geometry.total_completions,
-        with_kl=run.cfg.loss.kl_on,
-        with_sampler_gap=with_sampler_gap,
-        tis_mode=run.cfg.loss.tis_mode if corrected else None,
-        off_policy_masking=run.cfg.loss.off_policy_mask_threshold is not None,
-        with_teacher=run.cfg.loss.teacher_on,
+        batch.total_tokens, total_completions, sampler_logprobs=scored.rollout.sampling_logprobs is not None
     )
     return {
         "step": step,
         **reward_stats,
         "loss": step_metrics.pop("loss"),
-        "learning_rate": run.scheduler.get_last_lr()[0],
+        "learning_rate": learning_rate,
         "completions/mean_length": float(all_lengths.mean()),
         "completions/max_length": float(all_lengths.max()),
         "completions/clipped_ratio": float(all_truncated.mean()),
@@ -64,24 +59,6 @@ def length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str,
         "completions/mean_length_correct": float(lengths[correct].mean()) if correct.any() else math.nan,
         "completions/mean_length_incorrect": float(lengths[incorrect].mean()) if incorrect.any() else math.nan,
     }
-
-
-def report(run, step: int, record: dict, scored, advantages: torch.Tensor, log_this_step: bool) -> None:
-    """Write the record where it goes, sample completions when due, advance the progress bar."""
-    if log_this_step:
-        run.metrics.write(record)
-        if run.trackers:
-            run.accelerator.log(
-                {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
-            )
-    every = run.cfg.logging.completions_every
-    if every and step % every == 0 and run.is_main_process:
-        n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
-        rewards = run.geometry.my_completions(scored.rewards)
-        samples = completion_samples(run.task.prompts.texts, run.tokenizer, step, scored, rewards, advantages, n)
-        write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
-        log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
-    run.progress.update(record)
 
 
 def completion_samples(

@@ -2,9 +2,11 @@
 `finish(run)`.
 
 The `Run` holds the components a step's phases work with, frozen: the accelerator and its collectives, the batch
-geometry, the tokenizer, the policy (wrapped by Accelerate), the reference, the optimizer and schedule, the
-rollout engine, the task (prompts + rewards), the prompt sampler, the rollout queue and the writers. What a step
-changes and a checkpoint saves is a `train_state.TrainState`, handed from step to step by the loop.
+geometry, the tokenizer, the policy (wrapped by Accelerate), the loss terms (with the reference and the teacher
+they score with), the optimizer and schedule, the rollout engine, the task (prompts + rewards), the prompt
+sampler, the rollout queue and the writers. What a step changes and a checkpoint saves is a
+`train_state.TrainState`, handed from step to step by the loop. Only the loop (trainer.py) and this module take
+the `Run`: each phase is given the parts it reads.
 
 Order matters for exact resume and for "same seed, same run": every rank seeds
 identically before any model is loaded (so random inits agree), and only after
@@ -53,6 +55,7 @@ from .rollout.engines import engine_kind
 from .rollout.registry import build_engine
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
+from .terms import LossTerm, TermModels, build_terms
 from .trackers import start_trackers
 from .train_state import TrainState
 
@@ -67,8 +70,7 @@ class Run:
     geometry: Geometry
     tokenizer: Any
     policy: Any  # TokenLogprobs, as Accelerate prepared it (DDP / DeepSpeed engine / plain)
-    reference: TokenLogprobs | None  # None with beta = 0, and for LoRA (the adapter-disabled policy serves)
-    teacher: TokenLogprobs | None  # loss.teacher_kl > 0: the frozen model that scores every sampled token
+    terms: tuple[LossTerm, ...]  # the loss's optional terms (terms/), with the frozen models they score with
     optimizer: Any
     scheduler: Any  # stepped by us, not by Accelerate (its wrapper would step once per process)
     engine: RolloutEngine
@@ -127,8 +129,7 @@ def build_run(cfg: Config) -> Run:
         geometry=geometry,
         tokenizer=tokenizer,
         policy=policy,
-        reference=reference,
-        teacher=teacher,
+        terms=build_terms(cfg, TermModels(reference_scorer(cfg, reference, accelerator, policy), teacher)),
         optimizer=optimizer,
         scheduler=scheduler,
         engine=engine,
@@ -263,6 +264,20 @@ def _reference(cfg: Config, accelerator, lm) -> TokenLogprobs | None:
     if not cfg.needs_reference or is_lora(lm):  # is_lora: an in-memory model given with its adapters
         return None
     return _frozen_copy(cfg, cfg.model, accelerator)
+
+
+def reference_scorer(cfg: Config, reference: TokenLogprobs | None, accelerator, policy) -> Callable[..., Any] | None:
+    """What scores the reference's log-probs for the KL term: the frozen copy, or for LoRA the policy itself with
+    its adapters switched off (no second copy)."""
+    if not cfg.loss.kl_on or reference is not None:
+        return reference
+
+    def adapters_off(**sequences):
+        bare = distributed.unwrap(accelerator, policy)
+        with bare.lm.disable_adapter():
+            return bare(**sequences)
+
+    return adapters_off
 
 
 def _teacher(cfg: Config, accelerator, tokenizer) -> TokenLogprobs | None:

@@ -11,17 +11,20 @@ One step, as named phases (each a function with a typed input and output):
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
                                   packed, fixed size or a token budget               -> TrainBatch
     4. log-probs    (update.py)   old (num_iterations or mini_batches > 1), entropy selection
-                                  (top_entropy_quantile < 1), reference (beta > 0)   -> into the TrainBatch
-    5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss, backward,
-                                  a step per mini-batch                               -> StepStats
+                                  (top_entropy_quantile < 1), the loss terms' annotations (reference,
+                                  teacher)                                            -> into the TrainBatch
+    5. update       (update.py)   num_iterations x mini-batches x micro-batches: loss with its optional
+                                  terms (terms/), backward, a step per mini-batch     -> StepStats
     6. weight sync  (rollout_queue.py) the engine gets the new weights, if it keeps its own copy (after the
                                   generation in flight, K >= 1), and the queue samples the batch K+1 steps ahead
     7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
+                                  (written by `report` below)
     then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
 
 What lives for the whole run is one frozen `state.Run` of components, built once by `state.build_run`; what a
-step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py).
+step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py). Only
+this loop and the builder take the `Run`: each phase is given the parts it reads (tests/test_phase_inputs.py).
 Distribution is Accelerate's: every rank samples its own slice of the prompts,
 advantages are computed from the gathered rewards of the whole batch, and the
 loss of each micro-batch is scaled so that gradient accumulation and the
@@ -35,6 +38,7 @@ process groups) lives in `distributed`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,17 +49,19 @@ import torch
 from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
-from .collect import collect
+from .collect import CollectSettings, Sources, collect
 from .config import Config, with_absolute_paths
 from .deadline import run_inline
 from .errors import UserError
 from .evaluate import evaluate_model
 from .metrics import PhaseTimer
 from .preemption import StopRequests
-from .report import report, step_record
+from .report import completion_samples, step_record, write_completions
 from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
+from .terms import term_types
+from .trackers import log_samples
 from .train_state import TrainState
-from .update import add_logprobs, check_scored, update
+from .update import Learner, LogprobSettings, ScoreChecks, UpdateSettings, add_logprobs, check_scored, update
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -132,9 +138,10 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     after it."""
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
-    scored = collect(run, step, timer)
+    scored = collect(Sources(run.rollouts, run.task, run.comm, geometry, CollectSettings.of(cfg)), step, timer)
     # a step no reward scored: warned about, stopped after a few in a row
-    state = replace(state, step=step, unscored_in_a_row=check_scored(run, scored, step, state.unscored_in_a_row))
+    checks = ScoreChecks.of(cfg, run.task.rewards)
+    state = replace(state, step=step, unscored_in_a_row=check_scored(scored, step, state.unscored_in_a_row, checks))
     run.engine.sleep()
     all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
@@ -154,19 +161,22 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
             mini_batches=geometry.mini_batches,
             comm=run.comm,
         ).to(run.accelerator.device)
-        add_logprobs(run, batch)
+        add_logprobs(run.policy, batch, run.terms, run.comm, LogprobSettings.of(cfg))
     with timer.phase("timing/update"):
-        stats, state = update(run, batch, state)
+        learner = Learner(run.accelerator, run.policy, run.optimizer, run.scheduler, run.heap_trimmer)
+        stats, state = update(learner, batch, state, run.terms, run.comm, UpdateSettings.of(cfg, geometry))
     with timer.phase("timing/weight_sync"):
         run.rollouts.after_update(step)
     eval_metrics = periodic_eval(run, state, timer)
     record = step_record(
-        run,
+        run.comm,
         step,
         scored,
         reward_stats,
         batch,
         stats.reduced(run.comm),
+        geometry.total_completions,
+        run.scheduler.get_last_lr()[0],
         {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()},
     )
     if run.heap_trimmer.active:
@@ -183,8 +193,7 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
 
 def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
-    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values. Under
-    `loss.teacher_only` the rewards are only reported: the teacher's per-token term (update.py) is the advantage."""
+    the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
     loss = run.cfg.loss
     per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
@@ -196,18 +205,16 @@ def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
         per_function=per_function,
         weights=weights,
     )
-    return (torch.zeros_like(advantages) if loss.teacher_only else advantages), stats
+    return advantages, stats
 
 
 def skips_zero_advantage(cfg: Config) -> bool:
-    """Leave zero-advantage completions out of the passes: exact only without a KL, entropy or teacher term (each
-    has a gradient at a group advantage of 0) and for losses whose normaliser does not count the tokens present in a
-    micro-batch (losses.LossVariant)."""
+    """Leave zero-advantage completions out of the passes: exact only without a term that acts at a group
+    advantage of 0 (KL, entropy, the teacher's: `LossTerm.acts_at_zero_advantage`) and for losses whose normaliser
+    does not count the tokens present in a micro-batch (losses.LossVariant)."""
     return (
         cfg.train.skip_zero_advantage
-        and not cfg.loss.kl_on
-        and not cfg.loss.entropy_term
-        and not cfg.loss.teacher_on
+        and not any(term.acts_at_zero_advantage for term in term_types(cfg))
         and cfg.loss.variant.exact_zero_advantage_skip
     )
 
@@ -235,3 +242,22 @@ def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, f
             kernel_plan=dict(state.decode_kernels),
         )
     return results if run.is_main_process else {}
+
+
+def report(run: Run, step: int, record: dict, scored, advantages: torch.Tensor, log_this_step: bool) -> None:
+    """Phase 8: write the record where it goes (metrics.jsonl, trackers), sample completions when due, advance the
+    progress bar."""
+    if log_this_step:
+        run.metrics.write(record)
+        if run.trackers:
+            run.accelerator.log(
+                {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
+            )
+    every = run.cfg.logging.completions_every
+    if every and step % every == 0 and run.is_main_process:
+        n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
+        rewards = run.geometry.my_completions(scored.rewards)
+        samples = completion_samples(run.task.prompts.texts, run.tokenizer, step, scored, rewards, advantages, n)
+        write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
+        log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
+    run.progress.update(record)

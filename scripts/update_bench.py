@@ -109,14 +109,16 @@ def setup(model: str, spread: str, lr: float = 1e-5):
 
 
 def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budget: int | None):
-    """What update.py reads of a `state.Run`, for one layout."""
+    """What the update phases are given in a step (update.Learner, the terms, the collectives), for one layout."""
     from grpo_trainer.geometry import geometry_of
     from grpo_trainer.cpu.heap import HeapTrimmer
+    from grpo_trainer.terms import TermModels, build_terms
+    from grpo_trainer.update import Learner
 
     layout = cfg.model_copy(update={"train": cfg.train.model_copy(update={"packing": packing, "micro_batch_tokens": budget})})
-    return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), accelerator=accelerator, policy=policy,
-                           optimizer=optimizer, scheduler=scheduler, reference=None,
-                           heap_trimmer=HeapTrimmer(enabled=False),  # the layouts' own peaks, as measured before it
+    # HeapTrimmer off: the layouts' own peaks, as measured before it
+    learner = Learner(accelerator, policy, optimizer, scheduler, HeapTrimmer(enabled=False))
+    return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), learner=learner, terms=build_terms(layout, TermModels()),
                            comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t))
 
 
@@ -151,14 +153,14 @@ def layout_counts(batch) -> dict:
 def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     """One step's phases 3-5 as trainer.train_step runs them: seconds, peak MiB over the start, and layout counts."""
     from grpo_trainer.train_state import TrainState
-    from grpo_trainer.update import add_logprobs, update
+    from grpo_trainer.update import LogprobSettings, UpdateSettings, add_logprobs, update
 
     open("/proc/self/clear_refs", "w").write("5")
     before = status_mib("VmRSS")
     started = time.perf_counter()
     batch = layout_batch(run, step, advantages)
-    add_logprobs(run, batch)
-    update(run, batch, TrainState(step=1))
+    add_logprobs(run.learner.policy, batch, run.terms, run.comm, LogprobSettings.of(run.cfg))
+    update(run.learner, batch, TrainState(step=1), run.terms, run.comm, UpdateSettings.of(run.cfg, run.geometry))
     seconds = time.perf_counter() - started
     peak = status_mib("VmHWM") - before
     return seconds, peak, layout_counts(batch)

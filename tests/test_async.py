@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_trainer.collect import collect
+from grpo_trainer.collect import CollectSettings, Sources, collect
 from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
 from grpo_trainer.errors import ConfigError
@@ -25,7 +25,6 @@ from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout, ServerGone, ServerUnreachable, WeightsLost
 from grpo_trainer.rollout_queue import ServerLostError
 from grpo_trainer.geometry import batch_geometry
-from grpo_trainer.update import micro_batch_loss
 from helpers import Exchange, ThreadCollectives, rollout_queue, run_ranks
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
@@ -90,7 +89,7 @@ def test_the_off_policy_mask_takes_the_policy_gradient_of_a_masked_completion_aw
                                   skip_zero_advantage=False)
         mb = batch.micro_batches[0]
         logp, _ = run.policy(**mb.sequences)
-        share, parts = micro_batch_loss(run, batch, mb, logp)
+        share, parts = run.loss(batch, mb, logp)
         share.backward()
         results[threshold] = (float(share.detach()), parts, run.policy.w.grad.clone())
     w = torch.linspace(-1, 1, 10)
@@ -444,7 +443,8 @@ def test_dynamic_sampling_with_k1_samples_its_extra_rounds_now_with_the_current_
     Extra rounds run on the main thread with the trainer's weights (version 0 at step 1: staleness 0)."""
     run = server_run(1, 2, overrides=["loss.dynamic_sampling=true", "loss.max_sampling_rounds=3"], task=ParityTask())
     run.rollouts.start(0)
-    scored = collect(run, 1, PhaseTimer())
+    sources = Sources(run.rollouts, run.task, run.comm, run.geometry, CollectSettings.of(run.cfg))
+    scored = collect(sources, 1, PhaseTimer())
     assert scored.prompt_indices == [0, 6]
     assert scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
     assert [(prompts, thread) for prompts, _, thread in run.engine.calls] == [

@@ -19,7 +19,7 @@ from grpo_trainer.errors import ConfigError, TrainingError
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.preflight import preflight
 from grpo_trainer.rewards import Reward
-from grpo_trainer.update import check_scored
+from grpo_trainer.update import ScoreChecks, check_scored
 from helpers import free_port, run_cli, small_run_overrides
 
 WANDB = ["logging.report_to=[jsonl, wandb]"]
@@ -87,9 +87,9 @@ def test_an_mlflow_tracking_server_nobody_runs_is_refused_naming_the_uri(monkeyp
 # ----------------------------------------------------------------------------- rewards that score nothing
 
 
-def stand_in_run(limit: int, names=("accuracy", "format")):
+def score_checks(limit: int, names=("accuracy", "format")) -> ScoreChecks:
     cfg = load_config(None, [f"train.max_consecutive_unscored={limit}"])
-    return SimpleNamespace(cfg=cfg, task=SimpleNamespace(rewards=[Reward(n, lambda **kw: []) for n in names]))
+    return ScoreChecks.of(cfg, [Reward(n, lambda **kw: []) for n in names])
 
 
 def scores(*columns):
@@ -100,13 +100,13 @@ NAN = math.nan
 
 
 def test_steps_no_reward_scored_are_warned_about_and_stop_the_run_after_the_limit(caplog):
-    run = stand_in_run(limit=2)
+    checks = score_checks(limit=2)
     with caplog.at_level("WARNING", logger="grpo_trainer"):
-        count = check_scored(run, scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0)
-        count = check_scored(run, scores([NAN] * 4, [NAN] * 4), step=2, unscored_in_a_row=count)
+        count = check_scored(scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0, checks=checks)
+        count = check_scored(scores([NAN] * 4, [NAN] * 4), step=2, unscored_in_a_row=count, checks=checks)
         assert count == 2
         with pytest.raises(TrainingError) as error:
-            check_scored(run, scores([NAN] * 4, [NAN] * 4), step=3, unscored_in_a_row=count)
+            check_scored(scores([NAN] * 4, [NAN] * 4), step=3, unscored_in_a_row=count, checks=checks)
     for step, count in ((1, 1), (2, 2)):
         assert (f"step {step}: no reward scored any completion (reward 'accuracy', 'format' returned None or NaN for all 4): "
                 f"nothing to learn from this step ({count} in a row; train.max_consecutive_unscored=2)") in caplog.text
@@ -116,16 +116,16 @@ def test_steps_no_reward_scored_are_warned_about_and_stop_the_run_after_the_limi
 
 
 def test_a_scored_step_resets_the_count_and_a_reward_silent_on_its_own_is_named(caplog):
-    run = stand_in_run(limit=1)
-    count = check_scored(run, scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0)
+    checks = score_checks(limit=1)
+    count = check_scored(scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0, checks=checks)
     with caplog.at_level("WARNING", logger="grpo_trainer"):
         # one completion scored: something to learn
-        count = check_scored(run, scores([NAN, NAN, 1.0, NAN], [NAN] * 4), step=2, unscored_in_a_row=count)
+        count = check_scored(scores([NAN, NAN, 1.0, NAN], [NAN] * 4), step=2, unscored_in_a_row=count, checks=checks)
         assert count == 0
-        count = check_scored(run, scores([0.0, 1.0, 1.0, 0.0], [NAN] * 4), step=3, unscored_in_a_row=count)
+        count = check_scored(scores([0.0, 1.0, 1.0, 0.0], [NAN] * 4), step=3, unscored_in_a_row=count, checks=checks)
     assert "step 3: reward 'format' returned None or NaN for all 4 completions (the others scored them)" in caplog.text
     assert "reward 'accuracy' returned" not in caplog.text
-    count = check_scored(run, scores([NAN] * 4, [NAN] * 4), step=4, unscored_in_a_row=count)
+    count = check_scored(scores([NAN] * 4, [NAN] * 4), step=4, unscored_in_a_row=count, checks=checks)
     assert count == 1  # 1 in a row again: within the limit
 
 

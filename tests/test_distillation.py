@@ -16,8 +16,8 @@ from grpo_trainer.losses import teacher_advantage
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.models import check_same_vocabulary
 from grpo_trainer.train_state import TrainState
-from grpo_trainer.trainer import skips_zero_advantage, step_advantages
-from grpo_trainer.update import add_logprobs, update
+from grpo_trainer.terms import TermModels
+from grpo_trainer.trainer import skips_zero_advantage
 from helpers import run_cli, small_run_overrides
 from test_phases import PAD, ToyPolicy, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
@@ -31,14 +31,18 @@ def test_the_teacher_term_by_hand():
     assert term.tolist() == [[0.25, -0.5, 0.0]]
 
 
-def teacher_run(accelerator_factory, overrides=()):
-    """test_phases' toy run (SGD, lr 1) with a toy teacher whose distribution is the policy's reversed."""
-    run = toy_run(accelerator_factory, [*TEACHER, "loss.teacher_kl=0.5", *overrides])
-    run.teacher = ToyPolicy()
+def reversed_teacher() -> ToyPolicy:
+    """A toy teacher whose distribution is the policy's reversed (and sharper)."""
+    teacher = ToyPolicy()
     with torch.no_grad():
-        run.teacher.w.copy_(run.teacher.w.flip(0) * 2)
-    run.reference, run.comm = None, SimpleNamespace(sum=lambda t: t)
-    return run
+        teacher.w.copy_(teacher.w.flip(0) * 2)
+    return teacher
+
+
+def teacher_run(accelerator_factory, overrides=()):
+    """test_phases' toy update (SGD, lr 1) with the reversed toy teacher scoring for the teacher term."""
+    return toy_run(accelerator_factory, [*TEACHER, "loss.teacher_kl=0.5", *overrides],
+                   models=TermModels(teacher=reversed_teacher()))
 
 
 def test_the_update_follows_the_per_token_advantage(accelerator_factory):
@@ -51,7 +55,8 @@ def test_the_update_follows_the_per_token_advantage(accelerator_factory):
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=skips_zero_advantage(run.cfg))
     assert len(batch.micro_batches) == 2  # the zero-advantage completion is trained: the teacher term moves it
-    teacher_logp = run.teacher.w.detach().log_softmax(-1)
+    (teacher,) = run.terms
+    teacher_logp = teacher.teacher.w.detach().log_softmax(-1)
     w = run.policy.w.detach().clone().requires_grad_(True)
     expected_loss, kl = 0.0, 0.0
     for a, ids, mu in zip(advantages.tolist(), rollout.completion_ids, rollout.sampling_logprobs):
@@ -60,10 +65,10 @@ def test_the_update_follows_the_per_token_advantage(accelerator_factory):
         kl += sum(m - float(teacher_logp[y]) for y, m in zip(ids, mu))
     (grad,) = torch.autograd.grad(expected_loss, w)
 
-    add_logprobs(run, batch)
-    stats, _ = update(run, batch, TrainState(step=1))
+    run.add_logprobs(batch)
+    stats, _ = run.update(batch, TrainState(step=1))
     torch.testing.assert_close(run.policy.w.detach(), w.detach() - grad, rtol=0, atol=1e-6)
-    logged = stats.metrics(10, 4, with_kl=False, with_sampler_gap=True, with_teacher=True)
+    logged = stats.metrics(10, 4, sampler_logprobs=True)
     assert logged["teacher/reverse_kl"] == pytest.approx(kl / 10, abs=1e-6)
     teacher_sizes = sum(abs(0.5 * (float(teacher_logp[y]) - m))
                         for ids, mus in zip(rollout.completion_ids, rollout.sampling_logprobs) for y, m in zip(ids, mus))
@@ -80,8 +85,8 @@ def test_the_update_does_not_depend_on_micro_batches(accelerator_factory, loss_t
         prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
         batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
                                   skip_zero_advantage=False)
-        add_logprobs(run, batch)
-        update(run, batch, TrainState(step=1))
+        run.add_logprobs(batch)
+        run.update(batch, TrainState(step=1))
         weights.append(run.policy.w.detach().clone())
         from accelerate.state import AcceleratorState, GradientState
 
@@ -90,14 +95,26 @@ def test_the_update_does_not_depend_on_micro_batches(accelerator_factory, loss_t
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-6)
 
 
-def test_teacher_only_reports_the_rewards_and_leaves_them_out_of_the_advantage():
-    cfg = load_config(None, [*TEACHER, "loss.teacher_kl=1.0", "loss.teacher_only=true", "train.prompts_per_step=1",
-                             "rollout.num_generations=2", "train.micro_batch_size=2"])
-    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(rewards=[SimpleNamespace(weight=1.0)]),
-                          geometry=SimpleNamespace(group_size=2))
-    advantages, stats = step_advantages(run, SimpleNamespace(rewards=torch.tensor([1.0, 0.0]), per_function=None))
-    assert advantages.tolist() == [0.0, 0.0] and stats["reward"] == 0.5
-    assert not skips_zero_advantage(cfg)  # every completion carries the teacher's gradient
+def test_teacher_only_leaves_the_group_advantage_out_of_the_loss(accelerator_factory):
+    """Under loss.teacher_only the group advantages reach the loss not at all: a batch with advantages +-1 has the
+    loss and gradient of the same batch with advantages 0 (the teacher's term alone), and the logged size of the
+    group term is 0. (The rewards are still scored and logged: they are the step's, not the loss's.)"""
+    results = []
+    for group in ([1.0, -1.0, 1.0, -1.0], [0.0] * 4):
+        run = teacher_run(accelerator_factory, ["loss.teacher_only=true"])
+        prompts, rollout, advantages = four_completions(group, truncated=(False,) * 4)
+        batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=4, mask_truncated=False,
+                                  skip_zero_advantage=skips_zero_advantage(run.cfg))
+        run.add_logprobs(batch)
+        mb = batch.micro_batches[0]
+        logp, _ = run.policy(**mb.sequences)
+        share, parts = run.loss(batch, mb, logp)
+        (grad,) = torch.autograd.grad(share, run.policy.w)
+        results.append((float(share.detach()), grad, float(parts["group_term"]), float(parts["teacher_term"])))
+    (loss, grad, group_size, teacher_size), (loss0, grad0, _, _) = results
+    assert loss == loss0 and torch.equal(grad, grad0)
+    assert group_size == 0.0 and teacher_size > 0
+    assert not skips_zero_advantage(run.cfg)  # every completion carries the teacher's gradient
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grpo_trainer.collect import ScoredBatch, collect
+from grpo_trainer.collect import CollectSettings, ScoredBatch, Sources, collect
 from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
 from grpo_trainer.geometry import batch_geometry
-from helpers import ThreadCollectives, Exchange, rollout_queue, run_ranks
+from helpers import ThreadCollectives, Exchange, run_ranks
 
 G = 4
 
@@ -54,27 +54,27 @@ class FakeTask:
         return RewardBatch(per_function=total[:, None], total=total, metrics={"rewards/x/fast_path": float(len(totals))})
 
 
-def fake_run(comm, informative_every: int, dynamic: bool = True, prompts_per_step: int = 8):
+def fake_sources(comm, informative_every: int, dynamic: bool = True, prompts_per_step: int = 8):
+    """What collect is given (`collect.Sources`), around the fake engine and task, on the synchronous schedule
+    (rollout.max_staleness 0: drawn and sampled when taken); and the engine, to count its calls."""
     cfg = load_config(None, [f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={G}",
                              "train.micro_batch_size=4", f"loss.dynamic_sampling={str(dynamic).lower()}",
                              "loss.max_sampling_rounds=3"])
-    run = SimpleNamespace(
-        cfg=cfg, geometry=batch_geometry(cfg, comm.world, comm.rank), comm=comm, engine=FakeEngine(),
-        task=FakeTask(informative_every), sampler=PromptSampler(size=1000, seed=0, shuffle=False),
-    )
-    run.rollouts = rollout_queue(run)  # the synchronous schedule (rollout.max_staleness 0): drawn and sampled when taken
-    return run
+    engine, task, geometry = FakeEngine(), FakeTask(informative_every), batch_geometry(cfg, comm.world, comm.rank)
+    queue = RolloutQueue(engine, QueueSettings.of(cfg), geometry=geometry, comm=comm, task=task,
+                         sampler=PromptSampler(size=1000, seed=0, shuffle=False), push=lambda step: None)
+    return Sources(queue, task, comm, geometry, CollectSettings.of(cfg)), engine
 
 
 def one_rank(informative_every: int, dynamic: bool = True):
-    return fake_run(ThreadCollectives(Exchange(1), 0), informative_every, dynamic)
+    return fake_sources(ThreadCollectives(Exchange(1), 0), informative_every, dynamic)
 
 
 def test_fills_the_batch_with_informative_groups_when_most_are_degenerate():
-    run = one_rank(informative_every=3)
-    scored = collect(run, step=1, timer=PhaseTimer())
+    sources, engine = one_rank(informative_every=3)
+    scored = collect(sources, step=1, timer=PhaseTimer())
     # 8 prompts per round, a third of them informative: rounds of 0..7, 8..15, 16..23 give 3 + 2 + 3 = 8.
-    assert len(run.engine.calls) == 3 and scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
+    assert len(engine.calls) == 3 and scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
     assert scored.prompt_indices == [0, 3, 6, 9, 12, 15, 18, 21]
     assert scored.rollout.completion_ids[:G] == [[0, k] for k in range(G)]  # completions travel with their prompt
     assert scored.rewards.shape == (8 * G,) and scored.rewards.view(8, G).std(1).min() > 0
@@ -85,10 +85,10 @@ def test_fills_the_batch_with_informative_groups_when_most_are_degenerate():
 
 
 def test_stops_at_the_bound_with_a_warning_and_a_full_batch(caplog):
-    run = one_rank(informative_every=100)
+    sources, engine = one_rank(informative_every=100)
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
-        scored = collect(run, step=1, timer=PhaseTimer())
-    assert len(run.engine.calls) == 4  # the first round + loss.max_sampling_rounds
+        scored = collect(sources, step=1, timer=PhaseTimer())
+    assert len(engine.calls) == 4  # the first round + loss.max_sampling_rounds
     assert len(scored.prompt_indices) == 8 and len(scored.rollout.completion_ids) == 8 * G
     assert scored.prompt_indices[0] == 0 and scored.sampling_stats["dynamic_sampling/kept_groups"] == 1
     assert scored.sampling_stats["dynamic_sampling/filled_degenerate_groups"] == 7
@@ -102,7 +102,7 @@ def test_two_ranks_split_one_batch_and_see_the_same_rewards(dynamic):
     ranks (the dynamic path once reported the main process's own)."""
 
     def rank_collects(rank, comm) -> ScoredBatch:
-        return collect(fake_run(comm, informative_every=3, dynamic=dynamic), step=1, timer=PhaseTimer())
+        return collect(fake_sources(comm, informative_every=3, dynamic=dynamic)[0], step=1, timer=PhaseTimer())
 
     first, second = run_ranks(2, rank_collects)
     assert torch.equal(first.rewards, second.rewards)

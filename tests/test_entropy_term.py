@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from grpo_trainer.batches import build_train_batch
+from grpo_trainer.batches import MicroBatch, TrainBatch, build_train_batch
 from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import EntropyControl, entropy_share
 from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.train_state import TrainState
 from grpo_trainer.trainer import skips_zero_advantage
-from grpo_trainer.update import EntropyTerm, micro_batch_loss, update
+from grpo_trainer.terms import TermModels, build_terms
+from grpo_trainer.update import LossSettings, micro_batch_loss
 from helpers import run_ranks
 from test_phases import ONE_RANK, PAD, accelerator_factory, four_completions  # noqa: F401 (a fixture)
 from test_phases import toy_run as phases_toy_run
@@ -89,13 +89,8 @@ def toy_entropy_and_gradient(w: list[float]) -> tuple[float, list[float]]:
 
 
 def toy_run(accelerator_factory, overrides=()):
-    """test_phases' toy run (SGD, lr 1, no gradient clipping) with the policy above, which can differentiate H."""
-    run = phases_toy_run(accelerator_factory, overrides)
-    policy = ToyPolicy()
-    run.policy, run.optimizer = run.accelerator.prepare(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda _: 1.0)
-    run.comm = ONE_RANK
-    return run
+    """test_phases' toy update (SGD, lr 1, no gradient clipping) with the policy above, which can differentiate H."""
+    return phases_toy_run(accelerator_factory, overrides, policy=ToyPolicy())
 
 
 def state_at(run, step: int) -> TrainState:
@@ -118,10 +113,10 @@ def test_the_entropy_term_takes_a_step_up_the_entropy_gradient(accelerator_facto
     run = toy_run(accelerator_factory, ["loss.entropy_coef=0.5"])
     w0 = run.policy.w.detach().tolist()
     h, dh = toy_entropy_and_gradient(w0)
-    stats, _ = update(run, toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
+    stats, _ = run.update(toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
     expected = [w + 0.5 * g for w, g in zip(w0, dh)]
     assert run.policy.w.detach().tolist() == pytest.approx(expected, abs=1e-6)
-    logged = stats.metrics(10, 4, with_kl=False, with_sampler_gap=False)
+    logged = stats.metrics(10, 4, sampler_logprobs=False)
     assert logged["loss"] == pytest.approx(-0.5 * h, abs=1e-6)
     assert logged["policy_loss"] == pytest.approx(0.0, abs=1e-6)
     assert logged["entropy_coef"] == 0.5 and logged["entropy/term_mean"] == pytest.approx(h, abs=1e-6)
@@ -130,9 +125,9 @@ def test_the_entropy_term_takes_a_step_up_the_entropy_gradient(accelerator_facto
 def test_without_an_entropy_term_nothing_is_logged_or_changed(accelerator_factory):
     run = toy_run(accelerator_factory)
     w0 = run.policy.w.detach().clone()
-    stats, _ = update(run, toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
+    stats, _ = run.update(toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
     assert torch.equal(run.policy.w.detach(), w0)  # A = 0 and no term: no gradient at all
-    logged = stats.metrics(10, 4, with_kl=False, with_sampler_gap=False)
+    logged = stats.metrics(10, 4, sampler_logprobs=False)
     assert not {"entropy_coef", "policy_loss", "entropy/term_mean"} & set(logged)
 
 
@@ -141,14 +136,15 @@ def test_the_term_acts_on_the_top_entropy_tokens_when_top_entropy_quantile_selec
     # and the term is -c H = -0.1 x 0.95 = -0.095 (A = 0: no policy term). TRL averages over the same tokens.
     cfg = load_config(None, ["loss.entropy_coef=0.1", "train.prompts_per_step=1", "rollout.num_generations=2",
                              "train.micro_batch_size=2"])
-    run = SimpleNamespace(cfg=cfg, geometry=batch_geometry(cfg, 1), comm=ONE_RANK)
-    mb = SimpleNamespace(mask=torch.tensor([[1.0, 1.0], [1.0, 1.0]]), entropy_mask=torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
-                         advantages=torch.zeros(2), old_logp=None, ref_logp=None, sampling_logp=None, mini_batch=0)
-    batch = SimpleNamespace(micro_batches=[mb], mini_batch_totals=[4.0], window_sizes=[1])
-    term = EntropyTerm.for_step(run, batch, EntropyControl(0.1))
-    assert term.tokens == [2.0] and term.coef == 0.1
+    settings = LossSettings.of(cfg, batch_geometry(cfg, 1))
+    mb = MicroBatch(sequences={}, mask=torch.tensor([[1.0, 1.0], [1.0, 1.0]]), advantages=torch.zeros(2),
+                    entropy_mask=torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+    batch = TrainBatch([mb], torch.tensor([2.0, 2.0]), 2, 4.0, mini_batch_totals=[4.0], window_sizes=[1])
+    (term,) = build_terms(cfg, TermModels())
+    term = term.for_step(batch, ONE_RANK, TrainState.fresh(0.1))
+    assert term.tokens == (2.0,) and term.coef == 0.1
     entropy = torch.tensor([[0.2, 0.9], [0.5, 1.0]], requires_grad=True)
-    share, parts = micro_batch_loss(run, batch, mb, torch.full((2, 2), -1.0, requires_grad=True), entropy, term)
+    share, parts = micro_batch_loss(batch, mb, torch.full((2, 2), -1.0, requires_grad=True), settings, (term,), entropy)
     assert share.item() == pytest.approx(-0.095) and parts["entropy_term"].item() == pytest.approx(0.095)
     (grad,) = torch.autograd.grad(share, entropy)  # -c / 2 on the two selected tokens, 0 elsewhere
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.05], [0.0, -0.05]]))
@@ -165,12 +161,12 @@ def test_the_entropy_term_does_not_depend_on_micro_batches_or_ranks():
     expected = -0.3 * float((entropies * mask).sum()) / 10  # H = 5.5 / 10
 
     def shares(comm, rows_per_micro_batch):
-        run = SimpleNamespace(cfg=cfg, geometry=batch_geometry(cfg, 1), comm=comm)
-        mbs = [SimpleNamespace(mask=mask[rows], entropy_mask=None, advantages=torch.zeros(len(rows)), old_logp=None,
-                               ref_logp=None, sampling_logp=None, mini_batch=0) for rows in rows_per_micro_batch]
-        batch = SimpleNamespace(micro_batches=mbs, mini_batch_totals=[10.0], window_sizes=[len(mbs)])
-        term = EntropyTerm.for_step(run, batch, EntropyControl(0.3))
-        return sum(micro_batch_loss(run, batch, mb, torch.zeros(len(rows), 4), entropies[rows], term)[0].item()
+        settings = LossSettings.of(cfg, batch_geometry(cfg, 1))
+        mbs = [MicroBatch(sequences={}, mask=mask[rows], advantages=torch.zeros(len(rows))) for rows in rows_per_micro_batch]
+        batch = TrainBatch(mbs, torch.zeros(4), 4, 10.0, mini_batch_totals=[10.0], window_sizes=[len(mbs)])
+        (term,) = build_terms(cfg, TermModels())
+        term = term.for_step(batch, comm, TrainState.fresh(0.3))
+        return sum(micro_batch_loss(batch, mb, torch.zeros(len(rows), 4), settings, (term,), entropies[rows])[0].item()
                    for mb, rows in zip(mbs, rows_per_micro_batch))
 
     assert shares(ONE_RANK, [[0, 1, 2, 3]]) == pytest.approx(expected)
@@ -188,17 +184,17 @@ def test_the_adaptive_coefficient_moves_once_per_step_from_the_measured_entropy(
     assert h0 == pytest.approx(2.1213, abs=1e-4)
     applied, state = [], state_at(run, 0)
     for step in (1, 2, 3):
-        stats, state = update(run, toy_batch([0.0, 0.0, 0.0, 0.0]), replace(state, step=step))
-        applied.append(stats.entropy_coef)
+        stats, state = run.update(toy_batch([0.0, 0.0, 0.0, 0.0]), replace(state, step=step))
+        applied.append(stats.metrics(10, 4, sampler_logprobs=False)["entropy_coef"])
     assert applied == pytest.approx([0.1, 0.15, 0.2])
     assert state.entropy_control.coef == pytest.approx(0.25) and state.entropy_control.active
 
     run = toy_run(accelerator_factory, ["loss.entropy_coef=0.1", "loss.entropy_target=1.0", "loss.entropy_coef_delta=0.05"])
-    _, state = update(run, toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
+    _, state = run.update(toy_batch([0.0, 0.0, 0.0, 0.0]), state_at(run, 1))
     assert state.entropy_control == EntropyControl(0.05, active=False)
     w1 = run.policy.w.detach().clone()
-    stats, _ = update(run, toy_batch([0.0, 0.0, 0.0, 0.0]), replace(state, step=2))
-    assert stats.entropy_coef == 0.0 and torch.equal(run.policy.w.detach(), w1)
+    stats, _ = run.update(toy_batch([0.0, 0.0, 0.0, 0.0]), replace(state, step=2))
+    assert stats.metrics(10, 4, sampler_logprobs=False)["entropy_coef"] == 0.0 and torch.equal(run.policy.w.detach(), w1)
 
 
 def test_token_logprobs_gives_the_entropy_its_gradient_only_when_asked(tiny_model_path):

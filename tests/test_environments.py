@@ -661,11 +661,11 @@ def test_steps_in_which_every_episode_failed_are_unscored_steps_and_stop_the_run
 
     from grpo_trainer.config import load_config
     from grpo_trainer.errors import TrainingError
-    from grpo_trainer.update import check_scored
+    from grpo_trainer.update import ScoreChecks, check_scored
 
     cfg = load_config(None, ["environment.factory=configs/guess_number_env.py:GuessNumber", "rewards=[]",
                              "train.max_consecutive_unscored=1"])
-    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(rewards=[environment_reward(1.0)]))
+    checks = ScoreChecks.of(cfg, [environment_reward(1.0)])
 
     def scored(frac_failed: float):
         episodes = [EpisodeRecord("error", error="reset: KeyError: 'secret'")] * 2
@@ -674,11 +674,11 @@ def test_steps_in_which_every_episode_failed_are_unscored_steps_and_stop_the_run
                                rollout=SimpleNamespace(episodes=episodes), per_function=torch.zeros(4, 1))
 
     with caplog.at_level("WARNING", logger="grpo_trainer"):
-        assert check_scored(run, scored(1.0), step=1, unscored_in_a_row=0) == 1
-        assert check_scored(run, scored(0.5), step=2, unscored_in_a_row=1) == 0
-        assert check_scored(run, scored(1.0), step=3, unscored_in_a_row=0) == 1
+        assert check_scored(scored(1.0), step=1, unscored_in_a_row=0, checks=checks) == 1
+        assert check_scored(scored(0.5), step=2, unscored_in_a_row=1, checks=checks) == 0
+        assert check_scored(scored(1.0), step=3, unscored_in_a_row=0, checks=checks) == 1
         with pytest.raises(TrainingError) as error:
-            check_scored(run, scored(1.0), step=4, unscored_in_a_row=1)
+            check_scored(scored(1.0), step=4, unscored_in_a_row=1, checks=checks)
     name = "environment.factory configs/guess_number_env.py:GuessNumber"
     assert (f"step 1: {name} failed every episode: reset: KeyError: 'secret': nothing to learn from this step "
             "(1 in a row; train.max_consecutive_unscored=1)") in caplog.text

@@ -61,13 +61,14 @@ def test_a_loss_type_registered_from_one_module_computes_the_trainers_loss(regis
     # update.micro_batch_loss, as a step calls it: completions A = +2 (capped to 0.5) and -0.25, one token of
     # padding. Per-token loss -clamp(A) logp: [0.5, 1.0] and [-0.25 x 0.5 = -0.125]; sequence_sum over the
     # 2 completions of the batch: (0.5 + 1.0 - 0.125) / 2 = 0.6875.
-    from grpo_trainer.update import micro_batch_loss
+    from grpo_trainer.batches import TrainBatch
+    from grpo_trainer.geometry import batch_geometry
+    from grpo_trainer.update import LossSettings, micro_batch_loss
 
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -7.0]])
     mb = MicroBatch(sequences={}, mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), advantages=torch.tensor([2.0, -0.25]))
-    run = SimpleNamespace(cfg=cfg, geometry=SimpleNamespace(total_completions=2, mini_batches=1, world=1))
-    batch = SimpleNamespace(mini_batch_totals=[3.0], window_sizes=[1])
-    share, parts = micro_batch_loss(run, batch, mb, logp)
+    batch = TrainBatch([mb], torch.tensor([2.0, 1.0]), 2, 3.0, mini_batch_totals=[3.0], window_sizes=[1])
+    share, parts = micro_batch_loss(batch, mb, logp, LossSettings.of(cfg, batch_geometry(cfg, 1)))
     assert share.item() == pytest.approx(0.6875, abs=1e-7)
     assert parts["clip_region"].item() == 0
     with pytest.raises(ConfigError, match="options.cap: Input should be greater than 0"):

@@ -24,11 +24,14 @@ from grpo_trainer.batches import build_train_batch, budget_micro_batches, first_
 from grpo_trainer.config import ModelConfig, load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.geometry import batch_geometry
-from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, EntropyControl
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS
 from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_causal_lm, load_tokenizer,
                                  make_packed_batch, make_sequence_batch, pack_rows)
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.update import EntropyTerm, add_logprobs, micro_batch_loss
+from grpo_trainer.state import reference_scorer
+from grpo_trainer.terms import TermModels, build_terms
+from grpo_trainer.train_state import TrainState
+from grpo_trainer.update import LogprobSettings, LossSettings, add_logprobs, micro_batch_loss
 from helpers import assert_as_exact_as, load_script, run_ranks
 
 PAD = 0
@@ -300,14 +303,15 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
             cost = tokens_of([prompts[j] for j in mine], [len(rollout.completion_ids[j]) for j in mine], G, packing)
             assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
         # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
-        run = SimpleNamespace(cfg=cfg, geometry=geometry, policy=olds[r], reference=reference, comm=comm,
-                              accelerator=SimpleNamespace(distributed_type=DistributedType.NO))
-        add_logprobs(run, batch)
-        term = EntropyTerm.for_step(run, batch, EntropyControl(entropy_coef)) if entropy_coef else None  # a collective: every rank
+        plain = SimpleNamespace(distributed_type=DistributedType.NO)  # an accelerator that wraps nothing
+        terms = build_terms(cfg, TermModels(reference=reference_scorer(cfg, reference, plain, olds[r])))
+        add_logprobs(olds[r], batch, terms, comm, LogprobSettings.of(cfg))
+        terms = tuple(term.for_step(batch, comm, TrainState.fresh(entropy_coef)) for term in terms)  # a collective
+        settings = LossSettings.of(cfg, geometry)
         loss, grad, tokens = torch.zeros(()), [torch.zeros_like(p) for p in params], {}
         for mb in batch.micro_batches:
-            logp, entropy = policy(**mb.sequences, with_entropy=True, entropy_grad=term is not None)
-            share, _ = micro_batch_loss(run, batch, mb, logp, entropy, term)
+            logp, entropy = policy(**mb.sequences, with_entropy=True, entropy_grad=bool(entropy_coef))
+            share, _ = micro_batch_loss(batch, mb, logp, settings, terms, entropy)
             for total, g in zip(grad, torch.autograd.grad(share, params, allow_unused=True)):
                 total += 0 if g is None else g
             loss += share.detach()

@@ -4,20 +4,32 @@ sync decision, and the loop driving an engine's lifecycle. (collect: tests/test_
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from grpo_trainer.batches import build_train_batch
-from grpo_trainer.config import load_config
+from grpo_trainer.config import Config, load_config
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.geometry import batch_geometry
+from grpo_trainer.geometry import Geometry, batch_geometry
 from grpo_trainer.cpu.heap import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
 from grpo_trainer.train_state import TrainState
-from grpo_trainer.update import StepStats, update
+from grpo_trainer.terms import LossTerm, TermModels, build_terms
+from grpo_trainer.update import (
+    Learner,
+    LogprobSettings,
+    LossSettings,
+    StepStats,
+    UpdateSettings,
+    add_logprobs,
+    micro_batch_loss,
+    update,
+)
 from helpers import run_ranks, small_run_overrides
 
 PAD = 0
@@ -84,67 +96,96 @@ def accelerator_factory():
     GradientState._reset_state()
 
 
-def toy_run(accelerator_factory, overrides=()):
+@dataclass(frozen=True)
+class ToyUpdate:
+    """What the update phase is given in a step (update.Learner, the terms, the collectives, the settings), built
+    as trainer.train_step builds them, around a toy policy and SGD (lr 1)."""
+
+    cfg: Config
+    geometry: Geometry
+    learner: Learner
+    terms: tuple[LossTerm, ...] = ()
+    comm: Any = field(default_factory=lambda: ONE_RANK)
+
+    @property
+    def policy(self):
+        return self.learner.policy
+
+    def add_logprobs(self, batch) -> None:
+        add_logprobs(self.policy, batch, self.terms, self.comm, LogprobSettings.of(self.cfg))
+
+    def update(self, batch, state: TrainState):
+        return update(self.learner, batch, state, self.terms, self.comm, UpdateSettings.of(self.cfg, self.geometry))
+
+    def loss(self, batch, mb, logp, entropy=None, terms=None):
+        """micro_batch_loss with this step's terms (`LossTerm.for_step` already applied where given)."""
+        settings = LossSettings.of(self.cfg, self.geometry)
+        return micro_batch_loss(batch, mb, logp, settings, self.terms if terms is None else terms, entropy)
+
+
+def toy_run(accelerator_factory, overrides=(), policy=None, optimizer=None, models=TermModels(), comm=ONE_RANK):
+    """The update's inputs for `overrides` on one process: `policy` (ToyPolicy) trained by `optimizer(params)`
+    (SGD, lr 1), under a constant schedule; the terms the config asks for, scoring with `models`."""
     cfg = load_config(None, ["train.prompts_per_step=2", "rollout.num_generations=2", "train.micro_batch_size=2",
                              "train.max_grad_norm=null", *overrides])
     geometry = batch_geometry(cfg, 1)
     accelerator = accelerator_factory(geometry.accumulation_steps)
-    policy = ToyPolicy()
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    policy = ToyPolicy() if policy is None else policy
+    optimizer = (optimizer or (lambda params: torch.optim.SGD(params, lr=1.0)))(policy.parameters())
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return SimpleNamespace(cfg=cfg, geometry=geometry, accelerator=accelerator, policy=policy, optimizer=optimizer,
-                           scheduler=scheduler, heap_trimmer=HeapTrimmer(enabled=False))
+    learner = Learner(accelerator, policy, optimizer, scheduler, HeapTrimmer(enabled=False))
+    return ToyUpdate(cfg, geometry, learner, build_terms(cfg, models), comm)
 
 
 def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_factory):
     """GRPO at ratio 1: L = -(1/N) sum_i A_i mean_t log pi(o_it). Two micro-batches accumulated must take exactly
     one SGD step along that gradient, and report L's value, -(1/N) sum_i A_i = -0.25 here."""
-    run = toy_run(accelerator_factory)
+    toy = toy_run(accelerator_factory)
     prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    w0 = run.policy.w.detach().clone()
+    w0 = toy.policy.w.detach().clone()
     w = w0.clone().requires_grad_(True)
     logp_all = w.log_softmax(-1)
     expected_loss = -sum(a * logp_all[c].mean() for a, c in zip(advantages.tolist(), rollout.completion_ids)) / 4
     expected_loss.backward()
 
-    stats, after = update(run, batch, TrainState(step=1))
-    assert float(stats.loss) == pytest.approx(-0.25, abs=1e-6)
-    assert torch.allclose(run.policy.w.detach(), w0 - w.grad, atol=1e-6)
-    assert stats.nonfinite_skipped == 0 and float(stats.trained_tokens) == 3 + 1 + 2 + 4
+    stats, after = toy.update(batch, TrainState(step=1))
+    assert float(stats.sums["loss"]) == pytest.approx(-0.25, abs=1e-6)
+    assert torch.allclose(toy.policy.w.detach(), w0 - w.grad, atol=1e-6)
+    assert stats.nonfinite_skipped == 0 and float(stats.sums["trained_tokens"]) == 3 + 1 + 2 + 4
     assert after == TrainState(step=1)  # nothing else changed
 
 
 def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(accelerator_factory, caplog):
     """The first micro-batch overflows, the last is harmless: the warning gives the loss of the optimizer step
     (-inf), not the last micro-batch's share (it once said 0.0), and the weights do not move."""
-    run = toy_run(accelerator_factory)
+    toy = toy_run(accelerator_factory)
     prompts, rollout, advantages = four_completions([3e38, 3e38, 0.5, -0.5], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
-    w0 = run.policy.w.detach().clone()
+    w0 = toy.policy.w.detach().clone()
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
-        stats, after = update(run, batch, TrainState(step=7, nonfinite_in_a_row=1))
+        stats, after = toy.update(batch, TrainState(step=7, nonfinite_in_a_row=1))
     assert stats.nonfinite_skipped == 1 and after.nonfinite_in_a_row == 2  # counted on from the state given
     assert "step 7: non-finite loss or gradient (loss -inf" in caplog.text
-    assert torch.equal(run.policy.w.detach(), w0)
+    assert torch.equal(toy.policy.w.detach(), w0)
 
 
 def test_step_stats_reduce_over_ranks_sums_and_takes_the_max_gap():
     def rank_stats(rank, comm):
         stats = StepStats.zeros("cpu", trained_completions=4)
-        stats.loss += 0.5 + rank
-        stats.clip_low += 2.0 * rank
-        stats.trained_tokens += 10.0
-        stats.entropy += 5.0 * (rank + 1)
-        stats.logp_gap += 1.0
+        stats.sums["loss"] += 0.5 + rank
+        stats.sums["clip_low"] += 2.0 * rank
+        stats.sums["trained_tokens"] += 10.0
+        stats.sums["entropy"] += 5.0 * (rank + 1)
+        stats.sums["logp_gap"] += 1.0
         stats.logp_gap_max += 0.25 if rank == 0 else 0.75
         return stats.reduced(comm)
 
     for reduced in run_ranks(2, rank_stats):
-        metrics = reduced.metrics(total_tokens=40.0, total_completions=8, with_kl=False, with_sampler_gap=True)
+        metrics = reduced.metrics(total_tokens=40.0, total_completions=8, sampler_logprobs=True)
         assert metrics["loss"] == 2.0
         assert metrics["clip_ratio/low_mean"] == 2.0 / 40
         assert metrics["entropy"] == 15.0 / 20  # over the tokens trained on, on both ranks

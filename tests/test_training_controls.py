@@ -18,7 +18,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import entropy_threshold, importance_weight, token_loss
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.train_state import TrainState
-from grpo_trainer.update import add_logprobs, select_high_entropy_tokens, update
+from grpo_trainer.update import select_high_entropy_tokens
 from helpers import accelerate_launch, cpu_launch_file, free_port, launch_failure, run_cli, run_ranks, small_run_overrides
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
@@ -184,12 +184,11 @@ def test_mini_batches_hold_whole_groups_and_the_same_completions_on_any_number_o
 
 def mini_batch_run(accelerator_factory, micro: int, overrides=()):
     run = toy_run(accelerator_factory, ["train.mini_batches=2", f"train.micro_batch_size={micro}",
-                                        "loss.epsilon_low=0.01", *overrides])
-    run.comm = ONE_RANK
+                                        "loss.epsilon_low=0.01", *overrides], comm=ONE_RANK)
     prompts, rollout, advantages = four_completions([1.0, -0.5, -0.5, 1.0], truncated=(False,) * 4)
     batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
                               skip_zero_advantage=False, group_size=2, mini_batches=2)
-    add_logprobs(run, batch)
+    run.add_logprobs(batch)
     return run, batch, rollout, advantages
 
 
@@ -212,23 +211,23 @@ def test_mini_batches_take_one_step_each_against_the_sampling_time_policy(accele
     step1 = -sum(terms) / 2
     (g1,) = torch.autograd.grad(step1, w1)
 
-    stats, _ = update(run, batch, TrainState(step=1))
+    stats, _ = run.update(batch, TrainState(step=1))
     torch.testing.assert_close(run.policy.w.detach(), w1.detach() - g1, rtol=0, atol=1e-6)
     # The logged loss: the mean of the two steps' losses; step 1's at ratio 1 is -(1/2)(1 - 0.5) = -0.25.
-    assert float(stats.loss) == pytest.approx((-0.25 + float(step1.detach())) / 2, abs=1e-6)
-    assert float(stats.clip_region) > 0  # tokens of mini-batch 1 were clipped: its policy had moved
+    assert float(stats.sums["loss"]) == pytest.approx((-0.25 + float(step1.detach())) / 2, abs=1e-6)
+    assert float(stats.sums["clip_region"]) > 0  # tokens of mini-batch 1 were clipped: its policy had moved
 
 
 def test_mini_batch_updates_do_not_depend_on_micro_batches(accelerator_factory):
     one, batch, _, _ = mini_batch_run(accelerator_factory, micro=2)
-    update(one, batch, TrainState(step=1))
+    one.update(batch, TrainState(step=1))
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     two, batch2, _, _ = mini_batch_run(accelerator_factory, micro=1)  # 2 micro-batches per mini-batch
     assert len(batch2.micro_batches) == 4 and two.geometry.accumulation_steps == 2
-    update(two, batch2, TrainState(step=1))
+    two.update(batch2, TrainState(step=1))
     torch.testing.assert_close(one.policy.w.detach(), two.policy.w.detach(), rtol=0, atol=1e-6)
 
 
