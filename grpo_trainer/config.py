@@ -27,7 +27,7 @@ from .advantages import ESTIMATORS
 from .errors import ConfigError, UserError
 from .geometry import geometry_of
 from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
-from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that
+from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that, lora_config_refusal
 
 ScaleRewards = Literal["group", "batch", "none"]
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]
@@ -1160,9 +1160,10 @@ class Config(_Section):
             )
         self._check_teacher()
         if self.rollout.lora_sync == "adapter":
-            from .rollout.lora_sync import config_refusal
-
-            reason = config_refusal(self)
+            lora = self.model.lora
+            reason = lora_config_refusal(
+                None if lora is None else lora.r, self.rollout.engine, self.rollout.vllm_server.weights_dir
+            )
             if reason is not None:
                 raise ValueError(
                     f"rollout.lora_sync=adapter: {reason} (rollout.lora_sync=auto pushes merged weights instead)"

@@ -17,7 +17,7 @@ import os
 
 from .checkpoint import require_complete
 from .config import Config
-from .environments import check_environment
+from .environments.checks import check_environment
 from .errors import ConfigError
 from .geometry import geometry_of
 from .rollout.engines import engine_kind

@@ -40,7 +40,8 @@ from collections.abc import Sequence
 
 from .config import Config
 from .errors import ConfigError
-from .rollout.lora_sync import SLOTS, vllm_lora_rank
+from .rollout.engines import vllm_lora_rank
+from .rollout.lora_sync import SLOTS
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # as the colocate engine: plenty for small models, RAM stays free
 DEFAULT_PORTS = {"http": 80, "https": 443}  # where the trainer connects for a URL without a port

@@ -30,7 +30,8 @@ from .cpu import paths as cpu_paths
 from .cpu.adamw import adamw_for
 from .cpu.heap import HeapTrimmer
 from .data import PromptSampler
-from .environments import build_environment, check_environment
+from .environments import build_environment
+from .environments.checks import check_environment
 from .errors import ConfigError, TrainingError
 from .evaluate import load_eval_task
 from .export import save_model

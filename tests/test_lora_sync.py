@@ -14,7 +14,8 @@ import torch
 from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout import SamplingSettings, lora_sync
-from grpo_trainer.rollout.lora_sync import AdapterFolders, ModelFacts, adapter_refusal, push_adapters, vllm_lora_rank
+from grpo_trainer.rollout.engines import vllm_lora_rank
+from grpo_trainer.rollout.lora_sync import AdapterFolders, ModelFacts, adapter_refusal, push_adapters
 from grpo_trainer.rollout.vllm_server import LOAD_ADAPTER, Server, ServerError, VLLMServerEngine
 from grpo_trainer.serve import serve_command
 from helpers import ROOT

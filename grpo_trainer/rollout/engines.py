@@ -87,3 +87,30 @@ def engines_that(capability: str) -> list[str]:
     if capability not in CAPABILITIES:
         raise ValueError(f"{capability!r} is not an engine capability (one of {', '.join(CAPABILITIES)})")
     return [kind.name for kind in ENGINES.values() if getattr(kind, capability)]
+
+
+# ----------------------------------------------------------------------------- LoRA adapters on vLLM
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values (a ceiling)
+
+
+def vllm_lora_rank(r: int) -> int | None:
+    """The smallest `max_lora_rank` vLLM accepts that holds rank `r`; None above its largest."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= r), None)
+
+
+def lora_config_refusal(lora_rank: int | None, engine: str, weights_dir: str | None) -> str | None:
+    """Why vLLM cannot take a run's adapter, as far as its config alone tells (no LoRA, a rank above vLLM's, no
+    weights_dir for servers); None if it may. Here, beside the engines' entries, so that the config can refuse
+    `rollout.lora_sync=adapter` when it loads (validate, serve --dry-run, train before it waits for a server)
+    without importing the weight-sync code (rollout/lora_sync.py makes the full decision)."""
+    if lora_rank is None:
+        return "the model has no LoRA adapters (model.lora is not set)"
+    if vllm_lora_rank(lora_rank) is None:
+        return f"model.lora.r={lora_rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+    if engine_kind(engine).vllm_servers and not weights_dir:
+        return (
+            "rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
+            "one both trainer and servers can read"
+        )
+    return None

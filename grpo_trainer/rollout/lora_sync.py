@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .engines import engine_kind
+from .engines import lora_config_refusal, vllm_lora_rank
 
 if TYPE_CHECKING:
     import torch
@@ -51,16 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values (a ceiling)
 EMBEDDING_TARGETS = ("embed_tokens", "lm_head")  # PEFT targets vLLM serves only where the model class declares them
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # HF config fields of MoE models
 ADAPTER_PREFIX = "grpo-lora-"  # the names of the adapters this package loads: other adapters on a server are left alone
 SLOTS = 2  # adapters vLLM holds at once: the current one and, until it is unloaded, the previous
-
-
-def vllm_lora_rank(r: int) -> int | None:
-    """The smallest `max_lora_rank` vLLM accepts that holds rank `r`; None above its largest."""
-    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= r), None)
 
 
 @dataclass(frozen=True)
@@ -89,20 +83,11 @@ def vllm_embedding_lora(architecture: str) -> bool | None:
 
 
 def config_refusal(cfg: Config) -> str | None:
-    """Why vLLM cannot take this run's adapter, as far as the config alone tells (no LoRA, a rank above vLLM's, no
-    weights_dir for servers); None if it may. `rollout.lora_sync=adapter` is refused for these when the config
-    loads (validate, serve --dry-run, train before it waits for a server)."""
+    """Why vLLM cannot take this run's adapter, as far as the config alone tells (engines.lora_config_refusal)."""
     lora = cfg.model.lora
-    if lora is None:
-        return "the model has no LoRA adapters (model.lora is not set)"
-    if vllm_lora_rank(lora.r) is None:
-        return f"model.lora.r={lora.r} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
-    if engine_kind(cfg.rollout.engine).vllm_servers and not cfg.rollout.vllm_server.weights_dir:
-        return (
-            "rollout.vllm_server.weights_dir is not set: adapters reach a server as a folder it reads, so name "
-            "one both trainer and servers can read"
-        )
-    return None
+    return lora_config_refusal(
+        None if lora is None else lora.r, cfg.rollout.engine, cfg.rollout.vllm_server.weights_dir
+    )
 
 
 def adapter_refusal(cfg: Config, facts: ModelFacts, *, fsdp: bool) -> str | None:

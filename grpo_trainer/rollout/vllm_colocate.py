@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import InProcess, Rollout, SamplingSettings, VendorKernels
-from .lora_sync import SLOTS, AdapterFolders, vllm_lora_rank
+from .engines import vllm_lora_rank
+from .lora_sync import SLOTS, AdapterFolders
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
