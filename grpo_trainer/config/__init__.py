@@ -23,11 +23,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from .advantages import ESTIMATORS
-from .errors import ConfigError, UserError
-from .geometry import geometry_of
-from .losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
-from .rollout.engines import ENGINE_NAMES, ENGINES, engines_that
+from ..advantages import ESTIMATORS
+from ..errors import ConfigError, UserError
+from ..geometry import geometry_of
+from ..losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
+from ..rollout.engines import ENGINE_NAMES, ENGINES, engines_that
 
 ScaleRewards = Literal["group", "batch", "none"]
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio", "mlflow"]
@@ -1160,7 +1160,7 @@ class Config(_Section):
             )
         self._check_teacher()
         if self.rollout.lora_sync == "adapter":
-            from .rollout.lora_sync import config_refusal
+            from ..rollout.lora_sync import config_refusal
 
             reason = config_refusal(self)
             if reason is not None:
