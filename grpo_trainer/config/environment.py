@@ -14,7 +14,8 @@ ON_ERROR = Literal["zero", "none", "skip_group"]
 
 
 class EnvironmentConfig(_Section):
-    """One environment object per conversation (docs/environments.md); none of factory/openenv/url: no environment."""
+    """One environment object per conversation (docs/environments.md). None of factory/openenv/url: the built-in
+    stateless environment where `tools` names some, else none (single-turn rollouts)."""
 
     factory: str | None = Field(
         None,
@@ -98,6 +99,19 @@ class EnvironmentConfig(_Section):
     max_message_mb: float = Field(
         16.0, gt=0, description="environment.url: the largest frame accepted from the server."
     )
+
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the model may call (multi-turn rollouts, see docs/tools.md): `python` (runs in the "
+        "sandbox of `code_tests`) or a function `path/to/file.py:fn` / `package.module:fn`, described to the model "
+        "from its signature and docstring. Calls are `<tool_call>{json}</tool_call>` (Hermes/Qwen); tool output "
+        "tokens carry no loss. max_completion_length bounds model and tool tokens together.",
+    )
+    max_tool_turns: int = Field(4, ge=1, description="Rounds of tool calls per completion (with environment.tools).")
+    tool_timeout: float = Field(
+        10.0, gt=0, description="Wall seconds per tool call; an overrun is an error message to the model."
+    )
+    tool_output_chars: int = Field(1000, gt=0, description="A tool's output is cut to this many characters.")
 
     @property
     def kind(self) -> str | None:

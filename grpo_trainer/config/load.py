@@ -13,11 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
 from .base import _section_of
-from .rollout import VLLMServerConfig
+from .migrate import MOVED_KEYS, MigrationError, migrate
 from .root import Config
-
-# Keys that moved: a config using the old place is told the new one.
-MOVED_KEYS = {f"rollout.vllm.{key}": f"rollout.vllm_server.{key}" for key in VLLMServerConfig.model_fields}
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -45,10 +42,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Validate a config's dict (the keys of earlier versions read into their places first, `migrate`)."""
     try:
-        return Config.model_validate(data)
+        data, written = migrate(data)
+        return Config.model_validate(data, context={"written": written})
+    except MigrationError as exc:
+        raise ConfigError(f"{source}: invalid configuration\n  {exc.path}: {exc}") from None
     except ValidationError as exc:
-        raise ConfigError(f"{source}: invalid configuration\n" + _explain(exc)) from None
+        raise ConfigError(f"{source}: invalid configuration\n" + _explain(exc, written)) from None
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -109,11 +110,14 @@ def _index(node: list, part: str, path: list[str]) -> int:
     return int(part)
 
 
-def _explain(exc: ValidationError) -> str:
+def _explain(exc: ValidationError, written: Mapping[str, str]) -> str:
+    """One line per error: the key's dotted path (as written, where `migrate` moved it) and what is wrong."""
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
         path = ".".join(loc)
+        if path in written:
+            path = f"{written[path]} (now {path})"
         if err["type"] == "extra_forbidden" and path in MOVED_KEYS:
             msg = f"  {path}: moved to '{MOVED_KEYS[path]}'"
         elif err["type"] == "extra_forbidden":

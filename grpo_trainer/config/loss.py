@@ -5,7 +5,15 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from ..advantages import ESTIMATORS
@@ -163,41 +171,30 @@ class LossConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _gather_options(cls, data: Any) -> Any:
-        """`options` validated by the type's own model, with the flat keys of earlier versions read into it.
+    def _options_of_type(cls, data: Any, info: ValidationInfo) -> Any:
+        """`options` validated by the model of `type`'s registry entry: a union discriminated by a key of the
+        section above it, over an open set of members (a user's type by import path brings its own model).
 
         Each type reads only its own options: another type's option would silently do nothing, so it is an error
-        naming the types that read it. A flat key of another type at its default passes (a resolved config of an
-        earlier version lists them all), and a flat key set to null means unset (epsilon_high, delta)."""
+        naming the types that read it. The flat keys of earlier versions were moved here by `migrate` (the
+        context's `written` names them as written)."""
         if not isinstance(data, dict) or not isinstance(data.get("type", "grpo"), str):
             return data
         data = dict(data)
         spec = data.get("type", "grpo")
-        flat = {key: data.pop(key) for key in list(data) if key in _FLAT_OPTION_KEYS}
         try:
             variant = loss_variant(spec)
         except (ValueError, UserError):
             data.pop("options", None)
             return data  # `type` reports it
-        given = data.get("options")
-        if given is None:
-            given = {}
-        elif isinstance(given, BaseModel):
-            given = given.model_dump()
-        if not isinstance(given, dict):
-            raise ValueError(f"options: a mapping of the options of loss type {spec}, got {type(given).__name__}")
-        options = dict(given)
-        for key, value in flat.items():
-            name = variant.legacy_keys.get(key)
-            if name is None:
-                if value is not None and not _is_flat_default(key, value):
-                    raise ValueError(f"{key} ({value}) is not used by type {spec}; it is read by: {_readers(key)}")
-            elif name in given:
-                raise ValueError(
-                    f"{key} and options.{name} are the same option of type {spec}: set only options.{name}"
-                )
-            elif value is not None:
-                options[name] = value
+        options = data.get("options")
+        if options is None:
+            options = {}
+        elif isinstance(options, BaseModel):
+            options = options.model_dump()
+        if not isinstance(options, dict):
+            raise ValueError(f"options: a mapping of the options of loss type {spec}, got {type(options).__name__}")
+        options = dict(options)
         fields = variant.options.model_fields
         for key in data:
             hint = [] if key in cls.model_fields else difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
@@ -214,16 +211,18 @@ class LossConfig(_Section):
                     f"options.{name} is not used by type {spec} (its options: {', '.join(fields) or 'none'})"
                     f"{whose}; set loss.options=null to start from type {spec}'s defaults"
                 )
+        written = {
+            new.removeprefix("loss.options."): old.removeprefix("loss.")
+            for new, old in ((info.context or {}).get("written") or {}).items()
+            if new.startswith("loss.options.")
+        }
         for name, value in options.items():  # as _Section: `true`/`false` is not a number
             if isinstance(value, bool) and _asks_a_number(fields[name].annotation):
-                written = next(
-                    (k for k, o in variant.legacy_keys.items() if o == name and k in flat), f"options.{name}"
-                )
-                raise ValueError(f"{written}: expected a number, not {str(value).lower()}")
+                raise ValueError(f"{written.get(name, f'options.{name}')}: expected a number, not {str(value).lower()}")
         try:
             data["options"] = variant.options.model_validate(options)
         except ValidationError as exc:
-            raise ValueError("; ".join(_option_error(err, variant, flat) for err in exc.errors())) from None
+            raise ValueError("; ".join(_option_error(err, variant, written) for err in exc.errors())) from None
         return data
 
     @model_validator(mode="after")
@@ -235,27 +234,10 @@ class LossConfig(_Section):
         return self
 
 
-# The flat `loss.*` option keys of earlier versions, read into `loss.options` by the registry's legacy_keys.
-_FLAT_OPTION_KEYS = frozenset(key for v in LOSS_VARIANTS.values() for key in v.legacy_keys)
-
-
-def _readers(key: str) -> str:
-    return ", ".join(v.name for v in LOSS_VARIANTS.values() if key in v.legacy_keys)
-
-
-def _is_flat_default(key: str, value: Any) -> bool:
-    """`value` is the default of the option a flat key stands for (in every type that reads it)."""
-    return all(
-        value == v.options.model_fields[v.legacy_keys[key]].default
-        for v in LOSS_VARIANTS.values()
-        if key in v.legacy_keys
-    )
-
-
-def _option_error(err: ErrorDetails, variant: LossVariant, flat: dict[str, Any]) -> str:
+def _option_error(err: ErrorDetails, variant: LossVariant, written_as: dict[str, str]) -> str:
     """One error of the type's options model, naming the key as the user wrote it."""
     name = ".".join(str(p) for p in err["loc"])
-    written = next((key for key, option in variant.legacy_keys.items() if option == name and key in flat), None)
+    written = written_as.get(name)
     where = (
         f"{written} (options.{name} of type {variant.name})" if written else f"options.{name}" if name else "options"
     )

@@ -13,7 +13,7 @@ def with_absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
     the start of a run: user code that calls os.chdir (an environment, a reward) would otherwise split the run,
     its config.yaml and metrics in one folder and its checkpoints and model in another, and a later resume=auto
     would find nothing. Paths: output_dir, checkpoint.resume, rollout.vllm_server.weights_dir; the file of each
-    `file.py:name` spec (rewards, rollout.tools, environment.factory/openenv/action, loss.type); model, tokenizer,
+    `file.py:name` spec (rewards, environment.tools, environment.factory/openenv/action, loss.type); model, tokenizer,
     teacher and reward-model folders and data files that exist here. Hub ids, `builtin:` and `object:` names,
     and `package.module:name` specs are left as they are."""
     import os
@@ -38,7 +38,7 @@ def with_absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
         data["checkpoint"]["resume"] = absolute(cfg.checkpoint.resume)
     if cfg.rollout.vllm_server.weights_dir:
         data["rollout"]["vllm_server"]["weights_dir"] = absolute(cfg.rollout.vllm_server.weights_dir)
-    data["rollout"]["tools"] = [spec(t) for t in cfg.rollout.tools]
+    data["environment"]["tools"] = [spec(t) for t in cfg.environment.tools]
     for key in ("factory", "openenv", "action"):
         if data["environment"][key] is not None:
             data["environment"][key] = spec(data["environment"][key])

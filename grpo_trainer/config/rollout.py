@@ -180,18 +180,6 @@ class RolloutConfig(_Section):
         description="Stop strings: a completion ends at the token that completes one of them in its text (that token "
         "is kept and trained on, the stop string reaches the rewards; vLLM's token cut). Not truncated; no EOS follows.",
     )
-    tools: list[str] = Field(
-        default_factory=list,
-        description="Tools the model may call (multi-turn rollouts, see docs/tools.md): `python` (runs in the "
-        "sandbox of `code_tests`) or a function `path/to/file.py:fn` / `package.module:fn`, described to the model "
-        "from its signature and docstring. Calls are `<tool_call>{json}</tool_call>` (Hermes/Qwen); tool output "
-        "tokens carry no loss. max_completion_length bounds model and tool tokens together.",
-    )
-    max_tool_turns: int = Field(4, ge=1, description="Rounds of tool calls per completion (with rollout.tools).")
-    tool_timeout: float = Field(
-        10.0, gt=0, description="Wall seconds per tool call; an overrun is an error message to the model."
-    )
-    tool_output_chars: int = Field(1000, gt=0, description="A tool's output is cut to this many characters.")
     batch_size: int = Field(
         0, ge=0, description="Prompts per generate call on each rank (0: all of the rank's prompts at once)."
     )
@@ -230,11 +218,6 @@ class RolloutConfig(_Section):
                 f"rollout.max_staleness {self.max_staleness} needs rollout.engine "
                 f"{' or '.join(engines_that('samples_outside_process'))}: the {self.engine} engine "
                 "samples in the training process, so sampling cannot overlap the update (use max_staleness 0)"
-            )
-        if self.max_staleness > 0 and self.tools:
-            raise ValueError(
-                "rollout.max_staleness >= 1 with rollout.tools is not supported: tool calls run in the trainer's "
-                "sandbox, and asynchronous rollouts keep the trainer's background work to HTTP requests (use max_staleness 0)"
             )
         return self
 

@@ -76,6 +76,11 @@ class Config(_Section):
             )
         if self.environment.kind is not None:
             self._check_environment()
+        if self.rollout.max_staleness > 0 and self.environment.tools:
+            raise ValueError(
+                "rollout.max_staleness >= 1 with environment.tools is not supported: tool calls run in the trainer's "
+                "sandbox, and asynchronous rollouts keep the trainer's background work to HTTP requests (use max_staleness 0)"
+            )
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
         if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
             raise ValueError(
@@ -119,8 +124,10 @@ class Config(_Section):
             raise ValueError(
                 f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template"
             )
-        if self.rollout.tools and env.kind != "factory":
-            raise ValueError(f"rollout.tools beside environment.{env.kind}: only environment.factory takes extra tools")
+        if self.environment.tools and env.kind != "factory":
+            raise ValueError(
+                f"environment.tools beside environment.{env.kind}: only environment.factory takes extra tools"
+            )
 
     def _check_teacher(self) -> None:
         """The teacher, loss.teacher_kl and loss.teacher_only come together, with a loss whose ratio is per token."""
