@@ -5,6 +5,9 @@ is generated from them). Unknown keys, wrong types and impossible
 combinations fail at load time with the key's dotted path and, for a misspelt
 key, the nearest valid one.
 
+A config is read in two steps: keys of earlier versions are moved to their places (migrate.py, one table),
+then the tree validates it (root.py and a module per section).
+
 Command-line overrides are dotted paths (`train.max_steps=50`,
 `rewards.0.weight=2`); values are parsed as YAML scalars, so `true`, `3e-6` and
 `[jsonl, tensorboard]` mean what they look like.

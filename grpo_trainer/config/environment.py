@@ -105,7 +105,8 @@ class EnvironmentConfig(_Section):
         description="Tools the model may call (multi-turn rollouts, see docs/tools.md): `python` (runs in the "
         "sandbox of `code_tests`) or a function `path/to/file.py:fn` / `package.module:fn`, described to the model "
         "from its signature and docstring. Calls are `<tool_call>{json}</tool_call>` (Hermes/Qwen); tool output "
-        "tokens carry no loss. max_completion_length bounds model and tool tokens together.",
+        "tokens carry no loss. max_completion_length bounds model and tool tokens together. The tool keys were under "
+        "`rollout` in earlier versions; those still load, with one deprecation line each.",
     )
     max_tool_turns: int = Field(4, ge=1, description="Rounds of tool calls per completion (with environment.tools).")
     tool_timeout: float = Field(
