@@ -57,7 +57,9 @@ class ScoredBatch:
     # policy does, not the filtered batch), and how many rounds and groups it took.
     sampling_stats: dict[str, float] = field(default_factory=dict)
     per_function: torch.Tensor | None = None  # [world * P * G, R] each reward's value (loss.reward_aggregation)
-    tool_metrics: dict[str, float] = field(default_factory=dict)  # rollout.tools: calls, errors, turns over all ranks
+    tool_metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # environment.tools: calls, errors, turns over all ranks
 
     @property
     def prompt_rows(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""Render the Markdown config reference (docs/config_reference.md) from the pydantic schema in `config.py`.
+"""Render the Markdown config reference (docs/config_reference.md) from the pydantic schema in `config/`.
 
     python -m grpo_trainer.config_reference > docs/config_reference.md
 
@@ -92,7 +92,7 @@ def render_config_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from grpo_trainer/config.py by `{REGENERATE}`; do not edit by hand. -->",
+        f"<!-- Generated from grpo_trainer/config/ by `{REGENERATE}`; do not edit by hand. -->",
         "",
         "Every key of the YAML config, as a dotted path: the same path sets it from the command line",
         "(`python -m grpo_trainer train CONFIG train.max_steps=50 rewards.0.weight=2`; values are parsed as YAML).",

@@ -136,7 +136,7 @@ def build_prompt_set(
     tools: list[dict[str, Any]] | None = None,
 ) -> PromptSet:
     """Check the columns, format every prompt and tokenize it; fail before training on any bad record.
-    `tools` (JSON schemas, rollout.tools) reach the chat template as its `tools=` argument."""
+    `tools` (JSON schemas, environment.tools) reach the chat template as its `tools=` argument."""
     missing = [c for c in (cfg.prompt_column,) if c not in records[0]]
     if missing:
         raise DataError(
@@ -150,7 +150,7 @@ def build_prompt_set(
         )
     if tools and not cfg.use_chat_template:
         raise DataError(
-            "rollout.tools needs data.use_chat_template=true: tools are described through the chat template"
+            "environment.tools needs data.use_chat_template=true: tools are described through the chat template"
         )
     texts = [format_prompt(cfg, tokenizer, r[cfg.prompt_column], i, tools) for i, r in enumerate(records)]
     token_ids = [tokenizer(t, add_special_tokens=not cfg.use_chat_template)["input_ids"] for t in texts]

@@ -1,6 +1,6 @@
 """Running user code under a deadline: the one way the trainer calls code it does not own.
 
-Tools (`rollout.tools`), reward functions with a `timeout`, environment calls (constructing an object, reset,
+Tools (`environment.tools`), reward functions with a `timeout`, environment calls (constructing an object, reset,
 respond, reward, snapshot, close) and the checks an environment class is read with all run here, in a pool of
 **daemon** threads (`UserCalls`). What every caller gets, the same for all of them:
 
@@ -95,7 +95,7 @@ class UserCalls:
     """A pool of up to `workers` daemon threads running user calls, each within its limit; see the module docstring.
 
     `name` names the function (or the environment) in the one-line stop, e.g. `rewards.0 (slow_judge)`;
-    `limit_key` the config key of the limit (`rollout.tool_timeout`), for the same message; `max_abandoned`: how
+    `limit_key` the config key of the limit (`environment.tool_timeout`), for the same message; `max_abandoned`: how
     many timed-out calls may still be running before the run stops (`stop`, a UserError subclass, is raised, its
     message ending with `what`)."""
 
@@ -164,7 +164,7 @@ class UserCalls:
 
     def check(self) -> None:
         """Raise `stop`, naming the function, when more of one function's calls than the bound are still running
-        past their limit (counted per function: a pool may run several, e.g. the tools of `rollout.tools`)."""
+        past their limit (counted per function: a pool may run several, e.g. the tools of `environment.tools`)."""
         with self._changed:
             if not self._abandoned:
                 return

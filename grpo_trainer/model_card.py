@@ -162,7 +162,7 @@ def _tags(cfg: Config, adapter: bool) -> list[str]:
     tags = [LIBRARY_TAG, "reinforcement-learning", "grpo", cfg.loss.variant.name]
     if cfg.model.lora is not None or adapter:
         tags.append("lora")
-    if cfg.rollout.tools:
+    if cfg.environment.tools:
         tags.append("tool-use")
     return list(dict.fromkeys(tags))
 

@@ -1,6 +1,6 @@
 """Checks of a config against the files and the machine it will run on, before any model loads.
 
-The schema (`config.py`) judges what a config says on its own. This judges it against the world: a
+The schema (`config/`) judges what a config says on its own. This judges it against the world: a
 resume path that must exist, a model the chosen engine can run here, trackers that can start here, and
 settings that are legal but rarely meant (returned as warnings). `validate` prints both; `train` runs the
 same checks first, so a run that cannot work stops in seconds with one line naming the key, not after

@@ -107,7 +107,7 @@ def build_run(cfg: Config) -> Run:
     lm = load_causal_lm(cfg.model)
     if cfg.train.packing:
         check_packing_support(lm)
-    environment = build_environment(cfg)  # rollout.tools alone is the built-in tools environment
+    environment = build_environment(cfg)  # environment.tools alone is the built-in tools environment
     task = _training_task(cfg, tokenizer, lm, environment)
     geometry.check_room(max(map(len, task.prompts.token_ids)), cfg.rollout.max_completion_length)
     policy, optimizer, scheduler = _policy_and_optimizer(cfg, accelerator, lm, geometry)

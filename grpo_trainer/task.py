@@ -75,7 +75,7 @@ class Task:
     def score(self, prompt_rows: list[int], rollout: Rollout) -> RewardBatch:
         """Rewards of completion j, which continues prompt `prompt_rows[j]`.
 
-        A multi-turn completion (rollout.tools, environments) reaches the rewards as its messages, whatever the
+        A multi-turn completion (environment.tools, environments) reaches the rewards as its messages, whatever the
         prompt's form, with its tool-call count as `tool_calls`; an episode also as `environments` (what its
         environment's snapshot() gave: TRL's objects) and `episodes` (its EpisodeRecord). Episodes the environment
         failed are then scored by environment.on_error (environments/scoring.py)."""
@@ -115,7 +115,7 @@ def load_task(
     """Load and tokenize the prompts of `data` (its split, or `split`) and resolve the rewards; fail before training.
 
     `policy_dtype` (the policy's model.dtype) is the dtype of reward models whose own `dtype` is `auto`;
-    `tools` (rollout.tools' schemas) are shown to the model through the chat template. With an `environment`
+    `tools` (environment.tools' schemas) are shown to the model through the chat template. With an `environment`
     (built from `environment_config`, the `environment` section), its tools are shown instead and its own reward,
     if it has one, is one more reward (environments/scoring.py).
     """

@@ -105,7 +105,7 @@ def test_async_settings_are_checked_when_the_config_loads():
     for engine in ("hf", "vllm_colocate"):
         with pytest.raises(ConfigError, match=f"rollout.max_staleness 1 needs rollout.engine vllm_server: the {engine}"):
             load_config(None, [f"rollout.engine={engine}", "rollout.max_staleness=1"])
-    with pytest.raises(ConfigError, match="rollout.tools is not supported"):
+    with pytest.raises(ConfigError, match="environment.tools is not supported"):
         load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "rollout.tools=[python]"])
     with pytest.raises(ConfigError, match="loss.tis_min"):
         load_config(None, ["loss.tis_min=0.5"])  # a lower bound needs the upper one

@@ -166,7 +166,7 @@ def test_settings_that_change_what_a_step_means_are_refused_on_resume():
 
 
 def test_what_a_change_on_resume_means_is_read_from_the_schema_flags():
-    """Every leaf key of a resolved config gets its effect from its field or a section above it (config.py's
+    """Every leaf key of a resolved config gets its effect from its field or a section above it (config/'s
     CHANGES_MEANING / HARMLESS_ON_RESUME); the keys refused are the ones the run's samples and objective depend
     on. Moving a flag changes this list on purpose, and the test with it."""
     from grpo_trainer.checkpoint import flatten

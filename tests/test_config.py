@@ -204,3 +204,38 @@ def test_stop_strings_load_and_an_empty_one_is_refused():
     assert stop == ["</answer>", "\n\n"]  # YAML's escapes: two newlines
     with pytest.raises(ConfigError, match="rollout.stop: an empty stop string"):
         load_config("configs/demo_cpu.yaml", ['rollout.stop=["a", ""]'])
+
+
+def test_the_tool_keys_of_rollout_load_into_environment_with_one_deprecation_line(caplog, monkeypatch):
+    from grpo_trainer.config import migrate
+
+    monkeypatch.setattr(migrate, "_told", set())
+    old = ["rollout.tools=[python]", "rollout.max_tool_turns=2", "rollout.tool_timeout=3", "rollout.tool_output_chars=1000"]
+    with caplog.at_level("WARNING", logger="grpo_trainer"):
+        cfg = load_config(None, old)
+        again = load_config(None, old)
+    new = load_config(None, [key.replace("rollout.", "environment.") for key in old])
+    assert cfg == again == new and cfg.environment.tools == ["python"] and cfg.environment.tool_timeout == 3
+    lines = [r.getMessage() for r in caplog.records]
+    # once per key and process; tool_output_chars is at its default (a resolved config of an earlier version)
+    assert lines == [f"config key rollout.{key} is deprecated: it is now environment.{key} (read as environment.{key} "
+                     "this time)" for key in ("tools", "max_tool_turns", "tool_timeout")]
+    with pytest.raises(ConfigError, match=r"  rollout.tools: moved to environment.tools, which is set too: set only "
+                                          r"environment.tools$"):
+        load_config(None, ["rollout.tools=[python]", "environment.tools=[python]"])
+    with pytest.raises(ConfigError, match=r"  rollout.tool_timeout \(now environment.tool_timeout\): Input should be "
+                                          r"greater than 0 \(got -1\)$"):
+        load_config(None, ["rollout.tool_timeout=-1"])
+
+
+def test_a_saved_config_of_an_earlier_version_loads_as_today_s():
+    """A checkpoint's resolved config lists every key at its place then: it loads and compares as today's."""
+    from grpo_trainer.config import config_from_dict
+
+    today = load_config("configs/tools_cpu.yaml").model_dump(mode="json")
+    tools = ("tools", "max_tool_turns", "tool_timeout", "tool_output_chars")
+    earlier = {**today, "environment": {k: v for k, v in today["environment"].items() if k not in tools},
+               "rollout": {**today["rollout"], **{k: today["environment"][k] for k in tools}},
+               "loss": {**{k: v for k, v in today["loss"].items() if k != "options"}, **today["loss"]["options"],
+                        "sapo_temperature_pos": 1.0}}
+    assert config_from_dict(earlier).model_dump(mode="json") == today

@@ -23,14 +23,14 @@ def test_committed_reference_matches_the_schema():
             list(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "committed", "generated"))[:40]
         )
         raise AssertionError(
-            f"docs/config_reference.md is out of date with grpo_trainer/config.py. Regenerate it from the repo root:\n"
+            f"docs/config_reference.md is out of date with grpo_trainer/config/. Regenerate it from the repo root:\n"
             f"    PYTHONPATH=. {REGENERATE}\n(or `.venv/bin/{REGENERATE}`)\nFirst differences:\n{diff}"
         )
 
 
 def test_every_config_field_has_a_description():
     missing = missing_descriptions()
-    assert not missing, f"these config keys need `Field(..., description=...)` in grpo_trainer/config.py: {missing}"
+    assert not missing, f"these config keys need `Field(..., description=...)` in grpo_trainer/config/: {missing}"
 
 
 def _leaf_paths(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -437,7 +437,7 @@ def test_a_tool_that_never_returns_lets_a_cli_run_finish_and_the_process_exit(tm
     result = run_cli(["train", "configs/tools_cpu.yaml", f"output_dir={out}", "train.max_steps=2",
                       "train.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=16",
                       "eval.every=0", "checkpoint.save_every=0", "logging.progress_bar=false",
-                      f"rollout.tools=[{tool}:python]", "rollout.tool_timeout=0.5"], timeout=300, launcher=PYTHON_M)
+                      f"environment.tools=[{tool}:python]", "environment.tool_timeout=0.5"], timeout=300, launcher=PYTHON_M)
     assert result.returncode == 0 and "done: 2 steps" in result.stdout, result.stderr[-3000:]
     records = read_metrics(out)
     assert sum(r["tools/calls_per_completion"] for r in records) > 0

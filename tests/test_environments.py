@@ -824,8 +824,8 @@ def test_a_generator_tool_method_is_refused_at_load(factory, tmp_path):
     tool = tmp_path / "gen_tool.py"
     tool.write_text('def moves(n: int) -> str:\n    """Moves.\n\n    Args:\n        n: how many\n    """\n'
                     '    yield "e4"\n')
-    with pytest.raises(ConfigError, match=r"^rollout.tools.0: '.*gen_tool.py:moves' is a generator"):
-        function_tool(f"{tool}:moves", "rollout.tools.0")
+    with pytest.raises(ConfigError, match=r"^environment.tools.0: '.*gen_tool.py:moves' is a generator"):
+        function_tool(f"{tool}:moves", "environment.tools.0")
 
 
 def test_callable_class_attributes_are_not_tools():

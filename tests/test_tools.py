@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools (rollout.tools): parsing, running, the template's tool tokens, the loop's
+"""Multi-turn rollouts with tools (environment.tools): parsing, running, the template's tool tokens, the loop's
 bookkeeping (masks, budget, turns, seeds), the loss mask, and hostile code through the python tool."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_trainer.config import ModelConfig, RolloutConfig
+from grpo_trainer.config import EnvironmentConfig, ModelConfig
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.rollout.multi_turn import MultiTurnEngine, ToolMessageTokens
@@ -112,23 +112,23 @@ def test_a_users_function_is_described_from_its_signature_and_docstring(tmp_path
         "    return a * b\n\n"
         "def undocumented(a):\n    return a\n"
     )
-    box = build_toolbox(RolloutConfig(tools=[f"{tmp_path}/my_tools.py:multiply", "python"]))
+    box = build_toolbox(EnvironmentConfig(tools=[f"{tmp_path}/my_tools.py:multiply", "python"]))
     (schema, python) = box.schemas
     assert schema["function"]["name"] == "multiply" and schema["function"]["description"] == "Multiply two integers."
     assert schema["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first factor."}
     assert python["function"]["name"] == "python"
     assert box.run([ToolCall("multiply", {"a": 6, "b": 7})])[0].output == "42"
-    with pytest.raises(ConfigError, match="rollout.tools.0: cannot describe"):
-        build_toolbox(RolloutConfig(tools=[f"{tmp_path}/my_tools.py:undocumented"]))
-    with pytest.raises(ConfigError, match="rollout.tools.0: .*no function 'missing'"):
-        build_toolbox(RolloutConfig(tools=[f"{tmp_path}/my_tools.py:missing"]))
-    with pytest.raises(ConfigError, match="rollout.tools.0: tool file not found: nowhere.py"):
-        build_toolbox(RolloutConfig(tools=["nowhere.py:fn"]))
-    with pytest.raises(ConfigError, match=r"rollout.tools.0: 'calc' is not a built-in tool \(python\) nor of the form"):
-        build_toolbox(RolloutConfig(tools=["calc"]))
+    with pytest.raises(ConfigError, match="environment.tools.0: cannot describe"):
+        build_toolbox(EnvironmentConfig(tools=[f"{tmp_path}/my_tools.py:undocumented"]))
+    with pytest.raises(ConfigError, match="environment.tools.0: .*no function 'missing'"):
+        build_toolbox(EnvironmentConfig(tools=[f"{tmp_path}/my_tools.py:missing"]))
+    with pytest.raises(ConfigError, match="environment.tools.0: tool file not found: nowhere.py"):
+        build_toolbox(EnvironmentConfig(tools=["nowhere.py:fn"]))
+    with pytest.raises(ConfigError, match=r"environment.tools.0: 'calc' is not a built-in tool \(python\) nor of the form"):
+        build_toolbox(EnvironmentConfig(tools=["calc"]))
     with pytest.raises(ConfigError, match="two tools are named 'python'"):
-        build_toolbox(RolloutConfig(tools=["python", "python"]))
-    assert build_toolbox(RolloutConfig()) is None
+        build_toolbox(EnvironmentConfig(tools=["python", "python"]))
+    assert build_toolbox(EnvironmentConfig()) is None
 
 
 # ---------------------------------------------------------------------------- the python tool, hostile code
@@ -142,7 +142,7 @@ class TestPythonTool:
     @classmethod
     def toolbox(cls) -> ToolBox:
         if cls.box is None:  # built once for the class, by whichever of its tests runs first
-            cls.box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=2.0, tool_output_chars=200))
+            cls.box = build_toolbox(EnvironmentConfig(tools=["python"], tool_timeout=2.0, tool_output_chars=200))
         return cls.box
 
     @classmethod
@@ -389,7 +389,7 @@ def tools_demo_engine(*overrides: str):
 
     cfg = load_config("configs/tools_cpu.yaml", list(overrides))
     tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
-    box = build_toolbox(cfg.rollout)
+    box = build_toolbox(cfg.environment)
     task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
     engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
                           pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)

@@ -299,13 +299,13 @@ def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transform
 
 
 def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_trainers():
-    """rollout.tools on vllm_colocate, with the tiny tool-calling model (head size 32): real python tool calls,
+    """environment.tools on vllm_colocate, with the tiny tool-calling model (head size 32): real python tool calls,
     each conversation continued by vLLM from its whole context; vLLM's per-turn sampling log-probs equal the
     trainer's one forward over the conversation on every model-written token; tool tokens are masked (0).
     (Last in the file, like the SmolLM2 test: it starts a second in-process engine.)"""
     from transformers import AutoTokenizer
 
-    from grpo_trainer.config import RolloutConfig
+    from grpo_trainer.config import EnvironmentConfig
     from grpo_trainer.rollout.multi_turn import MultiTurnEngine
     from grpo_trainer.rollout.tools import build_toolbox
     from grpo_trainer.builtin import tiny_tools
@@ -314,7 +314,7 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
     path = tiny_tools.ensure_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = load_lm(path)
-    box = build_toolbox(RolloutConfig(tools=["python"], tool_timeout=5.0))
+    box = build_toolbox(EnvironmentConfig(tools=["python"], tool_timeout=5.0))
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=[PYTHON_TOOL], add_generation_prompt=True,
                                            tokenize=False) for q in ("What is 12*34?", "What is 56*78?")]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -6,7 +6,7 @@ the length limit, scored by the environment (`reward()`) beside the config's rew
 loop (`rollout/multi_turn.py`, `EpisodeEngine`) talks to episodes through the `Episode` protocol below and to
 nothing else, so every kind of environment runs on the one loop:
 
-- `tools_env.py`: the built-in stateless environment of `rollout.tools` (and the sandboxed `python` tool);
+- `tools_env.py`: the built-in stateless environment of `environment.tools` (and the sandboxed `python` tool);
 - `class_env.py`: a class in the TRL convention (`environment.factory: my_env.py:GuessNumber`);
 - `openenv.py`: an OpenEnv `Environment` subclass in this process (`environment.openenv`);
 - `openenv_ws.py`: a remote OpenEnv server over its `/ws` protocol (`environment.url`).
@@ -184,7 +184,7 @@ KINDS: dict[str, str] = {
     "openenv": "grpo_trainer.environments.openenv:build",
     "url": "grpo_trainer.environments.openenv_ws:build",
 }
-TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `rollout.tools` alone selects it
+TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `environment.tools` alone selects it
 
 
 MASK64 = 2**64 - 1
@@ -206,9 +206,9 @@ def environment_seed(group_seed: int) -> int:
 
 def build_environment(cfg: Config) -> Environment | None:
     """The configured environment: `environment:`'s kind, else the built-in tools environment when
-    `rollout.tools` is set, else None (single-turn rollouts)."""
+    `environment.tools` is set, else None (single-turn rollouts)."""
     kind = cfg.environment.kind
-    if kind is None and not cfg.rollout.tools:
+    if kind is None and not cfg.environment.tools:
         return None
     module, _, function = (TOOLS if kind is None else KINDS[kind]).partition(":")
     return getattr(importlib.import_module(module), function)(cfg)

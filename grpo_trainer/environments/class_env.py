@@ -9,7 +9,7 @@ One object per episode, made by calling the factory (a class, or any zero-argume
   take are left out (as OpenEnv's server filters them).
 - Every public method defined with `def` (a merely callable class attribute, such as `Helper = dict`, is not one)
   other than the reserved ones (`reset`, `step`, `get_reward`, `reward`, `close`) is a tool the model can call
-  (a generator is refused at load); its schema comes from its type hints and `Args:` docstring, as for `rollout.tools`
+  (a generator is refused at load); its schema comes from its type hints and `Args:` docstring, as for `environment.tools`
   functions. A method that raises is an error message to the model (TRL: "the recommended way to signal that an
   action is invalid"), not an environment failure. `async def` methods are run to completion.
 - `step(reply) -> (feedback, done)`, ours (TRL has no plain-reply hook): answers a turn that calls no tool (games,
@@ -203,7 +203,7 @@ class ClassEnvironment:
         methods = method_tools(sample)
         clash = sorted({t.name for t in methods} & {t.name for t in extra_tools})
         if clash:
-            raise ConfigError(f"{name}: the method {clash[0]!r} has the name of a tool in rollout.tools")
+            raise ConfigError(f"{name}: the method {clash[0]!r} has the name of a tool in environment.tools")
         self.tools = [t.schema for t in methods + extra_tools]
         self.scorer = next((m for m in ("get_reward", "reward") if callable(getattr(sample, m, None))), None)
         self.has_reward = self.scorer is not None
@@ -246,13 +246,13 @@ def build(cfg: Config) -> ClassEnvironment:
     assert env.factory is not None, "built for environment.factory only (environments.build_environment)"
     name = f"environment.factory {env.factory}"
     factory = resolve_function(env.factory, "environment.factory", "environment", ConfigError)
-    box = build_toolbox(cfg.rollout)
+    box = build_toolbox(cfg.environment)
     return ClassEnvironment(
         factory,
         name,
         env.kwargs,
         extra_tools=list(box.tools.values()) if box else [],
-        tool_timeout=cfg.rollout.tool_timeout,
+        tool_timeout=cfg.environment.tool_timeout,
         step_timeout=env.step_timeout,
     )
 

@@ -1,8 +1,8 @@
-"""The built-in stateless environment: `rollout.tools` (user functions and the sandboxed `python`) on the episode loop.
+"""The built-in stateless environment: `environment.tools` (user functions and the sandboxed `python`) on the episode loop.
 
 Nothing to reset and nothing to score: a turn with tool calls is answered with their results (all of a turn's
-calls at once, `ToolBox.run`: time-limited by rollout.tool_timeout, never raising), a turn without calls ends the
-episode. With `rollout.max_tool_turns` rounds of calls, an episode has at most max_tool_turns + 1 model turns.
+calls at once, `ToolBox.run`: time-limited by environment.tool_timeout, never raising), a turn without calls ends the
+episode. With `environment.max_tool_turns` rounds of calls, an episode has at most max_tool_turns + 1 model turns.
 This reproduces the tool loop that came before environments exactly (same conversations, tokens and seeds).
 """
 
@@ -16,7 +16,7 @@ from . import EpisodeSpec, Reply
 if TYPE_CHECKING:
     from ..config import Config
 
-NAME = "rollout.tools"
+NAME = "environment.tools"
 
 
 class ToolsEpisode:
@@ -50,7 +50,7 @@ class ToolsEpisode:
 
 
 class ToolsEnvironment:
-    """The `Environment` protocol for `rollout.tools` alone."""
+    """The `Environment` protocol for `environment.tools` alone."""
 
     name = NAME
     has_reward = False
@@ -71,6 +71,6 @@ class ToolsEnvironment:
 
 
 def build(cfg: Config) -> ToolsEnvironment:
-    box = build_toolbox(cfg.rollout)
-    assert box is not None, "the tools environment is built only where rollout.tools names some"
+    box = build_toolbox(cfg.environment)
+    assert box is not None, "the tools environment is built only where environment.tools names some"
     return ToolsEnvironment(box)

@@ -46,7 +46,7 @@ class Rollout:
     # Per-token log-probs under the sampler, when the engine reports them (for the
     # sampler/trainer mismatch metric and truncated importance sampling); same lengths as completion_ids.
     sampling_logprobs: list[list[float]] | None = None
-    # Multi-turn rollouts (rollout.tools, multi_turn.py) only; None otherwise.
+    # Multi-turn rollouts (environment.tools, multi_turn.py) only; None otherwise.
     completion_mask: list[list[int]] | None = None  # 1 on tokens the model wrote, 0 on tool output: no loss there
     conversations: list[list[dict[str, Any]]] | None = None  # each completion as messages, for the rewards
     tool_calls: list[int] | None = None  # tool calls per completion

@@ -8,7 +8,7 @@ validate one. The classes declare the same capabilities as attributes (the `Roll
 loop asks at run time); tests/test_engines.py checks that the two agree. `registry.build_engine` builds the
 engine an entry names.
 
-Deliberately not here: the engines' settings (config.py, one section each) and how they are built (registry.py).
+Deliberately not here: the engines' settings (config/rollout.py, one section each) and how they are built (registry.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: episodes played against environments (`environment:`, `rollout.tools`), on any engine.
+"""Multi-turn rollouts: episodes played against environments (`environment:`, `environment.tools`), on any engine.
 
 `EpisodeEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its interface, so the loop does not
 know environments exist: `generate` (with `max_tokens`, and `episodes=` where the engine `needs_episodes`), and
@@ -7,7 +7,7 @@ every other member of the `RolloutEngine` protocol forwarded explicitly to the w
 trainer waits for after a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the
 loop may ask an engine is the protocol, and a capability the wrapper lacked would silently change what the loop
 does (tests/test_engines.py checks every member is here). It talks to environments only through the `Episode`
-protocol (grpo_trainer/environments), so the built-in tools environment (`rollout.tools`), a TRL-style class and
+protocol (grpo_trainer/environments), so the built-in tools environment (`environment.tools`), a TRL-style class and
 OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
 
     prompt [+ reset text] | model turn 1 ... <EOS> | environment tokens | model turn 2 ... <EOS> | ...
@@ -92,7 +92,7 @@ class EnvMessageTokens:
     `where` names the config key in errors.
     """
 
-    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, where: str = "rollout.tools"):
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any] | None = None, where: str = "environment.tools"):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.where = where
@@ -124,7 +124,7 @@ class EnvMessageTokens:
 
 
 class ToolMessageTokens(EnvMessageTokens):
-    """EnvMessageTokens for tool results (as `rollout.tools` renders them)."""
+    """EnvMessageTokens for tool results (as `environment.tools` renders them)."""
 
     def __call__(self, results: list[ToolResult]) -> list[int]:  # type: ignore[override]
         return super().__call__(_tool_messages(results))
@@ -215,7 +215,7 @@ class Conversation:
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """How episodes are run (the `environment` section; for rollout.tools alone, values that reproduce the tool
+    """How episodes are run (the `environment` section; for environment.tools alone, values that reproduce the tool
     loop that came before: no cutting, no environment limit beyond the tools' own)."""
 
     max_turns: int
@@ -251,7 +251,7 @@ class EpisodeEngine:
 
     @property
     def needs_episodes(self) -> bool:
-        """Whether `generate` wants `episodes=` (one EpisodeSpec per prompt): every environment but rollout.tools'."""
+        """Whether `generate` wants `episodes=` (one EpisodeSpec per prompt): every environment but environment.tools'."""
         return self.settings.record
 
     # ------------------------------------------------------------------ the wrapped engine's, forwarded
@@ -434,7 +434,7 @@ class EpisodeEngine:
         return rollout
 
     def _start_plain(self, conversations: list[Conversation]) -> float:
-        """Episodes without a reset (rollout.tools; evaluation of an environment without specs is refused)."""
+        """Episodes without a reset (environment.tools; evaluation of an environment without specs is refused)."""
         if self.settings.record:
             raise ValueError(f"{self.environment.name}: episodes need their dataset rows and seeds (episodes=)")
         for conv in conversations:
@@ -564,7 +564,7 @@ class EpisodeEngine:
 
 
 class MultiTurnEngine(EpisodeEngine):
-    """The loop with `rollout.tools` alone (the built-in stateless environment), as it was built before
+    """The loop with `environment.tools` alone (the built-in stateless environment), as it was built before
     environments: `max_tool_turns` rounds of tool calls, i.e. at most max_tool_turns + 1 model turns."""
 
     def __init__(
@@ -610,7 +610,7 @@ TOOLS_CONCURRENCY = 64  # episodes answered at once (each runs its calls in the 
 def with_environment(
     engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings, environment: Environment | None = None
 ) -> RolloutEngine:
-    """`engine` itself without an environment; with one (`environment:`, or rollout.tools alone), the episode loop
+    """`engine` itself without an environment; with one (`environment:`, or environment.tools alone), the episode loop
     around it. `environment`: one already built (build_environment(cfg)), else built here."""
     from ..environments import build_environment
 
@@ -618,11 +618,11 @@ def with_environment(
     if environment is None:
         return engine
     env = cfg.environment
-    if env.kind is None:  # rollout.tools alone: the built-in tools environment
+    if env.kind is None:  # environment.tools alone: the built-in tools environment
         from ..environments.tools_env import ToolsEnvironment
 
-        assert isinstance(environment, ToolsEnvironment), f"rollout.tools alone built {type(environment).__name__}"
-        settings = tools_settings(environment.box, cfg.rollout.max_tool_turns)
+        assert isinstance(environment, ToolsEnvironment), f"environment.tools alone built {type(environment).__name__}"
+        settings = tools_settings(environment.box, cfg.environment.max_tool_turns)
     else:
         settings = EpisodeSettings(
             max_turns=env.max_turns,

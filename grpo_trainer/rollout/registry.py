@@ -42,7 +42,7 @@ def build_engine(
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
     the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
     forward of the model is itself a collective, see HFEngine); with an environment (`environment`, built by
-    environments.build_environment; else built here from the config, or from `toolbox` for rollout.tools alone),
+    environments.build_environment; else built here from the config, or from `toolbox` for environment.tools alone),
     wrapped in the episode loop (multi_turn.py)."""
     engine = _sampler(
         cfg,

@@ -1,4 +1,4 @@
-"""Tools a model can call during a rollout (`rollout.tools`): what they are, how calls are parsed and run.
+"""Tools a model can call during a rollout (`environment.tools`): what they are, how calls are parsed and run.
 
 A tool is a name, the JSON schema the chat template shows the model (its
 `tools=` argument), and a function from the call's arguments to the text that
@@ -22,7 +22,7 @@ Calls are parsed from the Hermes / Qwen format, `<tool_call>{"name": ..., "argum
 an unknown tool, bad arguments or a failing run all become an error message to the model and a counted tool
 error. "Bad arguments" means arguments that do not fit the tool's signature (checked before it runs); a
 TypeError raised inside a tool is reported as the tool's own failure, like any other exception. Every output
-is cut to `rollout.tool_output_chars`.
+is cut to `environment.tool_output_chars`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 from ..deadline import Call, UserCalls
 
 if TYPE_CHECKING:
-    from ..config import RolloutConfig
+    from ..config import EnvironmentConfig
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TOOL = "python"
-SELF_TIMED_GRACE = 5.0  # seconds after rollout.tool_timeout before a self-timed tool (the sandbox) is abandoned
+SELF_TIMED_GRACE = 5.0  # seconds after environment.tool_timeout before a self-timed tool (the sandbox) is abandoned
 ABANDONED_PER_WORKER = 4  # a user's tool calls still running past their timeout, per worker, before the run stops
 
 PYTHON_SCHEMA = {
@@ -133,7 +133,7 @@ class ToolBox:
         self.output_chars = output_chars
         self.max_workers = max_workers
         self._calls = UserCalls(
-            "rollout.tools", max_workers, ABANDONED_PER_WORKER * max_workers, "rollout.tool_timeout"
+            "environment.tools", max_workers, ABANDONED_PER_WORKER * max_workers, "environment.tool_timeout"
         )
 
     @property
@@ -177,7 +177,7 @@ class ToolBox:
         return self.timeout + (SELF_TIMED_GRACE if tool is not None and tool.self_timed else 0.0)
 
     def _name(self, name: str) -> str:
-        return f"rollout.tools {name}" if name in self.tools else "rollout.tools"
+        return f"environment.tools {name}" if name in self.tools else "environment.tools"
 
     def call(self, call: ToolCall) -> ToolResult:
         """One call, in the caller's thread (no time limit of its own: the caller's); never raises."""
@@ -252,18 +252,18 @@ def function_tool(spec: str, where: str) -> Tool:
     return Tool(schema["function"]["name"], schema, fn)
 
 
-def build_toolbox(rollout: RolloutConfig) -> ToolBox | None:
-    """`rollout.tools` -> the tool box (None without tools); names must be unique."""
+def build_toolbox(env: EnvironmentConfig) -> ToolBox | None:
+    """`environment.tools` -> the tool box (None without tools); names must be unique."""
     from ..errors import ConfigError
     from ..user_functions import first_duplicate
 
-    if not rollout.tools:
+    if not env.tools:
         return None
     tools = [
-        python_tool(rollout.tool_timeout) if spec == PYTHON_TOOL else function_tool(spec, f"rollout.tools.{i}")
-        for i, spec in enumerate(rollout.tools)
+        python_tool(env.tool_timeout) if spec == PYTHON_TOOL else function_tool(spec, f"environment.tools.{i}")
+        for i, spec in enumerate(env.tools)
     ]
     duplicate = first_duplicate([t.name for t in tools])
     if duplicate:
-        raise ConfigError(f"rollout.tools: two tools are named {duplicate!r}")
-    return ToolBox(tools, rollout.tool_timeout, rollout.tool_output_chars)
+        raise ConfigError(f"environment.tools: two tools are named {duplicate!r}")
+    return ToolBox(tools, env.tool_timeout, env.tool_output_chars)

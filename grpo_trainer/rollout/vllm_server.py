@@ -20,7 +20,7 @@ against vLLM 0.32 and tested for real against its CPU build.
   is waited for (the connection refused or timed out: a server starting); an address that answers
   something else (an HTTP 4xx to `/health`, an answer that is not vLLM's JSON) is refused at once, naming
   the URL and what it answered (`NotAVLLMServer`). `check_servers` runs these checks before the trainer
-  loads its model (preflight.py); impossible URLs are refused when the config loads (config.py).
+  loads its model (preflight.py); impossible URLs are refused when the config loads (config/rollout.py).
 - Weight push (`weight_sync`), main process only, every server at once, each push with a weight
   version (`weight_version`: the last one pushed, None before any):
   - `nccl` (GPU) and `gloo` (CPU, or GPUs through host memory): vLLM's RL API
