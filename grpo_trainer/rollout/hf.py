@@ -34,6 +34,7 @@ from ..cpu.draw import draw_torch
 from ..models import left_padded, positions
 from . import InProcess, Rollout, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
+from .kernels import MIN_DRAW_ELEMENTS
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
 
@@ -58,37 +59,40 @@ class _Rows:
 
     def __init__(self, seeds: list[int], limits: list[int], stop_token_ids: list[list[int]]):
         self.seeds = seeds
-        self.states: list[torch.Tensor | None] = [None] * len(seeds)  # CPU: the mt19937 state between draws
-        self.generators: dict[int, torch.Generator] = {}  # elsewhere: one generator per row on the device
+        self.generators: dict[int, torch.Generator] = {}  # each row's stream, made at its first draw
         self.limits = limits
         self.stops = [set(ids) for ids in stop_token_ids]
         self.logprobs: list[list[float]] = [[] for _ in seeds]
 
+    def _generator(self, row: int, device: torch.device) -> torch.Generator:
+        generator = self.generators.get(row)
+        if generator is None:
+            generator = self.generators[row] = torch.Generator(device).manual_seed(self.seeds[row])
+        return generator
+
     def draw(self, scores: torch.Tensor, live: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]):
         """A token for each live row (`live`: their indices) from its processed `scores` [live, V], each from its
-        own stream: on CPU the default generator is loaded with the row's state around the planned `draw` of one
-        row (so every exact draw of cpu/draw.py serves), restored afterwards."""
+        own stream. Every way gives torch.multinomial's token for the row's generator (cpu/draw.py), so the choice
+        is one of speed: torch's own draw on the row's generator where the vocabulary is small (one exponential per
+        entry, the rows' divisions batched), else the planned draw of one row with the default CPU generator
+        loaded with the row's state (restored afterwards)."""
         probs = checked_probs(scores)
         rows = live.tolist()
-        picked = []
-        if probs.device.type == "cpu":
+        vocab = probs.shape[-1]
+        if probs.device.type != "cpu" or vocab < MIN_DRAW_ELEMENTS:
+            q = torch.stack(
+                [torch.empty_like(probs[0]).exponential_(generator=self._generator(row, probs.device)) for row in rows]
+            )
+            nxt = (probs / q).argmax(-1)
+        else:
+            picked = []
             with torch.random.fork_rng(devices=[]):
                 for i, row in enumerate(rows):
-                    state = self.states[row]
-                    if state is None:
-                        torch.manual_seed(self.seeds[row])
-                    else:
-                        torch.set_rng_state(state)
+                    generator = self._generator(row, probs.device)
+                    torch.set_rng_state(generator.get_state())
                     picked.append(draw(probs[i : i + 1]))
-                    self.states[row] = torch.get_rng_state()
-        else:
-            for i, row in enumerate(rows):
-                generator = self.generators.get(row)
-                if generator is None:
-                    generator = self.generators[row] = torch.Generator(probs.device).manual_seed(self.seeds[row])
-                p = probs[i : i + 1]
-                picked.append((p / torch.empty_like(p).exponential_(generator=generator)).argmax(-1))
-        nxt = torch.cat(picked)
+                    generator.set_state(torch.get_rng_state())
+            nxt = torch.cat(picked)
         logp = scores.log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1).tolist()
         for row, value in zip(rows, logp):
             self.logprobs[row].append(value)
