@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,11 +34,69 @@ from ..cpu.draw import draw_torch
 from ..models import left_padded, positions
 from . import InProcess, Rollout, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
+from .kernels import MIN_DRAW_ELEMENTS
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
 
 if TYPE_CHECKING:
     from ..distributed import Collectives
+
+
+@dataclass
+class RowSamples:
+    """What `HFEngine.sample_rows` returns: one completion per prompt, with the sampler's log-probs."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # per completion token, under the distribution it was drawn from
+    finish_reasons: list[str]  # "stop" (EOS, one of the row's stop tokens, a stop string) or "length"
+
+
+class _Rows:
+    """Per-row sampling for `sample_rows`: each row its own random stream (a generator seeded with its seed, as
+    `generate` seeds one prompt's group), its own length limit and extra stop tokens, and the log-prob of each
+    drawn token under the processed distribution it was drawn from (vLLM's processed_logprobs). Ordinary generate
+    calls never build one: their draws and their Rollout are unchanged."""
+
+    def __init__(self, seeds: list[int], limits: list[int], stop_token_ids: list[list[int]]):
+        self.seeds = seeds
+        self.generators: dict[int, torch.Generator] = {}  # each row's stream, made at its first draw
+        self.limits = limits
+        self.stops = [set(ids) for ids in stop_token_ids]
+        self.logprobs: list[list[float]] = [[] for _ in seeds]
+
+    def _generator(self, row: int, device: torch.device) -> torch.Generator:
+        generator = self.generators.get(row)
+        if generator is None:
+            generator = self.generators[row] = torch.Generator(device).manual_seed(self.seeds[row])
+        return generator
+
+    def draw(self, scores: torch.Tensor, live: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]):
+        """A token for each live row (`live`: their indices) from its processed `scores` [live, V], each from its
+        own stream. Every way gives torch.multinomial's token for the row's generator (cpu/draw.py), so the choice
+        is one of speed: torch's own draw on the row's generator where the vocabulary is small (one exponential per
+        entry, the rows' divisions batched), else the planned draw of one row with the default CPU generator
+        loaded with the row's state (restored afterwards)."""
+        probs = checked_probs(scores)
+        rows = live.tolist()
+        vocab = probs.shape[-1]
+        if probs.device.type != "cpu" or vocab < MIN_DRAW_ELEMENTS:
+            q = torch.stack(
+                [torch.empty_like(probs[0]).exponential_(generator=self._generator(row, probs.device)) for row in rows]
+            )
+            nxt = (probs / q).argmax(-1)
+        else:
+            picked = []
+            with torch.random.fork_rng(devices=[]):
+                for i, row in enumerate(rows):
+                    generator = self._generator(row, probs.device)
+                    torch.set_rng_state(generator.get_state())
+                    picked.append(draw(probs[i : i + 1]))
+                    generator.set_state(torch.get_rng_state())
+            nxt = torch.cat(picked)
+        logp = scores.log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1).tolist()
+        for row, value in zip(rows, logp):
+            self.logprobs[row].append(value)
+        return nxt
 
 
 class HFEngine(InProcess):
@@ -165,6 +224,42 @@ class HFEngine(InProcess):
             model.train(was_training)
         return Rollout(completion_ids=completions, truncated=truncated)
 
+    @torch.no_grad()
+    def sample_rows(
+        self,
+        prompt_ids: list[list[int]],
+        seeds: list[int],
+        max_tokens: list[int],
+        stop_token_ids: list[list[int]] | None = None,
+    ) -> RowSamples:
+        """One completion per prompt in one batched decode (the token endpoint's batches, agents/endpoint.py).
+
+        Row i is drawn from its own stream `seeds[i]` (for one row: the tokens `generate([p], 1, seeds=[s])`
+        gives; in a batch the same up to the rounding of batched kernels), ends at EOS, at one of
+        `stop_token_ids[i]` or a stop string ("stop"), or after `max_tokens[i]` tokens ("length"), and reports
+        the log-prob of each token under the processed distribution it was drawn from. The default generator is
+        left as it was. Not under lockstep (FSDP): the ranks' endpoints form batches independently."""
+        if self.lockstep is not None:
+            raise NotImplementedError("the hf engine samples per-row batches only without lockstep (not under FSDP)")
+        if not prompt_ids:
+            return RowSamples([], [], [])
+        rows = _Rows(list(seeds), list(max_tokens), list(stop_token_ids or [[] for _ in prompt_ids]))
+        model = self.get_model()
+        limit = max(max_tokens)
+        was_training = model.training
+        model.eval()
+        use_cache = model.config.use_cache
+        model.config.use_cache = True
+        if self.kernel_plan is None:
+            self.kernel_plan = self.plan_kernels(len(prompt_ids), max(map(len, prompt_ids)) + limit)
+        try:
+            with self.full_parameters(model):
+                tokens, truncated = self._decode_shared_prompt(model, prompt_ids, 1, limit, per_row=rows)
+        finally:
+            model.config.use_cache = use_cache
+            model.train(was_training)
+        return RowSamples(tokens, rows.logprobs, ["length" if t else "stop" for t in truncated])
+
     def _max_over_ranks(self, value: int) -> int:
         if self.lockstep is None:  # this rank alone
             return value
@@ -181,8 +276,9 @@ class HFEngine(InProcess):
         ids, mask = left_padded(prompts, self.pad_token_id)
         return ids.to(device), mask.to(device)
 
-    def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int, limit: int):
-        """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished."""
+    def _decode_shared_prompt(self, model, prompts: list[list[int]], g: int, limit: int, per_row: _Rows | None = None):
+        """Prefill each prompt once, copy its cache G times, sample token by token, drop rows that finished.
+        `per_row` (sample_rows, G = 1): each row's own stream, limit and stop tokens."""
         if not prompts:  # only in lockstep, for a batch only other ranks have
             with decode_kernels(model, self.kernel_plan):
                 self._idle_forward(model)
@@ -211,7 +307,7 @@ class HFEngine(InProcess):
             decoder, context = EagerDecoder(model, cache, mask[rows]), kernels
         with context:
             tokens, finished = self._sample_tokens(
-                model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred, limit, kernels.draw
+                model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred, limit, kernels.draw, per_row
             )
         return tokens, [not done for done in finished]
 
@@ -229,11 +325,13 @@ class HFEngine(InProcess):
         occurred: torch.Tensor | None,
         limit: int,
         draw: Callable[[torch.Tensor], torch.Tensor],
+        rows: _Rows | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Token by token from the first `logits` [B, V] through `decoder` (`forward(tokens, positions)`,
         `keep(rows)`), whose rows sit at `next_position` [B]; finished rows leave the batch.
         `occurred` [B, V] marks the tokens each row has seen, for the repetition penalty (None: no penalty).
         Returns each row's tokens and whether it finished (EOS or a stop string) before the length limit.
+        `rows` (sample_rows only): per-row streams, limits and stop tokens, and the log-probs it records.
 
         In lockstep (`self.lockstep`: forwards are collectives) the loop ends when no rank has a row left:
         one all-reduce per token, and a rank whose rows have all finished makes idle forwards until then."""
@@ -244,17 +342,25 @@ class HFEngine(InProcess):
         done_here = False
         for step in itertools.count():
             if not done_here:
-                nxt = sample_next_token(logits, **self.sampling, occurred=occurred, draw=draw)  # [live]
+                if rows is None:
+                    nxt = sample_next_token(logits, **self.sampling, occurred=occurred, draw=draw)  # [live]
+                else:
+                    settings = {k: v for k, v in self.sampling.items() if k != "do_sample"}
+                    nxt = rows.draw(processed_scores(logits, **settings, occurred=occurred), live, draw)
                 if occurred is not None:
                     occurred[torch.arange(len(nxt), device=nxt.device), nxt] = True
                 going = ~torch.isin(nxt, eos)
                 flags = going.tolist()
                 for i, (row, token) in enumerate(zip(live.tolist(), nxt.tolist())):
                     tokens[row].append(token)
+                    if flags[i] and rows is not None and token in rows.stops[row]:
+                        flags[i] = False
                     if flags[i] and self.stop is not None and self.stop.completes_stop(tokens[row]):
                         flags[i] = False
                     finished[row] = not flags[i]
-                if self.stop is not None:
+                    if flags[i] and rows is not None and len(tokens[row]) >= rows.limits[row]:
+                        flags[i] = False  # its own limit: truncated, not finished
+                if self.stop is not None or rows is not None:
                     going = torch.tensor(flags, device=going.device)
                 done_here = step >= limit - 1 or not going.any()
             if not (self._max_over_ranks(not done_here) if self.lockstep is not None else not done_here):
@@ -313,21 +419,18 @@ class HFEngine(InProcess):
         return completions, truncated
 
 
-def sample_next_token(
+def processed_scores(
     logits: torch.Tensor,
-    do_sample: bool = True,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int | None = None,
     min_p: float = 0.0,
     repetition_penalty: float = 1.0,
     occurred: torch.Tensor | None = None,
-    draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch,
 ) -> torch.Tensor:
-    """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
-    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of cpu/draw.py's,
-    which all give torch.multinomial's token). vLLM applies the same penalty and min-p (alone: config refuses
-    min-p with top-k/top-p, where the two orders differ)."""
+    """The scores [B, V] (float32) a token is drawn from, `logits` [B, V] after `generate`'s processors: repetition
+    penalty (on the tokens marked in `occurred` [B, V]), temperature, top-k, top-p, min-p (filtered: -inf).
+    Their log-softmax is the log-prob of the distribution the token is drawn from (vLLM's processed_logprobs)."""
     scores = logits.float()
     if repetition_penalty != 1.0 and occurred is not None:
         penalised = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
@@ -345,11 +448,35 @@ def sample_next_token(
     if min_p > 0:
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -float("inf"))
-    if not do_sample:
-        return scores.argmax(-1)
+    return scores
+
+
+def checked_probs(scores: torch.Tensor) -> torch.Tensor:
+    """softmax(`scores`), refused when not finite."""
     probs = scores.softmax(-1)
     # A softmax row holds a NaN exactly when its sum does (its entries are in [0, 1] otherwise); summing makes no
     # vocabulary-sized boolean tensor, as isfinite over the whole vocabulary would, on every decode step.
     if not torch.isfinite(probs.sum(-1)).all():
         raise FloatingPointError("sampling: the model's next-token distribution is not finite (NaN or inf logits)")
-    return draw(probs)
+    return probs
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    occurred: torch.Tensor | None = None,
+    draw: Callable[[torch.Tensor], torch.Tensor] = draw_torch,
+) -> torch.Tensor:
+    """One token per row of `logits` [B, V], as `generate` samples: repetition penalty (on the tokens marked in
+    `occurred` [B, V]), temperature, top-k, top-p, min-p, then a multinomial draw (`draw`: any of cpu/draw.py's,
+    which all give torch.multinomial's token). vLLM applies the same penalty and min-p (alone: config refuses
+    min-p with top-k/top-p, where the two orders differ)."""
+    scores = processed_scores(logits, temperature, top_p, top_k, min_p, repetition_penalty, occurred)
+    if not do_sample:
+        return scores.argmax(-1)
+    return draw(checked_probs(scores))
