@@ -3,7 +3,7 @@
 An *episode* is one completion played against one environment object: reset from the prompt's dataset row and the
 group's seed, the model's turns answered (tool calls and plain replies), ended by the environment, the model or
 the length limit, scored by the environment (`reward()`) beside the config's reward functions. The multi-turn
-loop (`rollout/multi_turn.py`, `EpisodeEngine`) talks to episodes through the `Episode` protocol below and to
+loop (`episodes.py`, `EpisodeEngine`) talks to episodes through the `Episode` protocol below and to
 nothing else, so every kind of environment runs on the one loop:
 
 - `tools_env.py`: the built-in stateless environment of `rollout.tools` (and the sandboxed `python` tool);
@@ -35,7 +35,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..rollout.tools import ToolCall, ToolResult
+    from .tools import ToolCall, ToolResult
 
 # Why an episode ended (EpisodeRecord.ended_by). The first four are normal ends; the last three are failures.
 ENDED_BY_ENVIRONMENT = "environment"  # the environment said done
@@ -123,7 +123,7 @@ class Episode(Protocol):
 
     def respond(self, text: str, calls: list[ToolCall | ToolResult]) -> Reply:
         """Answer a model turn: its decoded text (special tokens skipped) and the tool calls parsed from it (a
-        call that could not be parsed is already its error result, rollout/tools.py)."""
+        call that could not be parsed is already its error result, environments/tools.py)."""
 
     def reward(self) -> float | None:
         """The episode's reward, at its end (None: no opinion)."""
