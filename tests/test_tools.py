@@ -442,3 +442,36 @@ def test_seeded_multi_turn_groups_do_not_depend_on_batching():
     alone = Rollout.concat([engine.generate([p], 4, seeds=[s]) for p, s in zip(prompts, seeds)])
     assert together.completion_ids == alone.completion_ids and together.conversations == alone.conversations
     assert sum(together.tool_calls) > 0
+
+
+def _build_a_run_and_evaluate(overrides: list[str]) -> None:
+    """In a fork (build_run starts an Accelerator): every build_environment call counted and the environment's
+    close() recorded through a run's life, a periodic evaluation included."""
+    from grpo_trainer import evaluate, state
+    from grpo_trainer.config import load_config
+    from grpo_trainer.environments import build_environment
+
+    built, closed = [], []
+
+    def counting(cfg):
+        built.append(build_environment(cfg))
+        built[-1].close = lambda: closed.append(True)
+        return built[-1]
+
+    state.build_environment = evaluate.build_environment = counting
+    cfg = load_config("configs/tools_cpu.yaml", overrides)
+    run = state.build_run(cfg)
+    assert len(built) == 1, built
+    assert run.task.environment is run.eval_task.environment is run.engine.environment is built[0]
+    results = evaluate.evaluate_model(run.bare_lm(), run.tokenizer, cfg, k=1, task=run.eval_task, progress=False)
+    assert results["eval/num_prompts"] == 2 and len(built) == 1 and not closed  # evaluated on the run's, left open
+    state.stop_run(run)
+    assert closed == [True]  # the run closes what it built, once
+
+
+def test_the_run_builds_its_environment_once_for_the_task_the_engine_and_the_evaluator(tmp_path):
+    from helpers import run_in_fork, small_run_overrides
+
+    overrides = [*small_run_overrides(tmp_path / "out"), "eval.every=1", "eval.num_samples=2"]
+    result = run_in_fork(_build_a_run_and_evaluate, (overrides,))
+    assert result.returncode == 0, result.stderr[-3000:]
