@@ -12,12 +12,19 @@ import pytest
 import torch
 
 from grpo_trainer.config import ModelConfig, RolloutConfig
+from grpo_trainer.environments.episodes import EnvMessageTokens, EpisodeEngine, tools_settings
+from grpo_trainer.environments.tools import (
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    build_toolbox,
+    parse_tool_calls,
+    tool_message,
+)
+from grpo_trainer.environments.tools_env import ToolsEnvironment
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.environments.episodes import EnvMessageTokens, EpisodeEngine, tools_settings
-from grpo_trainer.environments.tools import (Tool, ToolBox, ToolCall, ToolResult, build_toolbox, parse_tool_calls,
-                                             tool_message)
-from grpo_trainer.environments.tools_env import ToolsEnvironment
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 
