@@ -34,8 +34,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, UserError
-from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 from .calls import EnvCalls
+from .protocol import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 from .tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox, tool_message
 
 if TYPE_CHECKING:

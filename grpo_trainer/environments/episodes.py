@@ -57,7 +57,8 @@ import torch
 from ..errors import ConfigError
 from ..rollout import Rollout, RolloutEngine, SamplingSettings
 from ..seeds import mix_seed
-from . import (
+from .calls import EnvCalls, EpisodeBudget, Outcome
+from .protocol import (
     ENDED_BY_ENVIRONMENT,
     ENDED_BY_LENGTH,
     ENDED_BY_MODEL,
@@ -70,7 +71,6 @@ from . import (
     EpisodeRecord,
     EpisodeSpec,
 )
-from .calls import EnvCalls, EpisodeBudget, Outcome
 from .scoring import failure_summary
 from .tools import ToolBox, ToolCall, ToolResult, parse_tool_calls
 

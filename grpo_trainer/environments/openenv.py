@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
+from .protocol import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 from .tools import ToolCall, ToolResult, tool_message
 
 if TYPE_CHECKING:

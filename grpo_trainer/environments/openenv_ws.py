@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, TrainingError
-from . import EpisodeSpec, ProtocolBreach
 from .openenv import (
     RESERVED_FIELDS,
     ActionCodec,
@@ -51,6 +50,7 @@ from .openenv import (
     check_observation,
     format_validation_errors,
 )
+from .protocol import EpisodeSpec, ProtocolBreach
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import EpisodeSpec, Reply
+from .protocol import EpisodeSpec, Reply
 from .tools import ToolBox, ToolCall, ToolResult, build_toolbox, tool_message
 
 if TYPE_CHECKING:
