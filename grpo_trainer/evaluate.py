@@ -44,13 +44,13 @@ import torch
 
 from .config import Config
 from .data import LOCAL_FORMATS
-from .environments import EpisodeRecord, build_environment
+from .environments import Environment, EpisodeRecord, build_environment
+from .environments.episodes import with_environment
 from .environments.scoring import failure_kinds
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
 from .rollout import RolloutEngine, sampling_settings
 from .rollout.hf import HFEngine
-from .rollout.multi_turn import with_environment
 from .seeds import mix_seed
 from .task import Task, load_task
 
@@ -140,8 +140,16 @@ def eval_settings(cfg: Config, k: int | None = None, num_prompts: int | None = N
     )
 
 
-def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_prompts: int | None = None) -> Task:
+def load_eval_task(
+    cfg: Config,
+    tokenizer,
+    max_context: int | None = None,
+    num_prompts: int | None = None,
+    *,
+    environment: Environment | None,
+) -> Task:
     """The eval prompts, formatted and tokenized, and the rewards; build once, reuse for every evaluation.
+    `environment`: the run's (build_environment(cfg)), which plays the evaluation's episodes as it plays training's.
 
     Raises DataError on a bad source, split or record.
     """
@@ -155,7 +163,6 @@ def load_eval_task(cfg: Config, tokenizer, max_context: int | None = None, num_p
             s.split,
         )
     try:
-        environment = build_environment(cfg)
         return load_task(
             data_cfg,
             cfg.rewards,
@@ -197,13 +204,21 @@ def evaluate_model(
     `kernel_plan`: the decode loop's kernel choices (the training run's; default: planned for this evaluation's
     shapes before it samples, rollout/kernels.py).
 
-    Pass `task=load_eval_task(...)` to reuse the tokenized prompts across periodic evaluations
-    (then `num_prompts`, which overrides eval.num_samples, is decided there).
+    Pass `task=load_eval_task(...)` to reuse the tokenized prompts (and the run's environment, which the task
+    carries) across periodic evaluations (then `num_prompts`, which overrides eval.num_samples, is decided there).
+    Without, the environment is built here, and closed at the end.
     The model's train/eval mode and KV-cache setting are restored afterwards.
     """
     s = eval_settings(cfg, k)
+    built = None  # the environment built here, closed here
     if task is None:
-        task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts)
+        built = build_environment(cfg)
+        try:
+            task = load_eval_task(cfg, tokenizer, context_length(lm), num_prompts, environment=built)
+        except BaseException:
+            if built is not None:
+                built.close()
+            raise
     sampling = replace(sampling_settings(cfg, eos_token_ids(tokenizer, lm)), temperature=s.temperature, batch_size=0)
     engine: RolloutEngine = HFEngine(
         sampling,
@@ -215,7 +230,7 @@ def evaluate_model(
         lockstep=lockstep,
         kernel_plan=kernel_plan,
     )
-    engine = with_environment(engine, tokenizer, cfg, sampling)  # evaluated as trained
+    engine = with_environment(engine, tokenizer, cfg, sampling, task.environment)  # evaluated as trained
     device = next(lm.parameters()).device
     prompts_total = len(task)
     per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
@@ -239,7 +254,9 @@ def evaluate_model(
                 chunks.append(both.view(len(indices), s.k, -1))
                 bar.update(len(indices))
     finally:
-        engine.close()  # an environment's threads and objects (the HFEngine itself holds nothing)
+        engine.close()  # the episode loop's threads (the HFEngine itself holds nothing)
+        if built is not None:
+            built.close()
     bar.close()
     names = [r.name for r in task.rewards] + ["reward"]
     results = summarize(torch.cat(chunks, 0), names, s.k)

@@ -219,51 +219,6 @@ VESPO_LOG_W_RANGE = (math.log(1e-8), 20.0)
 VESPO_TOKEN_LOG_RATIO_RANGE = (-20.0, 20.0)
 
 
-def token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    policy_weight: torch.Tensor | None = None,
-    sampler_weight: torch.Tensor | None = None,
-    soft_gate: SoftGate = SoftGate(),  # noqa: B008 (frozen: one shared default is safe)
-    gamma: GammaShape = GammaShape(),  # noqa: B008
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`per_token_loss` of a built-in type with its options as plain arguments and one advantage per completion
-    ([B]): the form of the hand-derived tests and scripts/length_bias.py. The clip arguments go to the types that
-    read them, `soft_gate` to sapo, `gamma` to vespo; the others are ignored, as the options are not checked here
-    (the config does that)."""
-    variant = loss_variant(loss_type)
-    options: LossOptions
-    if variant.options is SoftGate:
-        options = soft_gate
-    elif variant.options is GammaShape:
-        options = gamma
-    else:
-        given: dict[str, Any] = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
-        options = variant.options.model_construct(
-            **{k: v for k, v in given.items() if k in variant.options.model_fields}
-        )
-    return per_token_loss(
-        variant,
-        options,
-        logp,
-        old_logp,
-        advantages[:, None].expand_as(logp),
-        mask,
-        ref_logp=ref_logp,
-        beta=beta,
-        policy_weight=policy_weight,
-        sampler_weight=sampler_weight,
-    )
-
-
 def per_token_loss(
     variant: LossVariant,
     options: LossOptions,
@@ -650,7 +605,7 @@ def importance_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rollout correction for a sampler (e.g. vLLM) that scores tokens slightly differently from the trainer, or
     sampled them with older weights (asynchronous rollouts, docs/async.md): per-token weight [B, T] (detached) for
-    `token_loss`'s `sampler_weight`, and which real tokens fell outside [floor, cap] [B, T] (bool).
+    `per_token_loss`'s `sampler_weight`, and which real tokens fell outside [floor, cap] [B, T] (bool).
 
     The ratio is pi_old / pi_sampler per token (`token_*`), or its product over the completion's tokens,
     exp(sum_t log pi_old - log pi_sampler), shared by every token of it (`sequence_*`). `*_truncate` caps it,

@@ -32,6 +32,7 @@ from .cpu.heap import HeapTrimmer
 from .data import PromptSampler
 from .environments import build_environment
 from .environments.checks import check_environment
+from .environments.episodes import with_environment
 from .errors import ConfigError, TrainingError
 from .evaluate import load_eval_task
 from .export import save_model
@@ -142,7 +143,9 @@ def build_run(cfg: Config) -> Run:
         progress=ProgressBar(cfg, accelerator.is_main_process),
         heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
         # every rank evaluates (see trainer.periodic_eval)
-        eval_task=load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None,
+        eval_task=load_eval_task(cfg, tokenizer, context_length(lm), environment=environment)
+        if cfg.eval.every
+        else None,
     )
 
 
@@ -181,19 +184,21 @@ def _start_processes(cfg: Config) -> tuple[Any, Geometry, list[str]]:
 
 
 def _engine(cfg: Config, accelerator, comm, policy, bare_lm, tokenizer, lm, environment) -> RolloutEngine:
-    """The rollout engine, sampling from `bare_lm()` (whole parameters under ZeRO-3) or its own copy."""
-    return build_engine(
+    """The rollout engine, sampling from `bare_lm()` (whole parameters under ZeRO-3) or its own copy; with an
+    environment, the episode loop around it."""
+    sampling = sampling_settings(cfg, eos_token_ids(tokenizer, lm))
+    sampler = build_engine(
         cfg,
-        sampling_settings(cfg, eos_token_ids(tokenizer, lm)),
+        sampling,
         get_model=bare_lm,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         full_parameters=lambda _lm: distributed.zero3_sampling_context(accelerator, policy),
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
-        environment=environment,
         lockstep=distributed.sampling_lockstep(accelerator, comm),
     )
+    return with_environment(sampler, tokenizer, cfg, sampling, environment)
 
 
 def _training_task(cfg: Config, tokenizer, lm, environment) -> Task:
@@ -413,8 +418,9 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
     check_environment(cfg, contact_server=False)  # a missing factory file: before the model loads
     geometry = batch_geometry(cfg, 1)
     tokenizer, lm = load_tokenizer(cfg.model, cfg.data.chat_template), load_causal_lm(cfg.model).eval()
-    task = _training_task(cfg, tokenizer, lm, _environment_for_kernels(cfg))
-    eval_task = load_eval_task(cfg, tokenizer, context_length(lm)) if cfg.eval.every else None
+    environment = _environment_for_kernels(cfg)
+    task = _training_task(cfg, tokenizer, lm, environment)
+    eval_task = load_eval_task(cfg, tokenizer, context_length(lm), environment=environment) if cfg.eval.every else None
     rows, context = decode_reach(cfg, geometry, task, eval_task)
     before = plan_decode_kernels(lm, rows, context)
     return before, plan_decode_kernels(lm, rows, context, remeasure=True) if remeasure else before
@@ -468,6 +474,8 @@ def stop_run(run: Run) -> None:
     run.metrics.close()
     run.rollouts.close()
     run.engine.close()
+    if run.task.environment is not None:  # built once for the run: its task, engine and evaluator played it
+        run.task.environment.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
     distributed.keep_until_exit(run)

@@ -36,6 +36,7 @@ class Task:
     on_error: str = "zero"  # environment.on_error: how episodes the environment failed are scored
     data: DataConfig | None = None  # for prompts extended by an environment's reset text
     tools: list[dict[str, Any]] | None = None  # the tool schemas the prompts show
+    environment: Environment | None = None  # the run's, that plays this task's episodes (rollout.tools' included)
     max_context: int | None = None
 
     def __len__(self) -> int:
@@ -145,6 +146,7 @@ def load_task(
         on_error=on_error,
         data=data,
         tools=tools,
+        environment=environment,
         max_context=max_context,
     )
 

@@ -20,7 +20,7 @@ from test_environments import END, ScriptedModel, _prompt, _tokenizer  # noqa: E
 
 from grpo_trainer.environments import EpisodeSpec  # noqa: E402
 from grpo_trainer.environments.class_env import ClassEnvironment  # noqa: E402
-from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings  # noqa: E402
+from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings  # noqa: E402
 
 PROMPTS, G, STEP_SECONDS, TURNS = 8, 8, 0.05, 3
 

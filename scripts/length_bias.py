@@ -26,7 +26,7 @@ Per-token log-probs are exact: log p(answer), log(1 - p_stop) per filler, log p_
 for the stop token. Training is on-policy (one update per batch, old = current), so
 the ratio is 1 and no clipping happens: what differs between the two runs is only the
 advantage scaling and the aggregation, exactly `grpo_trainer.advantages.group_advantages`
-and `grpo_trainer.losses.token_loss` + `aggregate`.
+and `grpo_trainer.losses.per_token_loss` + `aggregate`.
 
 Step sizes. Plain SGD (no Adam, whose per-parameter normalisation would hide the
 loss's scale). `dr_grpo` divides each completion's token sum by max_length = 40,
@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from grpo_trainer.advantages import group_advantages  # noqa: E402
-from grpo_trainer.losses import aggregate, token_loss  # noqa: E402
+from grpo_trainer.losses import aggregate, loss_variant, per_token_loss  # noqa: E402
 
 NUM_QUESTIONS = 8
 NUM_ANSWERS = 4
@@ -149,8 +149,10 @@ def train(loss_type: str, steps: int, seed: int) -> dict[int, dict[str, float]]:
         rewards = (answers == right_answers()[questions]).float()  # [64]
         advantages, _ = group_advantages(rewards, GROUP_SIZE, scale_rewards)
         logp, mask = policy.token_logprobs(questions, answers, lengths, stopped)
-        per_token, _ = token_loss(
-            logp, logp.detach(), advantages, mask, loss_type, epsilon_low=0.2, epsilon_high=0.2
+        variant = loss_variant(loss_type)
+        options = variant.options.model_construct(epsilon_low=0.2, epsilon_high=0.2, delta=None)
+        per_token, _ = per_token_loss(
+            variant, options, logp, logp.detach(), advantages[:, None].expand_as(logp), mask
         )
         loss = aggregate(
             per_token,

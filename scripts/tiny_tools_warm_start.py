@@ -8,7 +8,7 @@ the probability that the first token starts a tool call, the tool-call rate, how
 right product, and the accuracy with, without and overall. The numbers it printed are in the docstring of
 grpo_trainer/builtin/tiny_tools.py; tests/test_tiny_tools.py runs it on 16 prompts.
 
-The tool here is a stand-in for the real one (rollout/tools.py, which sandboxes): it runs only
+The tool here is a stand-in for the real one (environments/tools.py, which sandboxes): it runs only
 `print(<digits and * + - ( )>)`, in this process.
 """
 

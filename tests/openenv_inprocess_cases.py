@@ -16,7 +16,7 @@ import pytest
 from grpo_trainer.environments import EpisodeSpec, ProtocolBreach
 from grpo_trainer.environments.openenv import build
 from grpo_trainer.errors import ConfigError
-from grpo_trainer.rollout.tools import parse_tool_calls
+from grpo_trainer.environments.tools import parse_tool_calls
 from openenv_loop import END, WON, call, check_a_won_episode, play
 
 ENVS = "tests/openenv_envs.py"

@@ -11,7 +11,7 @@ from grpo_trainer.config import ModelConfig
 from grpo_trainer.environments import EpisodeSpec
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
+from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings
 
 END = "<|im_end|>"
 SEED = 5

@@ -323,13 +323,12 @@ class Restarting:
 
 def tools_engine(inner, max_len=6):
     from grpo_trainer.models import load_tokenizer
-    from grpo_trainer.rollout.multi_turn import MultiTurnEngine
-    from grpo_trainer.rollout.tools import Tool, ToolBox
+    from grpo_trainer.environments.tools import Tool, ToolBox
+    from test_tools import tools_loop
 
     tokenizer = load_tokenizer(ModelConfig())
     box = ToolBox([Tool("add", {}, lambda a, b: str(a + b))], timeout=5, output_chars=100)
-    return MultiTurnEngine(inner, box, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=max_len,
-                           max_tool_turns=2)
+    return tools_loop(inner, box, tokenizer, max_len, 2)
 
 
 def test_the_tools_engine_has_what_the_engine_it_wraps_has(tiny_model_path):

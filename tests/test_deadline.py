@@ -147,7 +147,7 @@ def test_os_exit_zero_in_a_thread_during_the_run_is_not_a_success():
 
 
 def test_a_tool_that_never_returns_is_an_error_to_the_model_reported_at_its_limit():
-    from grpo_trainer.rollout.tools import Tool, ToolBox, ToolCall
+    from grpo_trainer.environments.tools import Tool, ToolBox, ToolCall
 
     schema = {"type": "function", "function": {"name": "wait", "parameters": {"type": "object", "properties": {}}}}
     box = ToolBox([Tool("wait", schema, lambda: _forever() or "never")], timeout=0.1, output_chars=100)
@@ -266,7 +266,7 @@ def test_an_environment_whose_first_object_hangs_or_exits_stops_in_one_line():
 
 def test_an_object_whose_snapshot_was_abandoned_is_not_closed():
     """Never touched again: neither scored, nor closed, once one of its calls was abandoned."""
-    from grpo_trainer.rollout.multi_turn import Conversation, EpisodeEngine, EpisodeSettings
+    from grpo_trainer.environments.episodes import Conversation, EpisodeEngine, EpisodeSettings
     from grpo_trainer.environments.calls import EnvCalls, EpisodeBudget
 
     closed = []

@@ -16,7 +16,7 @@ import pytest
 from grpo_trainer.rollout import Rollout, RolloutEngine, SamplingSettings
 from grpo_trainer.rollout.engines import CAPABILITIES, ENGINE_NAMES, ENGINES, EngineKind, engine_kind, engines_that
 from grpo_trainer.rollout.hf import HFEngine
-from grpo_trainer.rollout.multi_turn import MultiTurnEngine
+from grpo_trainer.environments.episodes import EpisodeEngine
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine
 from grpo_trainer.rollout.vllm_server import VLLMServerEngine
 
@@ -38,7 +38,7 @@ def test_the_protocol_declares_what_the_loop_asks():
     assert {"generate", "sync_weights", "reconnect", "plan_kernels", "use_kernels", "sleep", "wake_up", "close"} <= set(methods)
 
 
-@pytest.mark.parametrize("cls", [*CLASSES.values(), MultiTurnEngine], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*CLASSES.values(), EpisodeEngine], ids=lambda c: c.__name__)
 def test_every_engine_class_and_the_tools_wrapper_have_every_member_of_the_protocol(cls):
     """Each attribute on the class itself (an engine's capabilities do not depend on the instance), each method
     taking at least the protocol's parameters, by name and in order (the loop passes some by keyword)."""
@@ -111,14 +111,14 @@ def test_the_tools_wrapper_forwards_every_capability_and_call_of_the_engine_it_w
     call forwarded with its arguments; with the wrapper the engine still satisfies the protocol at run time."""
     from grpo_trainer.config import ModelConfig
     from grpo_trainer.models import load_tokenizer
-    from grpo_trainer.rollout.tools import Tool, ToolBox
+    from grpo_trainer.environments.tools import Tool, ToolBox
+    from test_tools import tools_loop
 
     lockstep = object() if value else None
     inner = Inner(needs_weight_sync=value, samples_outside_process=value, can_lose_weights=value, lockstep=lockstep)
     tokenizer = load_tokenizer(ModelConfig())
     box = ToolBox([Tool("add", {}, lambda a, b: str(a + b))], timeout=5, output_chars=100)
-    engine = MultiTurnEngine(inner, box, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=4,
-                             max_tool_turns=1)
+    engine = tools_loop(inner, box, tokenizer, 4, 1)
     assert isinstance(engine, RolloutEngine) and isinstance(inner, RolloutEngine)
     for capability in PROTOCOL_CAPABILITIES:
         assert getattr(engine, capability) is value, capability

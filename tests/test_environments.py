@@ -27,7 +27,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
+from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings
 
 END = "<|im_end|>"
 
@@ -819,7 +819,7 @@ def test_a_generator_tool_method_is_refused_at_load(factory, tmp_path):
     """Defect 10: a tool that yields would show the model `<generator object ... at 0x...>`: refused, naming it."""
     with pytest.raises(ConfigError, match=rf"the tool method {factory.__name__}\.moves is a generator"):
         ClassEnvironment(factory, "environment.factory x.py:E", {}, extra_tools=[], tool_timeout=1)
-    from grpo_trainer.rollout.tools import function_tool
+    from grpo_trainer.environments.tools import function_tool
 
     tool = tmp_path / "gen_tool.py"
     tool.write_text('def moves(n: int) -> str:\n    """Moves.\n\n    Args:\n        n: how many\n    """\n'

@@ -120,3 +120,22 @@ def test_the_built_ins_reach_the_core_only_through_their_resolver():
     leaves = {"grpo_trainer.errors", "grpo_trainer.deepspeed_guard"}  # modules that import nothing from the package
     assert {t for t in inside if not t.startswith("grpo_trainer.builtin")} <= leaves
     assert all(graph[leaf] == set() for leaf in leaves)
+
+
+def test_rollout_and_environments_meet_only_at_the_engine_protocol():
+    """Engines know nothing of environments; environments (tools, the episode loop, every kind) know of the engines
+    only their protocol, the `grpo_trainer.rollout` package's own types (RolloutEngine, Rollout, SamplingSettings).
+    Imports inside functions and under TYPE_CHECKING count: a lazy import is still a dependency."""
+    graph = import_graph(PACKAGE)
+
+    def inside(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    rollout, environments = "grpo_trainer.rollout", "grpo_trainer.environments"
+    engines_to_environments = {(name, target) for name, targets in graph.items() if inside(name, rollout)
+                               for target in targets if inside(target, environments)}
+    assert engines_to_environments == set()
+    environments_to_engines = {(name, target) for name, targets in graph.items() if inside(name, environments)
+                               for target in targets if inside(target, rollout) and target != rollout}
+    assert environments_to_engines == set()
+    assert any(rollout in graph[name] for name in graph if inside(name, environments))  # the rule is not vacuous

@@ -26,7 +26,8 @@ import math
 import pytest
 import torch
 
-from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate, aggregate, kl_k3, token_loss
+from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS, GammaShape, SoftGate, aggregate, kl_k3
+from loss_helpers import token_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 GATE, GAMMA = SoftGate(), GammaShape()  # the defaults: tau 1.0 / 1.05; (k, lambda) = (2, 3) for A >= 0, (3, 2) below

@@ -28,7 +28,7 @@ from grpo_trainer.environments.openenv_ws import (
     Disconnected, EnvironmentServerLost, OpenEnvRemote, ServerError, StepTimeout, fetch_schema,
 )
 from grpo_trainer.errors import ConfigError
-from grpo_trainer.rollout.tools import parse_tool_calls
+from grpo_trainer.environments.tools import parse_tool_calls
 from helpers import ROOT, free_port
 from openenv_loop import END, WON, call, check_a_won_episode, play
 import openenv_overlay

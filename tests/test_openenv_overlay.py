@@ -17,7 +17,7 @@ import pytest
 
 from grpo_trainer.environments import EpisodeSpec
 from grpo_trainer.environments.openenv_ws import OpenEnvRemote
-from grpo_trainer.rollout.tools import parse_tool_calls
+from grpo_trainer.environments.tools import parse_tool_calls
 from helpers import ROOT, free_port
 from openenv_overlay import overlay_or_skip
 

@@ -12,10 +12,19 @@ import pytest
 import torch
 
 from grpo_trainer.config import EnvironmentConfig, ModelConfig
+from grpo_trainer.environments.episodes import EnvMessageTokens, EpisodeEngine, tools_settings
+from grpo_trainer.environments.tools import (
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    build_toolbox,
+    parse_tool_calls,
+    tool_message,
+)
+from grpo_trainer.environments.tools_env import ToolsEnvironment
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.rollout.multi_turn import MultiTurnEngine, ToolMessageTokens
-from grpo_trainer.rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox, parse_tool_calls
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 
@@ -196,7 +205,7 @@ def test_tool_tokens_are_what_the_template_renders_for_the_whole_conversation(ti
     conversation = [{"role": "user", "content": "What is 6*7?"}]
     prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     first, second = CALL, "\\boxed{42}"
-    tool_tokens = ToolMessageTokens(tokenizer)([ToolResult("python", "42\n", False)])
+    tool_tokens = EnvMessageTokens(tokenizer)([tool_message("python", "42\n")])
     ids = (tokenizer(prompt + first + tokenizer.eos_token, add_special_tokens=False)["input_ids"] + tool_tokens
            + tokenizer(second + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
     whole = conversation + [{"role": "assistant", "content": first}, {"role": "tool", "content": "42\n"},
@@ -213,7 +222,7 @@ def test_a_template_without_eos_after_assistant_turns_is_refused():
             return "".join(m["content"] for m in messages)
 
     with pytest.raises(ValueError, match="does not end an assistant turn with the EOS token"):
-        ToolMessageTokens(NoEos())
+        EnvMessageTokens(NoEos())
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -225,7 +234,7 @@ class ScriptedEngine:
     needs_episodes = False  # a sampler: no environment
 
     needs_weight_sync = False
-    lockstep = None  # MultiTurnEngine asks (the hf engine under FSDP has one)
+    lockstep = None  # EpisodeEngine asks (the hf engine under FSDP has one)
 
     def __init__(self, tokenizer, scripts: list[list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts
@@ -253,8 +262,13 @@ class ScriptedEngine:
 def multi_turn(tokenizer, scripts, max_len=400, max_turns=2, tools=None):
     box = ToolBox(tools or [Tool("add", {}, add)], timeout=5, output_chars=100)
     engine = ScriptedEngine(tokenizer, scripts)
-    return MultiTurnEngine(engine, box, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=max_len,
-                           max_tool_turns=max_turns), engine
+    return tools_loop(engine, box, tokenizer, max_len, max_turns), engine
+
+
+def tools_loop(engine, box: ToolBox, tokenizer, max_completion_length: int, max_tool_turns: int) -> EpisodeEngine:
+    """The episode loop with `environment.tools` alone around `engine`, as the run builds it (with_environment)."""
+    return EpisodeEngine(engine, ToolsEnvironment(box), tokenizer, eos_token_ids=[tokenizer.eos_token_id],
+                         max_completion_length=max_completion_length, settings=tools_settings(box, max_tool_turns))
 
 
 def add_call(a, b) -> str:
@@ -300,7 +314,7 @@ def test_the_budget_bounds_model_and_tool_tokens_together(tiny_model_path):
     tokenizer = load_tokenizer(ModelConfig())
     prompt = [1, 5, 6]
     first = len(tokenizer(add_call(1, 2), add_special_tokens=False)["input_ids"])
-    tool = len(ToolMessageTokens(tokenizer)([ToolResult("add", "3", False)]))
+    tool = len(EnvMessageTokens(tokenizer)([tool_message("add", "3")]))
     scripts = [[add_call(1, 2), "A long answer<|im_end|>"]]
     # Room for exactly 5 answer tokens: the answer is cut there and flagged truncated.
     loop, engine = multi_turn(tokenizer, scripts, max_len=first + tool + 5)
@@ -382,6 +396,8 @@ def test_training_with_the_python_tool_logs_tool_metrics_and_resumes_bit_identic
 def tools_demo_engine(*overrides: str):
     """configs/tools_cpu.yaml's tokenizer, model, task and multi-turn hf engine (python tool), with `overrides`."""
     from grpo_trainer.config import load_config
+    from grpo_trainer.environments import build_environment
+    from grpo_trainer.environments.episodes import with_environment
     from grpo_trainer.models import load_causal_lm
     from grpo_trainer.rollout import sampling_settings
     from grpo_trainer.rollout.registry import build_engine
@@ -389,10 +405,12 @@ def tools_demo_engine(*overrides: str):
 
     cfg = load_config("configs/tools_cpu.yaml", list(overrides))
     tokenizer, lm = load_tokenizer(cfg.model), load_causal_lm(cfg.model)
-    box = build_toolbox(cfg.environment)
-    task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=box.schemas)
-    engine = build_engine(cfg, sampling_settings(cfg, [tokenizer.eos_token_id]), get_model=lambda: lm,
-                          pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, toolbox=box)
+    environment = build_environment(cfg)  # environment.tools alone: the built-in tools environment, as a run builds it
+    task = load_task(cfg.data, cfg.rewards, tokenizer, 256, tools=environment.tools)
+    sampling = sampling_settings(cfg, [tokenizer.eos_token_id])
+    sampler = build_engine(cfg, sampling, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id,
+                           tokenizer=tokenizer)
+    engine = with_environment(sampler, tokenizer, cfg, sampling, environment)
     return tokenizer, lm, task, engine
 
 
@@ -431,3 +449,36 @@ def test_seeded_multi_turn_groups_do_not_depend_on_batching():
     alone = Rollout.concat([engine.generate([p], 4, seeds=[s]) for p, s in zip(prompts, seeds)])
     assert together.completion_ids == alone.completion_ids and together.conversations == alone.conversations
     assert sum(together.tool_calls) > 0
+
+
+def _build_a_run_and_evaluate(overrides: list[str]) -> None:
+    """In a fork (build_run starts an Accelerator): every build_environment call counted and the environment's
+    close() recorded through a run's life, a periodic evaluation included."""
+    from grpo_trainer import evaluate, state
+    from grpo_trainer.config import load_config
+    from grpo_trainer.environments import build_environment
+
+    built, closed = [], []
+
+    def counting(cfg):
+        built.append(build_environment(cfg))
+        built[-1].close = lambda: closed.append(True)
+        return built[-1]
+
+    state.build_environment = evaluate.build_environment = counting
+    cfg = load_config("configs/tools_cpu.yaml", overrides)
+    run = state.build_run(cfg)
+    assert len(built) == 1, built
+    assert run.task.environment is run.eval_task.environment is run.engine.environment is built[0]
+    results = evaluate.evaluate_model(run.bare_lm(), run.tokenizer, cfg, k=1, task=run.eval_task, progress=False)
+    assert results["eval/num_prompts"] == 2 and len(built) == 1 and not closed  # evaluated on the run's, left open
+    state.stop_run(run)
+    assert closed == [True]  # the run closes what it built, once
+
+
+def test_the_run_builds_its_environment_once_for_the_task_the_engine_and_the_evaluator(tmp_path):
+    from helpers import run_in_fork, small_run_overrides
+
+    overrides = [*small_run_overrides(tmp_path / "out"), "eval.every=1", "eval.num_samples=2"]
+    result = run_in_fork(_build_a_run_and_evaluate, (overrides,))
+    assert result.returncode == 0, result.stderr[-3000:]

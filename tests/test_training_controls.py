@@ -15,10 +15,11 @@ from grpo_trainer.advantages import batch_advantages, group_advantages, normaliz
 from grpo_trainer.batches import build_train_batch, mini_batch_rows
 from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
-from grpo_trainer.losses import entropy_threshold, importance_weight, token_loss
+from grpo_trainer.losses import entropy_threshold, importance_weight
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.train_state import TrainState
-from grpo_trainer.update import select_high_entropy_tokens
+from grpo_trainer.update import add_logprobs, select_high_entropy_tokens, update
+from loss_helpers import token_loss
 from helpers import accelerate_launch, cpu_launch_file, free_port, launch_failure, run_cli, run_ranks, small_run_overrides
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 

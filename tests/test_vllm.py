@@ -306,8 +306,8 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
     from transformers import AutoTokenizer
 
     from grpo_trainer.config import EnvironmentConfig
-    from grpo_trainer.rollout.multi_turn import MultiTurnEngine
-    from grpo_trainer.rollout.tools import build_toolbox
+    from test_tools import tools_loop
+    from grpo_trainer.environments.tools import build_toolbox
     from grpo_trainer.builtin import tiny_tools
     from grpo_trainer.builtin.tiny_tools import PYTHON_TOOL
 
@@ -321,8 +321,7 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
     sampling = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=160)
     inner = VLLMColocateEngine(sampling, VLLMConfig(dtype="float32", max_model_len=256), model_path=str(path), seed=0)
     try:
-        engine = MultiTurnEngine(inner, box, tokenizer, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=160,
-                                 max_tool_turns=1)
+        engine = tools_loop(inner, box, tokenizer, 160, 1)
         out = engine.generate(prompts, 16)
     finally:
         inner.close()

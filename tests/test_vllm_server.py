@@ -454,7 +454,7 @@ def test_a_server_killed_mid_generation_and_restarted_raises_weights_lost_then_s
 
 @pytest.mark.slow
 def test_a_server_that_goes_away_for_good_stops_sampling_naming_it_with_tools_or_without(servers, model_dir):
-    """With environment.tools (the engine inside MultiTurnEngine), driven by the rollout queue: the server is found gone
+    """With environment.tools (the engine inside the episode loop, EpisodeEngine), driven by the rollout queue: the server is found gone
     before sampling and waited for, through the wrapper, for the reconnect time the message names (the wrapper once
     hid the engine's wait: the run stopped at once, saying it had waited)."""
     from grpo_trainer.rollout_queue import ServerLostError

@@ -219,7 +219,7 @@ def assert_episodes_line_up(engine, model_dir, lm, group: int) -> None:
 
     from grpo_trainer.environments import EpisodeSpec
     from grpo_trainer.environments.class_env import ClassEnvironment
-    from grpo_trainer.rollout.multi_turn import EpisodeEngine, EpisodeSettings
+    from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     env = ClassEnvironment(Again, "environment.factory test:Again", {}, extra_tools=[], tool_timeout=5)

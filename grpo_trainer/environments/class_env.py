@@ -34,9 +34,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, UserError
-from ..rollout.tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox
-from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
 from .calls import EnvCalls
+from .protocol import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
+from .tools import Tool, ToolBox, ToolCall, ToolResult, build_toolbox, tool_message
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -129,7 +129,7 @@ class ClassEpisode:
         if calls:  # in order, one at a time: the object's state is the model's to change, call by call
             results = [self.box.call(c) if isinstance(c, ToolCall) else c for c in calls]
             return Reply(
-                messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
+                messages=[tool_message(r.name, r.output) for r in results],
                 invalid_actions=sum(isinstance(c, ToolResult) for c in calls),
                 tool_calls=len(results),
                 tool_errors=sum(r.error for r in results),

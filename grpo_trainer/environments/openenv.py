@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..rollout.tools import ToolCall, ToolResult
-from . import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
+from .protocol import EpisodeSpec, ProtocolBreach, Reply, check_kwargs, flag, reward_number
+from .tools import ToolCall, ToolResult, tool_message
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -124,7 +124,7 @@ class ActionCodec:
     def answer(self, content: str, decoded: Decoded) -> dict[str, Any]:
         """The message that answers a turn: a tool message after a tool call, a user message after a plain reply."""
         if decoded.tool is not None:
-            return {"role": "tool", "name": decoded.tool, "content": content}
+            return tool_message(decoded.tool, content)
         return {"role": "user", "content": content}
 
     def invalid(self, decoded: Decoded, error: str) -> Reply:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, TrainingError
-from . import EpisodeSpec, ProtocolBreach
 from .openenv import (
     RESERVED_FIELDS,
     ActionCodec,
@@ -51,6 +50,7 @@ from .openenv import (
     check_observation,
     format_validation_errors,
 )
+from .protocol import EpisodeSpec, ProtocolBreach
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -504,8 +504,8 @@ class OpenEnvRemote:
 
     @property
     def pool(self) -> OpenEnvSessions:
-        """This rank's sessions, opened when first needed: the trainer builds the environment more than once (for
-        its tools, for evaluation), and only the one that plays may hold server sessions."""
+        """This rank's sessions, opened when an episode first needs them: a run builds its environment once and
+        plays it, but the `kernels` command builds one only for its tool schema, and holds no server sessions."""
         with self._opening:
             if self._pool is None:
                 try:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ENDINGS, FAILED_DISCONNECT, FAILED_ERROR, FAILED_TIMEOUT, EpisodeRecord
+from .protocol import ENDINGS, FAILED_DISCONNECT, FAILED_ERROR, FAILED_TIMEOUT, EpisodeRecord
 
 if TYPE_CHECKING:
     from ..rewards import Reward, RewardBatch

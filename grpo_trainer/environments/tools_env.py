@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..rollout.tools import ToolBox, ToolCall, ToolResult, build_toolbox
-from . import EpisodeSpec, Reply
+from .protocol import EpisodeSpec, Reply
+from .tools import ToolBox, ToolCall, ToolResult, build_toolbox, tool_message
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -34,7 +34,7 @@ class ToolsEpisode:
             return Reply([])
         results = self.box.run(calls)
         return Reply(
-            messages=[{"role": "tool", "name": r.name, "content": r.output} for r in results],
+            messages=[tool_message(r.name, r.output) for r in results],
             tool_calls=len(results),
             tool_errors=sum(r.error for r in results),
         )

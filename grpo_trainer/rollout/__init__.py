@@ -46,7 +46,7 @@ class Rollout:
     # Per-token log-probs under the sampler, when the engine reports them (for the
     # sampler/trainer mismatch metric and truncated importance sampling); same lengths as completion_ids.
     sampling_logprobs: list[list[float]] | None = None
-    # Multi-turn rollouts (environment.tools, multi_turn.py) only; None otherwise.
+    # Multi-turn rollouts (environment.tools, environments/episodes.py) only; None otherwise.
     completion_mask: list[list[int]] | None = None  # 1 on tokens the model wrote, 0 on tool output: no loss there
     conversations: list[list[dict[str, Any]]] | None = None  # each completion as messages, for the rewards
     tool_calls: list[int] | None = None  # tool calls per completion
@@ -170,7 +170,7 @@ class WeightsLost(RuntimeError):
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the loop asks of an engine. The capabilities (the attributes) are the engine class's own, the same
-    for every instance, and match its entry in engines.py; a wrapper forwards every one (multi_turn.py)."""
+    for every instance, and match its entry in engines.py; a wrapper forwards every one (environments/episodes.py)."""
 
     # Read-only properties here, so that a class attribute and a wrapper's forwarding property both satisfy them.
     @property
@@ -194,7 +194,7 @@ class RolloutEngine(Protocol):
     @property
     def lockstep(self) -> Any:
         """The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
-        every rank makes the same calls (multi_turn.py runs a round while any rank has a conversation going).
+        every rank makes the same calls (environments/episodes.py runs a round while any rank has a conversation going).
         None elsewhere."""
 
     def generate(

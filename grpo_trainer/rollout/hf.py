@@ -188,7 +188,7 @@ class HFEngine(InProcess):
         max_tokens: int | None = None,
         episodes: list[Any] | None = None,
     ) -> Rollout:
-        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
+        assert episodes is None, "a sampler runs no environment (environments/episodes.py's EpisodeEngine does)"
         model = self.get_model()
         limit = max_tokens or self.max_completion_length
         was_training = model.training

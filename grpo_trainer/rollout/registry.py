@@ -21,8 +21,6 @@ from .engines import engine_kind
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..environments import Environment
-    from .tools import ToolBox
 
 
 def build_engine(
@@ -35,47 +33,12 @@ def build_engine(
     full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
     rank: int = 0,
     is_main_process: bool = True,
-    toolbox: ToolBox | None = None,
-    environment: Environment | None = None,
     lockstep=None,
 ) -> RolloutEngine:
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
     the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
-    forward of the model is itself a collective, see HFEngine); with an environment (`environment`, built by
-    environments.build_environment; else built here from the config, or from `toolbox` for environment.tools alone),
-    wrapped in the episode loop (multi_turn.py)."""
-    engine = _sampler(
-        cfg,
-        sampling,
-        get_model=get_model,
-        pad_token_id=pad_token_id,
-        tokenizer=tokenizer,
-        full_parameters=full_parameters,
-        rank=rank,
-        is_main_process=is_main_process,
-        lockstep=lockstep,
-    )
-    from .multi_turn import with_environment
-
-    if environment is None and toolbox is not None and cfg.environment.kind is None:
-        from ..environments.tools_env import ToolsEnvironment
-
-        environment = ToolsEnvironment(toolbox)
-    return with_environment(engine, tokenizer, cfg, sampling, environment)
-
-
-def _sampler(
-    cfg: Config,
-    sampling: SamplingSettings,
-    *,
-    get_model,
-    pad_token_id,
-    tokenizer,
-    full_parameters,
-    rank,
-    is_main_process,
-    lockstep=None,
-) -> RolloutEngine:
+    forward of the model is itself a collective, see HFEngine). An environment's episode loop around it is the
+    run builder's to add (environments/episodes.py's `with_environment`)."""
     name = engine_kind(cfg.rollout.engine).name  # an unknown name: one line listing the engines there are
     if name == "hf":
         from .hf import HFEngine
@@ -124,14 +87,12 @@ def _sampler(
 
 
 if TYPE_CHECKING:
-    # mypy checks that every engine class and the tools wrapper satisfy RolloutEngine, members and signatures
-    # (`make lint`); tests/test_engines.py checks the same at run time.
+    # mypy checks that every engine class satisfies RolloutEngine, members and signatures (`make lint`; the episode
+    # loop's wrapper is checked in environments/episodes.py); tests/test_engines.py checks the same at run time.
     from .hf import HFEngine
-    from .multi_turn import MultiTurnEngine
     from .vllm_colocate import VLLMColocateEngine
     from .vllm_server import VLLMServerEngine
 
     _hf: type[RolloutEngine] = HFEngine
     _vllm_colocate: type[RolloutEngine] = VLLMColocateEngine
     _vllm_server: type[RolloutEngine] = VLLMServerEngine
-    _tools_wrapper: type[RolloutEngine] = MultiTurnEngine

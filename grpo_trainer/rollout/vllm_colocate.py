@@ -175,7 +175,7 @@ class VLLMColocateEngine(InProcess, VendorKernels):
         max_tokens: int | None = None,
         episodes: list[Any] | None = None,
     ) -> Rollout:
-        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
+        assert episodes is None, "a sampler runs no environment (environments/episodes.py's EpisodeEngine does)"
         from vllm.inputs import TokensPrompt
 
         self.wake_up()

@@ -483,7 +483,7 @@ class VLLMServerEngine(Sampler, VendorKernels):
         max_tokens: int | None = None,
         episodes: list[Any] | None = None,
     ) -> Rollout:
-        assert episodes is None, "a sampler runs no environment (rollout/multi_turn.py's EpisodeEngine does)"
+        assert episodes is None, "a sampler runs no environment (environments/episodes.py's EpisodeEngine does)"
         self._check_versions()
         call, self._calls = self._calls, self._calls + 1
         step = self.sampling.batch_size or len(prompt_ids)

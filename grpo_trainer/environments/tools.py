@@ -117,6 +117,12 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
     return calls
 
 
+def tool_message(name: str, content: str) -> dict[str, Any]:
+    """The message that takes a tool's output back to the model (the chat templates' `tool` role); the one form
+    every environment answers a tool call with."""
+    return {"role": "tool", "name": name, "content": content}
+
+
 def cut(text: str, limit: int) -> str:
     """At most `limit` characters: the start, and a note of how much was left out."""
     if len(text) <= limit:

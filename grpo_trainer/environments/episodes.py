@@ -54,7 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..environments import (
+from ..errors import ConfigError
+from ..rollout import Rollout, RolloutEngine, SamplingSettings
+from ..seeds import mix_seed
+from .calls import EnvCalls, EpisodeBudget, Outcome
+from .protocol import (
     ENDED_BY_ENVIRONMENT,
     ENDED_BY_LENGTH,
     ENDED_BY_MODEL,
@@ -67,10 +71,7 @@ from ..environments import (
     EpisodeRecord,
     EpisodeSpec,
 )
-from ..environments.calls import EnvCalls, EpisodeBudget, Outcome
-from ..environments.scoring import failure_summary
-from ..errors import ConfigError
-from . import Rollout, RolloutEngine, SamplingSettings, mix_seed
+from .scoring import failure_summary
 from .tools import ToolBox, ToolCall, ToolResult, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -121,17 +122,6 @@ class EnvMessageTokens:
             )
         text = self.after_eos + after[len(self.before) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-class ToolMessageTokens(EnvMessageTokens):
-    """EnvMessageTokens for tool results (as `environment.tools` renders them)."""
-
-    def __call__(self, results: list[ToolResult]) -> list[int]:  # type: ignore[override]
-        return super().__call__(_tool_messages(results))
-
-
-def _tool_messages(results: list[ToolResult]) -> list[dict[str, Any]]:
-    return [{"role": "tool", "name": r.name, "content": r.output} for r in results]
 
 
 @dataclass(eq=False)  # compared by identity: two conversations may well hold the same tokens
@@ -292,8 +282,9 @@ class EpisodeEngine:
         self.engine.wake_up()
 
     def close(self) -> None:
+        """The loop's threads and the wrapped engine; not the environment, which is shared (the run's task, engine
+        and evaluator play the one built for the run) and closed by whoever built it."""
         self.calls.close()
-        self.environment.close()
         self.engine.close()
 
     # ------------------------------------------------------------------ the episode loop
@@ -563,34 +554,6 @@ class EpisodeEngine:
             conv.add_model_turn(tokens, truncated, logprobs, self.tokenizer, self.eos_token_ids)
 
 
-class MultiTurnEngine(EpisodeEngine):
-    """The loop with `environment.tools` alone (the built-in stateless environment), as it was built before
-    environments: `max_tool_turns` rounds of tool calls, i.e. at most max_tool_turns + 1 model turns."""
-
-    def __init__(
-        self,
-        engine: RolloutEngine,
-        toolbox: ToolBox,
-        tokenizer,
-        *,
-        eos_token_ids: list[int],
-        max_completion_length: int,
-        max_tool_turns: int,
-        template_kwargs: dict[str, Any] | None = None,
-    ):
-        from ..environments.tools_env import ToolsEnvironment
-
-        super().__init__(
-            engine,
-            ToolsEnvironment(toolbox),
-            tokenizer,
-            eos_token_ids=eos_token_ids,
-            max_completion_length=max_completion_length,
-            settings=tools_settings(toolbox, max_tool_turns),
-            template_kwargs=template_kwargs,
-        )
-
-
 def tools_settings(toolbox: ToolBox, max_tool_turns: int) -> EpisodeSettings:
     """The built-in tools environment's settings: the tool box's own limits apply (its calls answer a timeout
     themselves), so the environment's are only a backstop far above them."""
@@ -608,18 +571,15 @@ TOOLS_CONCURRENCY = 64  # episodes answered at once (each runs its calls in the 
 
 
 def with_environment(
-    engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings, environment: Environment | None = None
+    engine: RolloutEngine, tokenizer, cfg: Config, sampling: SamplingSettings, environment: Environment | None
 ) -> RolloutEngine:
-    """`engine` itself without an environment; with one (`environment:`, or environment.tools alone), the episode loop
-    around it. `environment`: one already built (build_environment(cfg)), else built here."""
-    from ..environments import build_environment
-
-    environment = environment if environment is not None else build_environment(cfg)
+    """`engine` itself without an environment; with one (the run's, `build_environment(cfg)`: `environment:`, or
+    environment.tools alone), the episode loop around it. The environment stays its builder's to close."""
     if environment is None:
         return engine
     env = cfg.environment
     if env.kind is None:  # environment.tools alone: the built-in tools environment
-        from ..environments.tools_env import ToolsEnvironment
+        from .tools_env import ToolsEnvironment
 
         assert isinstance(environment, ToolsEnvironment), f"environment.tools alone built {type(environment).__name__}"
         settings = tools_settings(environment.box, cfg.environment.max_tool_turns)
@@ -669,3 +629,9 @@ def _reset(episode: Episode, spec: EpisodeSpec, j: int):
 
 def _row(values: list | None, j: int):
     return None if values is None else values[j]
+
+
+if TYPE_CHECKING:
+    # mypy checks that the wrapper satisfies RolloutEngine, members and signatures, as every engine does
+    # (rollout/registry.py); tests/test_engines.py checks the same at run time.
+    _episode_engine: type[RolloutEngine] = EpisodeEngine
