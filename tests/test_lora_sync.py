@@ -205,7 +205,7 @@ def test_the_registry_hands_the_decision_to_the_vllm_engines(monkeypatch):
 
     def build(*overrides):
         built.clear()
-        registry._sampler(config(*overrides), sampling, get_model=lambda: model, pad_token_id=0, tokenizer=None,
+        registry.build_engine(config(*overrides), sampling, get_model=lambda: model, pad_token_id=0, tokenizer=None,
                           full_parameters=None, rank=0, is_main_process=True)
         return next(iter(built.values()))
 
