@@ -37,9 +37,10 @@ def test_the_notebook_example_runs_as_written(tmp_path, tiny_model_path):
     assert child.returncode == 0, child.stderr[-3000:]
     printed = child.stdout.splitlines()  # (libraries print their own lines too, e.g. DeepSpeed's accelerator note)
     run = tmp_path / "outputs" / "notebook"
-    first, again = [line.split() for line in printed if line.startswith("outputs/notebook ")]
-    assert first[:2] == ["outputs/notebook", "10"] and again == ["outputs/notebook", "0", first[2]]  # dir, steps, reward
-    assert "the run in outputs/notebook is complete (checkpoint step-000010, step 10; train.max_steps=10)" in child.stderr
+    # The run's folder comes back absolute: the config's local paths are made absolute once, at the start.
+    first, again = [line.split() for line in printed if line.startswith(f"{run} ")]
+    assert first[:2] == [str(run), "10"] and again == [str(run), "0", first[2]]  # dir, steps, reward
+    assert f"the run in {run} is complete (checkpoint step-000010, step 10; train.max_steps=10)" in child.stderr
     assert any(line.startswith("4 ") for line in printed)  # the second run's steps_done
     assert "['grpo-trainer', 'reinforcement-learning', 'grpo']" in printed
     assert "| rewards | `correct` (weight 1), `concise` (weight 0.1) |" in printed
