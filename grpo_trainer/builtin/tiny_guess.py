@@ -1,6 +1,6 @@
 r"""`builtin:tiny-guess` and `builtin:guess_number`: a tiny model that plays guess-a-number, half well.
 
-The demo for environments (issue 37, configs/guess_cpu.yaml with configs/guess_number_env.py): the
+The demo for environments (configs/guess_cpu.yaml with configs/guess_number_env.py): the
 environment thinks of a number from 1 to 8 and answers each plain reply of the model with higher or lower
 and the range left, for up to four guesses; it scores 1 if the number was found. A conversation:
 

@@ -1,4 +1,4 @@
-"""Environments: one conversation per environment object, the model's turns answered by it (issue 37).
+"""Environments: one conversation per environment object, the model's turns answered by it.
 
 An *episode* is one completion played against one environment object: reset from the prompt's dataset row and the
 group's seed, the model's turns answered (tool calls and plain replies), ended by the environment, the model or

@@ -7,7 +7,7 @@ trainer's weights pushed after each update (`needs_weight_sync`: the `hf` engine
 samples from the training model, so the loop skips the push and, under ZeRO-3,
 the all-gather that would precede it), frees its memory while the policy is
 updated (`sleep`, `wake_up`) and releases what it holds at the end (`close`).
-What callers once asked by an engine's name they ask the engine: whether it samples outside the training
+Callers ask the engine what it can do, never its name: whether it samples outside the training
 process (`samples_outside_process`: sampling can overlap the update, rollout.max_staleness >= 1), whether its
 sampler can restart without the pushed weights (`can_lose_weights`; `reconnect(timeout)` waits for it to come
 back), whether its generate calls are collectives (`lockstep`). Its faults are this package's (`ServerGone`,
