@@ -293,14 +293,18 @@ def held_by(threads: Sequence[threading.Thread] | None = None) -> list[str]:
 
 
 EXIT_GRACE = 10.0  # seconds the interpreter's own exit may take once a command is over (its threads, atexit hooks)
+EXIT_GRACE_ENV = "GRPO_TRAINER_EXIT_GRACE"  # overrides it (the tests wait less)
 
 
-def end_process_if_held(status: int, grace: float = EXIT_GRACE) -> None:
+def end_process_if_held(status: int, grace: float | None = None) -> None:
     """Called last, when a command is over and everything is written (metrics, trackers, checkpoints, the model):
     the process is going to exit with `status`. The interpreter first joins every non-daemon thread (and runs its
     exit hooks, which end idle `concurrent.futures` workers); a thread user code left running would hold that
     forever. A daemon watchdog started here ends the process with `status` if it is still alive `grace` seconds
-    later, naming the threads that held it; a normal exit, sooner, ends the watchdog with the process."""
+    later, naming the threads that held it; a normal exit, sooner, ends the watchdog with the process.
+    `grace`: None reads `GRPO_TRAINER_EXIT_GRACE`, else `EXIT_GRACE`."""
+    if grace is None:
+        grace = float(os.environ.get(EXIT_GRACE_ENV, EXIT_GRACE))
 
     def watch() -> None:
         time.sleep(grace)

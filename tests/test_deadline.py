@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_trainer.deadline import Call, CallsHang, UserCalls, held_by, run_inline
+from grpo_trainer.deadline import EXIT_GRACE_ENV, Call, CallsHang, UserCalls, held_by, run_inline
 from grpo_trainer.errors import ConfigError, RewardError
 
 FOREVER = 10**6  # seconds: a call that never returns within any test
@@ -353,14 +353,15 @@ class StepExits(Base):
 '''
 
 
-def _env_run(tmp_path: Path, cls: str, *extra: str, command: str = "train", timeout: float = 300):
+def _env_run(tmp_path: Path, cls: str, *extra: str, command: str = "train", timeout: float = 300, env=None):
     from helpers import run_cli, small_run_overrides
 
     env_file = tmp_path / "env.py"
     env_file.write_text(ENV_FILE)
     return run_cli([command, "configs/demo_cpu.yaml", *small_run_overrides(tmp_path / "out", 2),
                     f"environment.factory={env_file}:{cls}", "environment.step_timeout=1", "environment.max_turns=2",
-                    "rewards=[]", "eval.every=0", "checkpoint.save_every=0"], timeout=timeout, launcher=PYTHON_M)
+                    "rewards=[]", "eval.every=0", "checkpoint.save_every=0"], timeout=timeout, launcher=PYTHON_M,
+                   env=env)
 
 
 @pytest.mark.slow
@@ -395,7 +396,7 @@ def test_an_environment_step_that_never_returns_lets_the_run_finish_and_the_proc
 
 @pytest.mark.slow
 def test_a_non_daemon_thread_left_by_an_environment_does_not_keep_the_process_alive_after_done(tmp_path):
-    result = _env_run(tmp_path, "LeavesAThread")
+    result = _env_run(tmp_path, "LeavesAThread", env={EXIT_GRACE_ENV: "2"})  # the watchdog's wait, shortened
     assert result.returncode == 0 and "done: 2 steps" in result.stdout, result.stderr[-3000:]
     assert "user-poller" in result.stderr and "ending it now (status 0)" in result.stderr
     assert "user-helper" not in result.stderr

@@ -90,14 +90,15 @@ def test_each_recipe_is_the_one_its_shipped_weights_came_from(module, tmp_path):
 @pytest.mark.parametrize("module", RECIPES, ids=IDS)
 def test_the_check_passes_another_cpus_rounding_and_fails_a_changed_recipe(module, tmp_path):
     """A CPU that rounds differently (simulated: every weight nudged by one ulp after every step, more than a
-    reordered sum changes) passes the check; the learning rate x1.01 or one warm-start example more per batch
-    fails it. Each distance is compared with the tolerance from both sides, so the margin shows in a failure."""
+    reordered sum changes) passes the check; the learning rate x1.01 fails it, and so does one warm-start example
+    more per batch (tried on one recipe). Each distance is compared with the tolerance from both sides, so the margin shows in a failure."""
     other_cpu = short_build_distance(module, tmp_path / "other_cpu", OTHER_CPU)
     assert 0 < other_cpu < CHECK_TOLERANCE / 10, other_cpu  # > 0: the nudge did change the bits
     learning_rate = short_build_distance(module, tmp_path / "lr", LEARNING_RATE_X1_01)
     assert learning_rate > 3 * CHECK_TOLERANCE, learning_rate
-    one_more = short_build_distance(module, tmp_path / "one_more", one_example_more(module))
-    assert one_more > 3 * CHECK_TOLERANCE, one_more
+    if module is tiny_guess:  # the cheapest recipe: a change of the data, once (a build costs ~10 s of a core)
+        one_more = short_build_distance(module, tmp_path / "one_more", one_example_more(module))
+        assert one_more > 3 * CHECK_TOLERANCE, one_more
 
 
 @pytest.mark.slow  # a model build in a child process
