@@ -93,7 +93,8 @@ class FakeVLLM:
         if route == "/health":
             return 200, "application/json", b""
         if route == "/v1/models":
-            return as_json({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            return as_json({"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "vllm",
+                                                        "root": "fake-model", "parent": None, "max_model_len": 64}]})
         if route == "/is_paused":
             return as_json({"is_paused": False})
         if route == "/v1/completions":
@@ -103,15 +104,19 @@ class FakeVLLM:
             weights = Path(body["kwargs"]["weights_path"]) / "model.safetensors"
             assert weights.is_file(), weights  # the server reads it
             self.loaded.append(weights)
-            return as_json({})
+            return as_json({"results": [True]})  # one worker; grpo_reload_weights returns True
         if route == "/update_weight_version":
             self.version = body["new_version"]
-            return as_json({})
+            return as_json({"success": True, "new_version": self.version})
         if route == "/weight_info":
             return as_json({"weight_version": self.version})
-        if route in ("/pause", "/resume", "/reset_prefix_cache"):
-            return as_json({})
-        return as_json({"detail": "Not Found"}, 404)
+        if route == "/pause":
+            return as_json({"status": "paused"})
+        if route == "/resume":
+            return as_json({"status": "resumed"})
+        if route == "/reset_prefix_cache":
+            return as_json({"success": True})
+        return as_json({"detail": "Not Found"}, 404)  # FastAPI's answer for a route the server lacks
 
 
 # ---------------------------------------------------------------------------- serve (item 4)

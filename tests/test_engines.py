@@ -108,17 +108,21 @@ class Inner:
 @pytest.mark.parametrize("value", [True, False])
 def test_the_tools_wrapper_forwards_every_capability_and_call_of_the_engine_it_wraps(tiny_model_path, value):
     """Each capability the wrapped engine's (both values: a wrapper with its own constant would fail one), each
-    call forwarded with its arguments; with the wrapper the engine still satisfies the protocol at run time."""
-    from grpo_trainer.config import ModelConfig
-    from grpo_trainer.models import load_tokenizer
+    call forwarded with its arguments; with the wrapper the engine still satisfies the protocol at run time. The
+    wrapper is built as the run builds it (`with_environment`, around the tools environment)."""
+    from grpo_trainer.config import ModelConfig, load_config
+    from grpo_trainer.environments.episodes import with_environment
     from grpo_trainer.environments.tools import Tool, ToolBox
-    from test_tools import tools_loop
+    from grpo_trainer.environments.tools_env import ToolsEnvironment
+    from grpo_trainer.models import load_tokenizer
 
     lockstep = object() if value else None
     inner = Inner(needs_weight_sync=value, samples_outside_process=value, can_lose_weights=value, lockstep=lockstep)
     tokenizer = load_tokenizer(ModelConfig())
     box = ToolBox([Tool("add", {}, lambda a, b: str(a + b))], timeout=5, output_chars=100)
-    engine = tools_loop(inner, box, tokenizer, 4, 1)
+    sampling = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=4)
+    engine = with_environment(inner, tokenizer, load_config(None, []), sampling, ToolsEnvironment(box))
+    assert type(engine) is EpisodeEngine and engine.engine is inner
     assert isinstance(engine, RolloutEngine) and isinstance(inner, RolloutEngine)
     for capability in PROTOCOL_CAPABILITIES:
         assert getattr(engine, capability) is value, capability

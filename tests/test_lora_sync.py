@@ -1,9 +1,11 @@
-"""`rollout.lora_sync` without vLLM: the adapter/merged decision and its reasons, the adapter folders, `serve`'s
-LoRA flags, and a server engine's fall-back to merged pushes when the first adapter push is refused. (Against
-real vLLM: tests/test_vllm_lora.py.)"""
+"""`rollout.lora_sync` without running vLLM: the adapter/merged decision and its reasons, the adapter folders,
+`serve`'s LoRA flags, a server engine's fall-back to merged pushes when the first adapter push is refused (against
+a small HTTP server answering as vLLM 0.32 without --enable-lora), and the decision as the engines the registry
+builds act on it. (Against real vLLM: tests/test_vllm_lora.py.)"""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,16 +13,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_trainer.config import load_config
+from grpo_trainer.config import VLLMServerConfig, load_config
 from grpo_trainer.errors import ConfigError
-from grpo_trainer.rollout import SamplingSettings, lora_sync
+from grpo_trainer.rollout import SamplingSettings, lora_sync, registry
 from grpo_trainer.rollout.engines import vllm_lora_rank
 from grpo_trainer.rollout.lora_sync import AdapterFolders, ModelFacts, adapter_refusal, push_adapters
-from grpo_trainer.rollout.vllm_server import LOAD_ADAPTER, Server, ServerError, VLLMServerEngine
+from grpo_trainer.rollout.vllm_server import LOAD_ADAPTER, ServerError, VLLMServerEngine
 from grpo_trainer.serve import serve_command
 from helpers import ROOT
+from test_bad_input_servers import Answering, FakeVLLM  # an HTTP server in a thread; what vLLM 0.32 answers
 
 CONFIG = str(ROOT / "configs" / "demo_cpu.yaml")
+SAMPLING = SamplingSettings(eos_token_ids=[2], max_completion_length=8)
 LLAMA = ModelFacts("LlamaForCausalLM", moe=False)
 EMBEDDING_LORA = {"LlamaForCausalLM": True, "Qwen2ForCausalLM": False}  # as vLLM's classes declare (None: unknown)
 
@@ -141,76 +145,166 @@ def test_serve_adds_the_lora_flags(monkeypatch):
         serve_command(config(*server, "rollout.lora_sync=auto"), vllm_args=["--enable-lora"])
 
 
-class NoLoraServer(Server):
-    """A server without runtime LoRA loading, that records what it is asked."""
+class NoLoraVLLM(FakeVLLM):
+    """vLLM 0.32 as `serve` starts it for merged pushes: without --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1,
+    so it has no /v1/load_lora_adapter route (FastAPI's 404 {"detail": "Not Found"}); it records the routes it is
+    asked, in order."""
 
     def __init__(self):
-        super().__init__("http://127.0.0.1:1", timeout=1)
-        self.calls: list[tuple[str, dict | None]] = []
+        super().__init__()
+        self.asked: list[str] = []
 
-    def request(self, method, path, body=None, timeout=None, read=None):
-        self.calls.append((path, body))
-        if path == LOAD_ADAPTER:
-            raise ServerError(f"vLLM server at {self.url} has no {LOAD_ADAPTER}: start it with --enable-lora")
-        if path == "/v1/models":
-            return [{"id": "base"}]
-        return None
+    def __call__(self, method, path, body):
+        self.asked.append(path.split("?")[0])
+        return super().__call__(method, path, body)
 
 
-def engine_with(server: Server, lora_sync_mode: str, weights_dir: Path) -> VLLMServerEngine:
-    """A server engine for `server`, skipping the start-up checks (which need a vLLM server)."""
-    from grpo_trainer.config import VLLMServerConfig
-
-    settings = VLLMServerConfig(weight_sync="disk", weights_dir=str(weights_dir))
-    engine = VLLMServerEngine.__new__(VLLMServerEngine)
-    engine.__dict__.update(settings=settings, servers=[server], sampling=SamplingSettings(eos_token_ids=[2], max_completion_length=8), seed=0,
-                           weight_sync="disk", weights_dir=weights_dir, _remove_weights_dir=None, is_main_process=True,
-                           weight_version=None, _pushes=0, _calls=0, _client=None, _transfer=None,
-                           lora_sync=lora_sync_mode, adapters=AdapterFolders(weights_dir / "adapters"),
-                           _adapter=(None, None), model_name="base")
-    return engine
+@pytest.fixture
+def no_lora():
+    fake = NoLoraVLLM()
+    server = Answering(fake)
+    fake.url = server.url
+    yield fake
+    server.close()
 
 
-def test_auto_falls_back_to_merged_pushes_when_the_server_refuses_the_first_adapter(tmp_path, caplog):
-    server = NoLoraServer()
-    engine = engine_with(server, "auto", tmp_path)
-    with caplog.at_level(logging.WARNING, logger=lora_sync.__name__):
-        engine.sync_weights(tiny_peft(), version=0)
-    assert [r.getMessage() for r in caplog.records] == [
-        "rollout.lora_sync=auto: pushing merged weights, not the LoRA adapter: vLLM server at http://127.0.0.1:1 has "
-        f"no {LOAD_ADAPTER}: start it with --enable-lora"]
-    assert engine.adapters is None and engine.weight_version == 0 and engine.sampled_model() == "base"
-    reloads = [body for path, body in server.calls if path == "/collective_rpc"]
-    assert reloads and reloads[0]["method"] == "grpo_reload_weights"  # the merged weights went out instead
-    engine.sync_weights(tiny_peft(), version=1)
-    assert [path for path, _ in server.calls].count(LOAD_ADAPTER) == 1  # asked once, at the first push
+def engine_with(url: str, lora_sync_mode: str, weights_dir: Path) -> VLLMServerEngine:
+    """A server engine for the server at `url`, built by its own `__init__` (the start-up checks included)."""
+    settings = VLLMServerConfig(base_url=url, weight_sync="disk", weights_dir=str(weights_dir), startup_timeout=10)
+    return VLLMServerEngine(SAMPLING, settings, lora_sync=lora_sync_mode)
 
 
-def test_adapter_mode_stops_when_the_server_refuses(tmp_path):
-    engine = engine_with(NoLoraServer(), "adapter", tmp_path)
-    with pytest.raises(ServerError, match=f"no {LOAD_ADAPTER}"):
-        engine.sync_weights(tiny_peft(), version=0)
+REFUSED_PUSH = ["/pause", "/v1/models", LOAD_ADAPTER, "/resume"]  # the adapters held; the load refused; resumed
+MERGED_PUSH = ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
 
 
-def test_the_registry_hands_the_decision_to_the_vllm_engines(monkeypatch):
-    from grpo_trainer.rollout import registry
+def fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == lora_sync.__name__]
 
-    built = {}
-    monkeypatch.setattr("grpo_trainer.rollout.vllm_colocate.VLLMColocateEngine",
-                        lambda *args, **kwargs: built.setdefault("colocate", kwargs))
-    monkeypatch.setattr("grpo_trainer.rollout.vllm_server.VLLMServerEngine",
-                        lambda *args, **kwargs: built.setdefault("server", kwargs))
+
+def test_auto_falls_back_to_merged_pushes_when_the_server_refuses_the_first_adapter(no_lora, tmp_path, caplog):
+    from safetensors.torch import load_file
+
+    engine = engine_with(no_lora.url, "auto", tmp_path)
+    assert no_lora.asked == ["/health", "/v1/models", "/is_paused", "/v1/completions", "/v1/completions"]  # start-up
+    assert engine.adapters is not None and engine.model_name == "fake-model"  # adapters, until a server refuses one
+    no_lora.asked.clear()
     model = tiny_peft()
-    sampling = SamplingSettings(eos_token_ids=[2], max_completion_length=8)
+    with caplog.at_level(logging.WARNING, logger=lora_sync.__name__):
+        engine.sync_weights(model, version=0)
+    [line] = fallback_lines(caplog)
+    assert line.startswith("rollout.lora_sync=auto: pushing merged weights, not the LoRA adapter: vLLM server at "
+                           f"{no_lora.url} has no {LOAD_ADAPTER}: start it with --enable-lora")
+    assert no_lora.asked == REFUSED_PUSH + MERGED_PUSH  # the merged weights went out instead, in the same push
+    assert engine.adapters is None and engine.weight_version == 0 and engine.sampled_model() == "fake-model"
+    assert no_lora.version == "0"
+    [weights] = no_lora.loaded
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    pushed = load_file(str(weights))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert pushed.keys() <= merged.keys() and q_proj in pushed
+    assert all(torch.allclose(pushed[name], merged[name], atol=1e-6) for name in pushed)
+    assert not torch.allclose(pushed[q_proj], tiny_llama().state_dict()[q_proj])  # base + delta, not the base alone
+    no_lora.asked.clear()
+    with caplog.at_level(logging.WARNING, logger=lora_sync.__name__):
+        engine.sync_weights(model, version=1)
+    assert no_lora.asked == MERGED_PUSH and no_lora.version == "1"  # asked once, at the first push
+    assert len(fallback_lines(caplog)) == 1
 
-    def build(*overrides):
-        built.clear()
-        registry.build_engine(config(*overrides), sampling, get_model=lambda: model, pad_token_id=0, tokenizer=None,
-                          full_parameters=None, rank=0, is_main_process=True)
-        return next(iter(built.values()))
 
-    assert build("rollout.lora_sync=adapter")["lora_rank"] == 8
-    assert build("rollout.lora_sync=merged")["lora_rank"] is None
-    server = ["rollout.engine=vllm_server", "rollout.vllm_server.weights_dir=/shared/w"]
-    assert build(*server, "rollout.lora_sync=auto")["lora_sync"] == "auto"
-    assert build("rollout.engine=vllm_server", "rollout.lora_sync=auto")["lora_sync"] == "merged"  # no weights_dir
+def test_adapter_mode_stops_when_the_server_refuses(no_lora, tmp_path):
+    engine = engine_with(no_lora.url, "adapter", tmp_path)
+    no_lora.asked.clear()
+    with pytest.raises(ServerError, match=f"no {LOAD_ADAPTER}: start it with --enable-lora"):
+        engine.sync_weights(tiny_peft(), version=0)
+    assert no_lora.asked == REFUSED_PUSH  # nothing else pushed, and the server samples again
+    assert engine.weight_version is None and no_lora.version == "default" and not no_lora.loaded
+
+
+def build(cfg, model):
+    return registry.build_engine(cfg, SAMPLING, get_model=lambda: model, pad_token_id=0, tokenizer=None,
+                                 full_parameters=None, rank=0, is_main_process=True)
+
+
+def test_the_registry_hands_the_decision_to_the_server_engine(no_lora, tmp_path, caplog):
+    """Built through the registry against a server: with weights_dir the first push asks for the adapter (under
+    `auto`, refused here, merged from then on); without it the run pushes merged weights and never asks."""
+    model = tiny_peft()
+    server = ["rollout.engine=vllm_server", f"rollout.vllm_server.base_url={no_lora.url}",
+              "rollout.vllm_server.weight_sync=disk", "rollout.vllm_server.startup_timeout=10"]
+
+    def first_push(*overrides):
+        no_lora.asked.clear()
+        engine = build(config(*server, *overrides), model)
+        no_lora.asked.clear()
+        try:
+            engine.sync_weights(model, version=0)
+        finally:
+            engine.close()
+        return no_lora.asked
+
+    shared = f"rollout.vllm_server.weights_dir={tmp_path}"
+    with caplog.at_level(logging.WARNING, logger=lora_sync.__name__):
+        assert first_push(shared, "rollout.lora_sync=auto") == REFUSED_PUSH + MERGED_PUSH
+        assert len(fallback_lines(caplog)) == 1
+        caplog.clear()
+        assert first_push("rollout.lora_sync=auto") == MERGED_PUSH  # no weights_dir: decided when built
+        [line] = fallback_lines(caplog)
+        assert "rollout.vllm_server.weights_dir is not set" in line
+    assert first_push(shared, "rollout.lora_sync=merged") == MERGED_PUSH
+    with pytest.raises(ServerError, match=f"no {LOAD_ADAPTER}"):
+        first_push(shared, "rollout.lora_sync=adapter")
+    assert no_lora.asked == REFUSED_PUSH
+
+
+class RecordingLLM:
+    """vLLM's `LLM` as the colocated engine uses it (starting vLLM itself takes half a minute): it records how it was
+    started and what each push gave it."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.llm_engine = self
+        self.pushes: list[tuple[str, object]] = []
+
+    def add_lora(self, request):
+        self.pushes.append(("add_lora", request))
+        return True
+
+    def remove_lora(self, lora_id):
+        self.pushes.append(("remove_lora", lora_id))
+        return True
+
+    def collective_rpc(self, method, kwargs=None):
+        self.pushes.append((method, sorted(name for name, _ in kwargs["weights"])))
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_the_registry_hands_the_decision_to_the_colocated_engine(monkeypatch):
+    """The colocated engine built through the registry: vLLM started with LoRA at the rank the config asks (rounded
+    up to one vLLM allows) and each push an adapter, or started without LoRA and each push merged weights."""
+    import vllm
+
+    from grpo_trainer.rollout import vllm_colocate
+
+    monkeypatch.setitem(vars(vllm), "LLM", RecordingLLM)  # not setattr: its getattr would import vLLM's LLM
+    monkeypatch.setattr(vllm_colocate, "_on_cpu", lambda: True)
+    model = tiny_peft()
+
+    def pushes(*overrides):
+        engine = build(config(*overrides, lora="model.lora.r=5"), model)
+        engine.sync_weights(model, version=0)
+        engine.sync_weights(model, version=1)
+        return engine  # the adapter folders are the engine's: removed with it
+
+    engine = pushes("rollout.lora_sync=adapter")
+    llm = engine.llm
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"], llm.kwargs["max_loras"]) == (True, 8, 2)
+    (add, first), (again, second), remove = llm.pushes
+    assert (add, again, remove) == ("add_lora", "add_lora", ("remove_lora", first.lora_int_id))
+    assert first.lora_name != second.lora_name and Path(second.lora_path, "adapter_model.safetensors").is_file()
+    llm = pushes("rollout.lora_sync=merged").llm
+    assert "enable_lora" not in llm.kwargs
+    merged = sorted(copy.deepcopy(model).merge_and_unload().state_dict())
+    assert llm.pushes == [("grpo_reload_weights", merged)] * 2
