@@ -21,7 +21,6 @@ TAKES_THE_RUN = {
     ("trainer.py", "preempt"),
     ("run.py", "resume"),
     ("run.py", "settle_decode_kernels"),
-    ("run.py", "save_checkpoint"),
     ("run.py", "finish"),
     ("run.py", "stop_run"),
     ("run.py", "_save_final_model"),
