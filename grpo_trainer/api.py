@@ -98,7 +98,7 @@ def train(
     _check_objects_fit(cfg, objects)
     _refuse_resume_without_objects(cfg, objects)
     if model is not None:
-        # The frozen reference of the KL term (state._reference: beta > 0, and not LoRA, whose reference is the
+        # The frozen reference of the KL term (run._reference: beta > 0, and not LoRA, whose reference is the
         # adapter-disabled policy) is a copy taken now, before any step, as the YAML path loads one from disk.
         objects["model"] = in_memory.ModelObject(model, copy.deepcopy(model) if cfg.needs_reference else None)
     with in_memory.given(objects):

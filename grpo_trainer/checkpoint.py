@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, verified saves under OUTPUT_DIR/checkpoints, and finding the one to resume.
+"""Checkpoints: atomic, verified saves under OUTPUT_DIR/checkpoints, finding the one to resume, and what a run
+saves into one and restores from it (`save_step`, `restore`: the parts of the run a checkpoint covers, `Resumable`).
 
 Layout: `checkpoints/step-000020/` holds Accelerate's state (model, optimizer,
 scheduler, every rank's RNG), `trainer_state.json` (counters, sampler position),
@@ -30,10 +31,18 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sized
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import TrainingError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data import PromptSampler
+    from .metrics import MetricsWriter
+    from .train_state import TrainState
 
 logger = logging.getLogger("grpo_trainer")
 
@@ -464,6 +473,112 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
+
+
+class QueuePositions(Protocol):
+    """The rollout queue as a checkpoint sees it (rollout_queue.RolloutQueue, which imports this module): the
+    prompts drawn and not trained yet."""
+
+    @property
+    def pending(self) -> Sized: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The parts of a run a checkpoint saves beside the `TrainState` and a resume loads back into: Accelerate's
+    prepared objects and RNGs (through `accelerator`), the prompt sampler's and the rollout queue's positions,
+    the metrics history; and what the resume checks compare (the config, the number of processes)."""
+
+    cfg: Config
+    accelerator: Any
+    world: int
+    sampler: PromptSampler
+    rollouts: QueuePositions
+    metrics: MetricsWriter
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+def restore(parts: Resumable) -> tuple[TrainState, dict[str, str] | None]:
+    """The state to continue from, with the decode kernel choices its checkpoint recorded: the checkpoint's that
+    `find_resume_checkpoint` picks (its model, optimizer, sampler and queue positions and metrics history loaded
+    into `parts`), or a fresh one (no choices recorded; under resume=never an earlier run's checkpoints removed)."""
+    from .cpu import paths as cpu_paths
+    from .train_state import TrainState
+
+    cfg, accelerator = parts.cfg, parts.accelerator
+    found, damaged = find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
+    for note in damaged if accelerator.is_main_process else []:
+        logger.warning("%s", note)
+    if found is not None:
+        saved = read_trainer_state(found)
+        for note, harmless in check_resume_compatible(
+            resolved_today(saved.get("config", {}), absolute_paths=True),
+            cfg.model_dump(mode="json"),
+            saved.get("world_size"),
+            parts.world,
+            cfg.checkpoint.force_resume,
+        ):
+            (logger.info if harmless else logger.warning)("changed on resume: %s", note)
+        load_checkpoint(accelerator, found)
+        state = TrainState.restored(saved, cfg.loss.entropy_coef, adaptive_entropy=cfg.loss.entropy_target is not None)
+        parts.sampler.load_state_dict(saved["sampler"])
+        parts.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step)
+        parts.metrics.restore((found / METRICS_HISTORY).read_text())
+        cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
+        logger.info("resumed from %s at step %d", found, state.step)
+        return state, saved.get("decode_kernels")
+    earlier = complete_checkpoints(parts.output_dir) if accelerator.is_main_process else []
+    if earlier and cfg.checkpoint.resume == "never":
+        # Removed, not overwritten one by one: the earlier run's steps would stay interleaved with this one's
+        # (its step-5 beside our step-10), and a resume=auto after a crash would take its newest.
+        logger.warning(
+            "starting over in %s (checkpoint.resume=never): removing the earlier run's %d checkpoint(s) (%s) "
+            "and its metrics",
+            parts.output_dir,
+            len(earlier),
+            ", ".join(c.name for c in earlier) if len(earlier) <= 3 else f"{earlier[0].name} ... {earlier[-1].name}",
+        )
+        remove_checkpoints(parts.output_dir)
+    elif earlier:
+        logger.warning(
+            "starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
+            parts.output_dir,
+            cfg.checkpoint.resume,
+        )
+    state = TrainState.fresh(cfg.loss.entropy_coef)
+    parts.metrics.restore("")
+    return state, None
+
+
+def save_step(parts: Resumable, state: TrainState, history: str) -> None:
+    """Every rank calls this (the save is collective) after `state.step`; `history` is the metrics file as of it.
+    One record: the state, the sampler's and the queue's positions, what the resume checks compare."""
+    from .cpu import paths as cpu_paths
+
+    trainer_state = {
+        **state.saved(),
+        "sampler": parts.sampler.state_dict(),
+        "world_size": parts.world,
+        "config": parts.cfg.model_dump(mode="json"),
+        "cpu_paths": cpu_paths.record(),
+    }
+    if parts.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
+        trainer_state["rollout_queue"] = parts.rollouts.state_dict()
+    save_checkpoint(
+        parts.accelerator,
+        parts.output_dir,
+        state.step,
+        trainer_state,
+        parts.cfg.checkpoint.keep_last,
+        files={METRICS_HISTORY: history},
+    )
 
 
 def _pause_for_fault_injection() -> None:

@@ -111,7 +111,7 @@ def report_kernels(cfg, remeasure: bool) -> int:
     """Print the plan a run of `cfg` would sample with here; with `remeasure`, what timing again changed (the
     timed decisions only: those that change numerics follow a rule, rollout/kernels.py)."""
     from .rollout.kernels import default_table
-    from .state import measure_decode_kernels
+    from .run import measure_decode_kernels
 
     before, after = measure_decode_kernels(cfg, remeasure)
     if not after:

@@ -165,7 +165,7 @@ def forward_is_collective(accelerator) -> bool:
 def module_calls_are_collective(accelerator) -> bool:
     """Whether every call of a module in a training pass gathers its sharded parameters across ranks (ZeRO-3,
     FSDP with more than one process), so that all ranks must call each module equally often: the log-prob
-    passes then agree on their chunk count (state.chunk_agreement), which follows each rank's own lengths."""
+    passes then agree on their chunk count (run.chunk_agreement), which follows each rank's own lengths."""
     return forward_is_collective(accelerator) or (accelerator.num_processes > 1 and zero_stage(accelerator) == 3)
 
 

@@ -90,7 +90,7 @@ class Geometry:
 def geometry_of(cfg: Any, world: int = 1, rank: int = 0) -> Geometry:
     """The geometry of `cfg` (a `config.Config`) on `world` ranks; ValueError naming the keys to change.
 
-    With world = 1 this is what config validation checks; `state.build_run` checks the launched world."""
+    With world = 1 this is what config validation checks; `run.build_run` checks the launched world."""
     train, g = cfg.train, cfg.rollout.num_generations
     if train.prompts_per_step % world:
         raise ValueError(

@@ -188,7 +188,7 @@ class TokenLogprobs(nn.Module):
         self.chunk_size = chunk_size
         self.share_prompt = share_prompt
         # Where every module call gathers sharded weights across ranks (ZeRO-3, FSDP): the largest chunk count of
-        # any rank (state.chunk_agreement), so that every rank calls the output head equally often.
+        # any rank (run.chunk_agreement), so that every rank calls the output head equally often.
         self.agree_chunks = agree_chunks
         # FSDP's auto-wrap looks for the transformer block classes on the module it is given.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)

@@ -204,7 +204,7 @@ def finished_run(cfg, is_main_process: bool = True) -> dict[str, Any] | None:
     from . import checkpoint as ckpt
     from .metrics import read_metrics
     from .model_card import CARD
-    from .state import setup_logging
+    from .run import setup_logging
 
     resume = cfg.checkpoint.resume
     if resume == "never":

@@ -1,11 +1,11 @@
 """`TrainState`: what a training step changes and a checkpoint saves, apart from the components that do the work.
 
-The components (accelerator, models, optimizer, engine, task, writers: `state.Run`) are built once and never
+The components (accelerator, models, optimizer, engine, task, writers: `run.Run`) are built once and never
 reassigned. What one step hands the next is this small frozen record: each phase that changes a part of it
 returns a new value (`update` the non-finite streak and the entropy coefficient, `check_scored` the unscored
 streak, the loop the step), so a step's effect on the run is visible in its signature, and a checkpoint is
 `TrainState.saved()` plus the positions the sampler and the rollout queue keep themselves (their own state, as the
-optimizer keeps its moments: `state.save_checkpoint` writes them all as one record).
+optimizer keeps its moments: `checkpoint.save_step` writes them all as one record).
 
 The key names of `saved()` are the checkpoint format: checkpoints written before this class existed resume.
 """
@@ -50,7 +50,7 @@ class TrainState:
         """The state a checkpoint's trainer state records (missing entries: written by an earlier version, which
         did not count them). The entropy coefficient is the checkpoint's only where it adapts; a fixed one is the
         config's (`loss.entropy_coef`, which a resume may change). Decode kernels are settled afterwards
-        (`state.settle_decode_kernels` reads `saved["decode_kernels"]`)."""
+        (`checkpoint.restore` hands `saved["decode_kernels"]` to `run.settle_decode_kernels`)."""
         control = EntropyControl(entropy_coef)
         if adaptive_entropy and "entropy_control" in saved:
             control = EntropyControl(**saved["entropy_control"])

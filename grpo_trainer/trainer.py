@@ -17,12 +17,12 @@ One step, as named phases (each a function with a typed input and output):
                                   terms (terms/), backward, a step per mini-batch     -> StepStats
     6. weight sync  (rollout_queue.py) the engine gets the new weights, if it keeps its own copy (after the
                                   generation in flight, K >= 1), and the queue samples the batch K+1 steps ahead
-    7. checkpoint   (state.py)    every checkpoint.save_every steps and at the end
+    7. checkpoint   (checkpoint.py) every checkpoint.save_every steps and at the end
     8. report       (report.py)   the record (reduced over ranks) -> metrics.jsonl, trackers, samples, progress
                                   (written by `report` below)
     then: a preemption signal (SIGTERM, SIGUSR1) on any rank stops every rank here, with a checkpoint
 
-What lives for the whole run is one frozen `state.Run` of components, built once by `state.build_run`; what a
+What lives for the whole run is one frozen `run.Run` of components, built once by `run.build_run`; what a
 step changes and a checkpoint saves is a `TrainState` that each step takes and returns (train_state.py). Only
 this loop and the builder take the `Run`: each phase is given the parts it reads (tests/test_phase_inputs.py).
 Distribution is Accelerate's: every rank samples its own slice of the prompts,
@@ -49,6 +49,7 @@ import torch
 from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
+from .checkpoint import save_step
 from .collect import CollectSettings, Sources, collect
 from .config import Config, with_absolute_paths
 from .deadline import run_inline
@@ -57,7 +58,7 @@ from .evaluate import evaluate_model
 from .metrics import PhaseTimer
 from .preemption import StopRequests
 from .report import completion_samples, step_record, write_completions
-from .state import Run, build_run, finish, resume, save_checkpoint, stop_run
+from .run import Run, build_run, finish, resume, stop_run
 from .terms import term_types
 from .trackers import log_samples
 from .train_state import TrainState
@@ -117,7 +118,7 @@ def preempt(run: Run, state: TrainState, start_step: int, last: dict, received) 
     model."""
     step = state.step
     if not checkpoint_due(run.cfg, step):
-        save_checkpoint(run, state, run.metrics.history_with(None))  # the step's record is in the file already
+        save_step(run.resumable, state, run.metrics.history_with(None))  # the step's record is in the file already
     stop_run(run)
     name = received.name if received is not None else "a signal on another rank"
     logger.warning(
@@ -185,7 +186,7 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     log_this_step = step % cfg.logging.log_every == 0 or step == cfg.train.max_steps
     if checkpoint_due(cfg, step):
         tick = time.perf_counter()
-        save_checkpoint(run, state, run.metrics.history_with(record if log_this_step else None))
+        save_step(run.resumable, state, run.metrics.history_with(record if log_this_step else None))
         record["timing/checkpoint"] = time.perf_counter() - tick
     report(run, step, record, scored, advantages, log_this_step)
     return record, state

@@ -359,7 +359,7 @@ def assert_stopped_where_vllm_stops(decode, completion: list[int], truncated: bo
 
 
 def rollout_queue(run):
-    """A stand-in run's rollout queue, built as state.build_run builds the real one, from the run's parts (`cfg`,
+    """A stand-in run's rollout queue, built as run.build_run builds the real one, from the run's parts (`cfg`,
     `engine`, `geometry`, `comm`, `task`, `sampler`; `bare_lm` and `accelerator` where it pushes weights). The push
     reads `run.bare_lm` when it pushes, so a test may set it afterwards."""
     from types import SimpleNamespace

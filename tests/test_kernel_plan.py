@@ -200,10 +200,10 @@ def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line(mon
     carried through that gather, so every rank stops with the same line instead of waiting forever."""
     from types import SimpleNamespace
 
-    from grpo_trainer import state
+    from grpo_trainer import run as building
     from grpo_trainer.errors import ConfigError, TrainingError
 
-    monkeypatch.setattr(state, "decode_reach", lambda *a: (4, 64))
+    monkeypatch.setattr(building, "decode_reach", lambda *a: (4, 64))
     carried = []
 
     class Engine:
@@ -223,4 +223,4 @@ def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line(mon
         run = SimpleNamespace(cfg=None, geometry=SimpleNamespace(world=2), task=None, eval_task=None, engine=Engine(),
                               comm=SimpleNamespace(gather_objects=gather), is_main_process=is_main)
         with pytest.raises(TrainingError, match="decode kernels: GRPO_TRAINER_DECODE_KERNELS: linear='x'"):
-            state.settle_decode_kernels(run, None)
+            building.settle_decode_kernels(run, None)

@@ -28,7 +28,7 @@ from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS
 from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_causal_lm, load_tokenizer,
                                  make_packed_batch, make_sequence_batch, pack_rows)
 from grpo_trainer.rollout import Rollout
-from grpo_trainer.state import reference_scorer
+from grpo_trainer.run import reference_scorer
 from grpo_trainer.terms import TermModels, build_terms
 from grpo_trainer.train_state import TrainState
 from grpo_trainer.update import LogprobSettings, LossSettings, add_logprobs, micro_batch_loss

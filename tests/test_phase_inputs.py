@@ -1,7 +1,7 @@
 """Only the loop and the builder take the whole `Run`: every other function is given the parts it reads.
 
 Read from the source (the AST), so a function no test calls is checked as well: a parameter annotated `Run`
-(or `state.Run`), or named `run` without an annotation that says it is something else (plot.py's `RunMetrics`),
+(or `run.Run`), or named `run` without an annotation that says it is something else (plot.py's `RunMetrics`),
 is allowed only in the functions listed here.
 """
 
@@ -12,19 +12,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "grpo_trainer"
 
-# (module file, function): the loop in trainer.py, and state.py's builder with the run's lifecycle around it.
+# (module file, function): the loop in trainer.py, and run.py's builder with the run's lifecycle around it.
 TAKES_THE_RUN = {
     ("trainer.py", "train_step"),
     ("trainer.py", "step_advantages"),
     ("trainer.py", "periodic_eval"),
     ("trainer.py", "report"),
     ("trainer.py", "preempt"),
-    ("state.py", "resume"),
-    ("state.py", "settle_decode_kernels"),
-    ("state.py", "save_checkpoint"),
-    ("state.py", "finish"),
-    ("state.py", "stop_run"),
-    ("state.py", "_save_final_model"),
+    ("run.py", "resume"),
+    ("run.py", "settle_decode_kernels"),
+    ("run.py", "finish"),
+    ("run.py", "stop_run"),
+    ("run.py", "_save_final_model"),
 }
 
 

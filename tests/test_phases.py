@@ -246,13 +246,13 @@ def test_the_loop_puts_the_engine_to_sleep_after_sampling_and_closes_it(tmp_path
                                                                        accelerator_factory):
     """train() in this process, 2 steps, the real hf engine wrapped: sampled, slept through each update, closed
     once; never asked for a weight push (it samples from the training model)."""
-    import grpo_trainer.state as state
+    import grpo_trainer.run as building
     from grpo_trainer import train
     from grpo_trainer.metrics import read_metrics
 
     calls: list[str] = []
-    real_build = state.build_engine
-    monkeypatch.setattr(state, "build_engine", lambda *a, **k: RecordingEngine(real_build(*a, **k), False, calls))
+    real_build = building.build_engine
+    monkeypatch.setattr(building, "build_engine", lambda *a, **k: RecordingEngine(real_build(*a, **k), False, calls))
     result = train(load_config("configs/demo_cpu.yaml", small_run_overrides(tmp_path / "run")))
     assert calls == ["generate", "sleep", "generate", "sleep", "close"]
     assert result.steps_done == 2 and len(read_metrics(tmp_path / "run")) == 2

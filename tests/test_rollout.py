@@ -438,11 +438,11 @@ def test_unset_chunk_size_keeps_a_chunks_logits_within_256_mib():
 
 def test_where_module_calls_are_collective_the_ranks_agree_on_their_chunk_count():
     """Under ZeRO-3 and multi-process FSDP each output-head call gathers its weights across ranks, and a rank's
-    chunk count follows its own completion lengths: the ranks agree on the largest (state.chunk_agreement: an
+    chunk count follows its own completion lengths: the ranks agree on the largest (run.chunk_agreement: an
     all-reduce max there, nothing under DDP or one process)."""
     from types import SimpleNamespace
 
-    from grpo_trainer.state import chunk_agreement
+    from grpo_trainer.run import chunk_agreement
 
     def accelerator(processes, kind, zero=None):
         plugin = None if zero is None else SimpleNamespace(zero_stage=zero)

@@ -122,7 +122,7 @@ def test_lockstep_is_used_only_where_a_forward_is_a_collective():
     assert not forward_is_collective(accelerator("FSDP", 1))
     for kind in ("MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "NO"):  # ZeRO-3 samples with its hooks removed
         assert not forward_is_collective(accelerator(kind, 2))
-    comm = object()  # what rollouts (state.build_run) and periodic evaluation (trainer.periodic_eval) hand the engine
+    comm = object()  # what rollouts (run.build_run) and periodic evaluation (trainer.periodic_eval) hand the engine
     assert sampling_lockstep(accelerator("FSDP", 2), comm) is comm and sampling_lockstep(accelerator("MULTI_GPU", 2), comm) is None
 
 

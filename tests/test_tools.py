@@ -454,7 +454,8 @@ def test_seeded_multi_turn_groups_do_not_depend_on_batching():
 def _build_a_run_and_evaluate(overrides: list[str]) -> None:
     """In a fork (build_run starts an Accelerator): every build_environment call counted and the environment's
     close() recorded through a run's life, a periodic evaluation included."""
-    from grpo_trainer import evaluate, state
+    from grpo_trainer import evaluate
+    from grpo_trainer import run as building
     from grpo_trainer.config import load_config
     from grpo_trainer.environments import build_environment
 
@@ -465,14 +466,14 @@ def _build_a_run_and_evaluate(overrides: list[str]) -> None:
         built[-1].close = lambda: closed.append(True)
         return built[-1]
 
-    state.build_environment = evaluate.build_environment = counting
+    building.build_environment = evaluate.build_environment = counting
     cfg = load_config("configs/tools_cpu.yaml", overrides)
-    run = state.build_run(cfg)
+    run = building.build_run(cfg)
     assert len(built) == 1, built
     assert run.task.environment is run.eval_task.environment is run.engine.environment is built[0]
     results = evaluate.evaluate_model(run.bare_lm(), run.tokenizer, cfg, k=1, task=run.eval_task, progress=False)
     assert results["eval/num_prompts"] == 2 and len(built) == 1 and not closed  # evaluated on the run's, left open
-    state.stop_run(run)
+    building.stop_run(run)
     assert closed == [True]  # the run closes what it built, once
 
 

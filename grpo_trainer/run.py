@@ -1,5 +1,6 @@
 """What lives for the whole run, built once: `build_run(cfg) -> Run`, then `resume(run) -> TrainState`, and
-`finish(run)`.
+`finish(run)`. What a checkpoint saves and how a run is restored from one is checkpoint.py's (`save_step`,
+`restore`).
 
 The `Run` holds the components a step's phases work with, frozen: the accelerator and its collectives, the batch
 geometry, the tokenizer, the policy (wrapped by Accelerate), the loss terms (with the reference and the teacher
@@ -92,6 +93,13 @@ class Run:
     @property
     def is_main_process(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def resumable(self) -> ckpt.Resumable:
+        """What a checkpoint saves and a resume restores, beside the `TrainState` (checkpoint.save_step, restore)."""
+        return ckpt.Resumable(
+            self.cfg, self.accelerator, self.geometry.world, self.sampler, self.rollouts, self.metrics
+        )
 
     def bare_lm(self) -> torch.nn.Module:
         """The causal LM inside the wrappers (DDP, DeepSpeed, TokenLogprobs): what engines and saving need."""
@@ -307,54 +315,10 @@ def _frozen_copy(cfg: Config, model: ModelConfig, accelerator) -> TokenLogprobs:
 
 
 def resume(run: Run) -> TrainState:
-    """The state to continue from: the checkpoint's that `checkpoint.resume` picks (its model, optimizer, sampler
-    and queue positions loaded into the components), or a fresh one; then the run's outputs are opened."""
+    """The state to continue from (`checkpoint.restore`: the checkpoint's, loaded into the components, or a fresh
+    one) with the run's kernel plan settled; then the run's outputs are opened."""
     cfg, accelerator = run.cfg, run.accelerator
-    found, damaged = ckpt.find_resume_checkpoint(cfg.output_dir, cfg.checkpoint.resume)
-    for note in damaged if accelerator.is_main_process else []:
-        logger.warning("%s", note)
-    if found is not None:
-        saved = ckpt.read_trainer_state(found)
-        for note, harmless in ckpt.check_resume_compatible(
-            ckpt.resolved_today(saved.get("config", {}), absolute_paths=True),
-            cfg.model_dump(mode="json"),
-            saved.get("world_size"),
-            run.geometry.world,
-            cfg.checkpoint.force_resume,
-        ):
-            (logger.info if harmless else logger.warning)("changed on resume: %s", note)
-        ckpt.load_checkpoint(accelerator, found)
-        state = TrainState.restored(saved, cfg.loss.entropy_coef, adaptive_entropy=cfg.loss.entropy_target is not None)
-        run.sampler.load_state_dict(saved["sampler"])
-        run.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step)
-        run.metrics.restore((found / ckpt.METRICS_HISTORY).read_text())
-        cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
-        logger.info("resumed from %s at step %d", found, state.step)
-        recorded = saved.get("decode_kernels")
-    else:
-        earlier = ckpt.complete_checkpoints(run.output_dir) if accelerator.is_main_process else []
-        if earlier and cfg.checkpoint.resume == "never":
-            # Removed, not overwritten one by one: the earlier run's steps would stay interleaved with this one's
-            # (its step-5 beside our step-10), and a resume=auto after a crash would take its newest.
-            logger.warning(
-                "starting over in %s (checkpoint.resume=never): removing the earlier run's %d checkpoint(s) (%s) "
-                "and its metrics",
-                run.output_dir,
-                len(earlier),
-                ", ".join(c.name for c in earlier)
-                if len(earlier) <= 3
-                else f"{earlier[0].name} ... {earlier[-1].name}",
-            )
-            ckpt.remove_checkpoints(run.output_dir)
-        elif earlier:
-            logger.warning(
-                "starting over in %s (checkpoint.resume=%s): its metrics and checkpoints will be overwritten",
-                run.output_dir,
-                cfg.checkpoint.resume,
-            )
-        state = TrainState.fresh(cfg.loss.entropy_coef)
-        run.metrics.restore("")
-        recorded = None
+    state, recorded = ckpt.restore(run.resumable)
     state = replace(state, decode_kernels=settle_decode_kernels(run, recorded))
     if accelerator.is_main_process:
         run.output_dir.mkdir(parents=True, exist_ok=True)
@@ -437,28 +401,6 @@ def _environment_for_kernels(cfg: Config):
     except ConfigError as exc:
         logger.warning("kernels: planned for prompts without the environment's tool schema: %s", exc)
         return None
-
-
-def save_checkpoint(run: Run, state: TrainState, history: str) -> None:
-    """Every rank calls this (the save is collective) after `state.step`; `history` is the metrics file as of it.
-    One record: the state, the sampler's and the queue's positions, what the resume checks compare."""
-    trainer_state = {
-        **state.saved(),
-        "sampler": run.sampler.state_dict(),
-        "world_size": run.geometry.world,
-        "config": run.cfg.model_dump(mode="json"),
-        "cpu_paths": cpu_paths.record(),
-    }
-    if run.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
-        trainer_state["rollout_queue"] = run.rollouts.state_dict()
-    ckpt.save_checkpoint(
-        run.accelerator,
-        run.output_dir,
-        state.step,
-        trainer_state,
-        run.cfg.checkpoint.keep_last,
-        files={ckpt.METRICS_HISTORY: history},
-    )
 
 
 def finish(run: Run) -> None:
