@@ -231,39 +231,47 @@ def evaluate_model(
         kernel_plan=kernel_plan,
     )
     engine = with_environment(engine, tokenizer, cfg, sampling, task.environment)  # evaluated as trained
-    device = next(lm.parameters()).device
-    prompts_total = len(task)
-    per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
-    chunks: list[torch.Tensor] = []  # [p, k, R + 1] per batch of prompts
-    episodes: list[EpisodeRecord] = []  # with an environment: how every episode went
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=prompts_total, desc=f"eval (k={s.k})", unit="prompt", disable=not progress, dynamic_ncols=True)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed)
-            for start in range(0, prompts_total, per_batch):
-                indices = list(range(start, min(start + per_batch, prompts_total)))
-                specs = None
-                if engine.needs_episodes:  # eval's own seeds: step 0 is never a training step
-                    specs = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
-                rollout = engine.generate(task.prompt_ids(indices), s.k, episodes=specs)
-                episodes += rollout.episodes or []
-                scored = task.score([i for i in indices for _ in range(s.k)], rollout)  # grouped: prompt i x k
-                both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
-                chunks.append(both.view(len(indices), s.k, -1))
-                bar.update(len(indices))
+        scores, episodes = _sample_and_score(engine, task, cfg, s.k, next(lm.parameters()).device, progress)
     finally:
         engine.close()  # the episode loop's threads (the HFEngine itself holds nothing)
         if built is not None:
             built.close()
-    bar.close()
-    names = [r.name for r in task.rewards] + ["reward"]
-    results = summarize(torch.cat(chunks, 0), names, s.k)
-    results["eval/num_prompts"] = float(prompts_total)
+    results = summarize(scores, [r.name for r in task.rewards] + ["reward"], s.k)
+    results["eval/num_prompts"] = float(len(task))
     if episodes:
         results.update(environment_failures(episodes, cfg))
     return results
+
+
+def _sample_and_score(
+    engine: RolloutEngine, task: Task, cfg: Config, k: int, device: torch.device, progress: bool
+) -> tuple[torch.Tensor, list[EpisodeRecord]]:
+    """k completions of every eval prompt, in batches of prompts, scored: [prompts, k, R + 1] (every reward
+    function, then the weighted total), and how every episode went (with an environment). Sampled under the
+    run's seed in a forked random state, so an evaluation leaves training's random stream as it was."""
+    from tqdm.auto import tqdm
+
+    prompts_total = len(task)
+    per_batch = cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS
+    chunks: list[torch.Tensor] = []  # [p, k, R + 1] per batch of prompts
+    episodes: list[EpisodeRecord] = []
+    bar = tqdm(total=prompts_total, desc=f"eval (k={k})", unit="prompt", disable=not progress, dynamic_ncols=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed)
+        for start in range(0, prompts_total, per_batch):
+            indices = list(range(start, min(start + per_batch, prompts_total)))
+            specs = None
+            if engine.needs_episodes:  # eval's own seeds: step 0 is never a training step
+                specs = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
+            rollout = engine.generate(task.prompt_ids(indices), k, episodes=specs)
+            episodes += rollout.episodes or []
+            scored = task.score([i for i in indices for _ in range(k)], rollout)  # grouped: prompt i x k
+            both = torch.cat([scored.per_function, scored.total[:, None]], 1)  # [p * k, R + 1]
+            chunks.append(both.view(len(indices), k, -1))
+            bar.update(len(indices))
+    bar.close()
+    return torch.cat(chunks, 0), episodes
 
 
 def environment_failures(episodes: list[EpisodeRecord], cfg: Config) -> dict[str, float]:
