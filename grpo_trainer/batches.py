@@ -1,7 +1,8 @@
 """Phase 3, batches: this rank's completions as micro-batches of tensors -> `TrainBatch`.
 
-CPU only and free of models, so it is tested directly. The loss mask is the completion's tokens, less the
-tool output of a multi-turn completion (`Rollout.completion_mask`). Two more masks meet here:
+CPU only and free of models, so it is tested directly. It reads the step's `TrainingSamples` (samples.py). The
+loss mask is the completion's tokens the model wrote (`TrainingSamples.loss_mask`: a multi-turn completion's
+tool and environment output carries none). Two more masks meet here:
 `mask_truncated_completions` (DAPO) zeroes completions that hit the length limit,
 and, when skipping is exact (beta = 0 and a loss whose normaliser does not count
 the tokens present in a micro-batch: `LossVariant.exact_zero_advantage_skip`),
@@ -40,7 +41,7 @@ import torch
 
 from .errors import ConfigError
 from .models import make_packed_batch, make_sequence_batch, packed_tokens, piece_tokens
-from .rollout import Rollout
+from .samples import TrainingSamples
 
 
 @dataclass
@@ -99,8 +100,7 @@ class _OneRank:
 
 
 def build_train_batch(
-    prompt_ids: list[list[int]],
-    rollout: Rollout,
+    samples: TrainingSamples,
     advantages: torch.Tensor,
     pad_token_id: int,
     *,
@@ -113,16 +113,16 @@ def build_train_batch(
     mini_batches: int = 1,
     comm=None,
 ) -> TrainBatch:
-    """prompt_ids[j] is the prompt completion j continues; advantages [local_n], one per completion, G per group.
+    """This rank's samples; advantages [local_n], one per completion, G per group.
 
     A collective (every rank calls it, with its `comm`; None: one process): the normalisers' token totals
     and each mini-batch's micro-batch count are agreed over all ranks."""
     comm = comm or _OneRank()
-    local_n = len(rollout.completion_ids)
-    lengths = torch.tensor(rollout.model_tokens(), dtype=torch.float32)  # tool output (multi-turn) is not counted
+    local_n = len(samples.completion_ids)
+    lengths = torch.tensor(samples.model_tokens(), dtype=torch.float32)  # tool output (multi-turn) is not counted
     keep = torch.ones(local_n)
     if mask_truncated:
-        keep = 1.0 - torch.tensor(rollout.truncated, dtype=torch.float32)
+        keep = 1.0 - torch.tensor(samples.truncated, dtype=torch.float32)
     trainable = None  # None: every completion
     row_weight = keep  # per completion: 0 masks all its tokens out of the loss and the metrics
     if skip_zero_advantage:
@@ -136,7 +136,7 @@ def build_train_batch(
         plans = [_micro_batches_of(rows, micro_batch_size, trainable, lengths) for rows in windows]
         needed = [len(plan) if wanted.intersection(rows) else 0 for rows, plan in zip(windows, plans)]
     else:
-        cost = tokens_of(prompt_ids, [len(c) for c in rollout.completion_ids], group_size, packing)
+        cost = tokens_of(samples.prompt_ids, [len(c) for c in samples.completion_ids], group_size, packing)
         plans = [
             pieces_within([j for j in rows if j in wanted], group_size, cost, micro_batch_tokens) for rows in windows
         ]
@@ -149,15 +149,13 @@ def build_train_batch(
     for k, (rows, plan, count) in enumerate(zip(windows, plans, agreed)):
         if micro_batch_tokens is not None:  # an idle mini-batch (count 0) keeps one filler
             plan = budget_micro_batches(plan, max(count, 1), cost, micro_batch_tokens)
-        shortest = min(rows, key=lambda j: len(rollout.completion_ids[j]))
+        shortest = min(rows, key=lambda j: len(samples.completion_ids[j]))
         for chunk in plan:
             filler = not wanted.intersection(chunk)  # nothing to train: only the backward call counts
             idx = chunk or [shortest]
             weight = torch.zeros(len(idx)) if filler else row_weight[idx]
             micro_batches.append(
-                _micro_batch(
-                    prompt_ids, rollout, advantages, idx, weight, pad_token_id, packing, k, rows=[] if filler else idx
-                )
+                _micro_batch(samples, advantages, idx, weight, pad_token_id, packing, k, rows=[] if filler else idx)
             )
     return TrainBatch(
         micro_batches=micro_batches,
@@ -172,8 +170,7 @@ def build_train_batch(
 
 
 def _micro_batch(
-    prompt_ids: list[list[int]],
-    rollout: Rollout,
+    samples: TrainingSamples,
     advantages: torch.Tensor,
     idx: list[int],
     weight: torch.Tensor,
@@ -185,13 +182,12 @@ def _micro_batch(
     """Completions `idx` in the chosen layout. The loss mask covers what the model wrote, times each completion's
     `weight` (0: masked whole, as a truncated completion under DAPO or a filler)."""
     layout = make_packed_batch if packing else make_sequence_batch
-    batch = layout([prompt_ids[j] for j in idx], [rollout.completion_ids[j] for j in idx], pad_token_id)
+    batch = layout([samples.prompt_ids[j] for j in idx], [samples.completion_ids[j] for j in idx], pad_token_id)
     sampled = None
-    if rollout.sampling_logprobs is not None:
-        sampled = _pad([rollout.sampling_logprobs[j] for j in idx], batch.num_completion_tokens)
-    mask = batch.completion_mask
-    if rollout.completion_mask is not None:  # tool output stays in the sequence and carries no loss
-        mask = _pad([rollout.completion_mask[j] for j in idx], batch.num_completion_tokens)
+    if samples.sampler_logprobs is not None:
+        sampled = _pad([samples.sampler_logprobs[j] for j in idx], batch.num_completion_tokens)
+    # Tool output stays in the sequence (attended to) and carries no loss.
+    mask = _pad([samples.loss_mask[j] for j in idx], batch.num_completion_tokens)
     return MicroBatch(
         sequences=batch.tensors(),
         mask=mask * weight[:, None],

@@ -1,4 +1,4 @@
-"""Phase 1, collect: sample G completions per prompt and score them -> `ScoredBatch`.
+"""Phase 1, collect: sample G completions per prompt and score them -> `ScoredBatch` (samples.py).
 
 Every rank samples its own slice of the step's prompts; the rewards of the whole
 batch are gathered, since advantages (and DAPO's filter) need every group. Two
@@ -20,52 +20,32 @@ there and then (the synchronous loop, rollout.max_staleness 0), or was sampled w
 sampled when asked for, with the current weights.
 
 The phase is given what it reads (the queue, the task, the collectives, the geometry and its `CollectSettings`),
-so tests call it with stand-ins for those.
+so tests call it with stand-ins for those. It is the last to see the engine's `Rollout` and the environment's
+objects (the rewards get them, through `Task.score`): it ends in the records of samples.py, which are all that
+training reads.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .advantages import group_advantages
 from .config import Config
-from .environments.scoring import environment_metrics, episode_counts
+from .environments.scoring import environment_metrics, episode_counts, failure_kinds
 from .geometry import Geometry
 from .metrics import PhaseTimer
 from .rewards import RewardBatch, reward_statistics
 from .rollout import Rollout
 from .rollout_queue import RolloutQueue
+from .samples import Ending, EpisodeStats, ScoredBatch, TrainingSamples
 from .task import Task
 
 logger = logging.getLogger("grpo_trainer")
-
-
-@dataclass
-class ScoredBatch:
-    """One step's completions on this rank, and the rewards of the whole batch (all ranks)."""
-
-    prompt_indices: list[int]  # this rank's prompts [P]
-    rollout: Rollout  # their completions [P * G], grouped by prompt
-    rewards: torch.Tensor  # [world * P * G] total reward of every completion, rank order; NaN: no opinion
-    reward_metrics: dict[str, float]  # per-reward mean/std over all ranks; the main process's counters, seconds
-    # Dynamic sampling only: `reward`, `reward_std`, `frac_reward_zero_std` of the first round (what the
-    # policy does, not the filtered batch), and how many rounds and groups it took.
-    sampling_stats: dict[str, float] = field(default_factory=dict)
-    per_function: torch.Tensor | None = None  # [world * P * G, R] each reward's value (loss.reward_aggregation)
-    tool_metrics: dict[str, float] = field(
-        default_factory=dict
-    )  # environment.tools: calls, errors, turns over all ranks
-
-    @property
-    def prompt_rows(self) -> list[int]:
-        """The prompt index of each of this rank's completions."""
-        g = len(self.rollout.completion_ids) // len(self.prompt_indices)
-        return [i for i in self.prompt_indices for _ in range(g)]
 
 
 @dataclass(frozen=True)
@@ -98,12 +78,9 @@ def collect(sources: Sources, step: int, timer: PhaseTimer) -> ScoredBatch:
     # Mean/std of each reward over all ranks; counters and seconds stay the main process's own.
     per_function = sources.comm.gather(scores.per_function)  # [world * local_n, R]
     return ScoredBatch(
-        indices,
-        rollout,
-        rewards,
+        training_samples(sources.task, indices, rollout, rewards, per_function),
+        episode_stats(sources.comm, rollout),
         {**scores.metrics, **reward_statistics(sources.task.rewards, per_function)},
-        per_function=per_function,
-        tool_metrics=tool_metrics(sources.comm, rollout),
     )
 
 
@@ -190,35 +167,67 @@ def _collect_dynamic(sources: Sources, step: int, timer: PhaseTimer) -> ScoredBa
         "dynamic_sampling/kept_groups": float(min(len(kept), target)),
         "dynamic_sampling/filled_degenerate_groups": float(short),
     }
+    samples = training_samples(
+        sources.task,
+        [grp.prompt_index for grp in mine],
+        rollout,
+        torch.tensor([r for grp in batch for r in grp.rewards]),
+        torch.tensor([row for grp in batch for row in grp.per_function]),
+    )
     return ScoredBatch(
-        prompt_indices=[grp.prompt_index for grp in mine],
-        rollout=rollout,
-        rewards=torch.tensor([r for grp in batch for r in grp.rewards]),
-        reward_metrics={**counters, **reward_statistics(sources.task.rewards, first_per_function)},
-        sampling_stats=sampling_stats,
-        per_function=torch.tensor([row for grp in batch for row in grp.per_function]),
-        tool_metrics=tool_metrics(comm, rollout),
+        samples,
+        episode_stats(comm, rollout),
+        {**counters, **reward_statistics(sources.task.rewards, first_per_function)},
+        sampling_stats,
     )
 
 
-def tool_metrics(comm, rollout: Rollout) -> dict[str, float]:
-    """Per completion, over all ranks: tool calls, failed calls, model turns; and the share that called a tool.
-    With environments, also how the episodes went (environments/scoring.py)."""
+def training_samples(
+    task: Task, indices: list[int], rollout: Rollout, rewards: torch.Tensor, per_function: torch.Tensor
+) -> TrainingSamples:
+    """This rank's completions of prompts `indices` as training reads them, with the rewards of the whole batch.
+    The prompt tokens have one source: the environment's extended prompt where it has one, else the task's."""
+    g = len(rollout.completion_ids) // len(indices) if indices else 0
+    prompt_ids = rollout.prompt_ids
+    if prompt_ids is None:
+        prompt_ids = task.prompt_ids([i for i in indices for _ in range(g)])
+    return TrainingSamples(
+        prompt_indices=list(indices),
+        prompt_ids=prompt_ids,
+        completion_ids=rollout.completion_ids,
+        loss_mask=rollout.completion_mask or [[1] * len(c) for c in rollout.completion_ids],
+        truncated=rollout.truncated,
+        sampler_logprobs=rollout.sampling_logprobs,
+        weight_versions=rollout.weight_versions,
+        rewards=rewards,
+        per_function=per_function,
+        prompts_extended=rollout.prompt_ids is not None,
+    )
+
+
+def episode_stats(comm, rollout: Rollout) -> EpisodeStats:
+    """Where the model used tools or an environment, per completion over all ranks: tool calls, failed calls,
+    model turns, and the share that called a tool; with environments, also how the episodes went
+    (environments/scoring.py) and this rank's endings and failures. A collective."""
     if rollout.tool_calls is None:
-        return {}
+        return EpisodeStats()
     counts = comm.gather(torch.tensor([rollout.tool_calls, rollout.tool_errors, rollout.turns], dtype=torch.float32).T)
     calls, errors, turns = counts.T
-    environment = {}
+    environment: dict[str, float] = {}
+    endings, failures = None, []
     if rollout.episodes is not None:
+        endings = [Ending(e.ended_by, e.error) for e in rollout.episodes]
+        failures = failure_kinds(rollout.episodes)
         environment = environment_metrics(comm.gather(episode_counts(rollout.episodes)))
         names = sorted(rollout.env_counters)  # the same on every rank: one kind of environment
         if names:  # a remote server's capacity refusals and reconnects, summed over ranks
             summed = comm.sum(torch.tensor([float(rollout.env_counters[name]) for name in names]))
             environment.update({f"environment/{name}": float(count) for name, count in zip(names, summed)})
-    return {
+    metrics = {
         **environment,
         "tools/calls_per_completion": float(calls.mean()),
         "tools/errors_per_completion": float(errors.mean()),
         "tools/turns_per_completion": float(turns.mean()),
         "tools/frac_completions_calling": float((calls > 0).float().mean()),
     }
+    return EpisodeStats(metrics, endings, failures)

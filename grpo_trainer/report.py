@@ -20,19 +20,29 @@ import torch
 
 from .checkpoint import flatten
 from .config import Config
+from .samples import EpisodeStats, ScoredBatch, TrainingSamples
 
 logger = logging.getLogger("grpo_trainer")
 
 
 def step_record(
-    comm, step: int, scored, reward_stats: dict, batch, stats, total_completions: int, learning_rate: float, extra: dict
+    comm,
+    step: int,
+    scored: ScoredBatch,
+    reward_stats: dict,
+    batch,
+    stats,
+    total_completions: int,
+    learning_rate: float,
+    extra: dict,
 ) -> dict:
     """Every metric of the step (a collective: every rank gathers); `stats` already reduced over ranks, `extra`
     (eval, timing) appended last."""
+    samples = scored.samples
     all_lengths = comm.gather(batch.lengths)
-    all_truncated = comm.gather(torch.tensor(scored.rollout.truncated, dtype=torch.float32))
+    all_truncated = comm.gather(torch.tensor(samples.truncated, dtype=torch.float32))
     step_metrics = stats.metrics(
-        batch.total_tokens, total_completions, sampler_logprobs=scored.rollout.sampling_logprobs is not None
+        batch.total_tokens, total_completions, sampler_logprobs=samples.sampler_logprobs is not None
     )
     return {
         "step": step,
@@ -42,11 +52,11 @@ def step_record(
         "completions/mean_length": float(all_lengths.mean()),
         "completions/max_length": float(all_lengths.max()),
         "completions/clipped_ratio": float(all_truncated.mean()),
-        **length_by_outcome(all_lengths, scored.rewards),
+        **length_by_outcome(all_lengths, samples.rewards),
         **step_metrics,
         **batch.metrics,
         **scored.reward_metrics,
-        **scored.tool_metrics,
+        **scored.episodes.metrics,
         **extra,
     }
 
@@ -62,25 +72,33 @@ def length_by_outcome(lengths: torch.Tensor, rewards: torch.Tensor) -> dict[str,
 
 
 def completion_samples(
-    texts: list[str], tokenizer, step: int, scored, rewards: torch.Tensor, advantages: torch.Tensor, n: int
+    texts: list[str],
+    tokenizer,
+    step: int,
+    samples: TrainingSamples,
+    episodes: EpisodeStats,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    n: int,
 ) -> list[dict]:
     """The first `n` completions of this rank as completions.jsonl records. The prompt is the one the model was
-    conditioned on: with an environment, the row's prompt extended by its reset text (`rollout.prompt_ids`), not
-    the dataset's; an episode's record also says how it ended and, for a failure, why."""
-    rollout, rows = scored.rollout, scored.prompt_rows
-    samples = []
+    conditioned on: the dataset's text, or, where the environment extended it by its reset text
+    (`prompts_extended`), the prompt tokens decoded; an episode's record also says how it ended and, for a
+    failure, why."""
+    rows, endings = samples.prompt_rows, episodes.endings
+    written = []
     for j in range(n):
         sample = {
             "step": step,
-            "prompt": texts[rows[j]] if rollout.prompt_ids is None else tokenizer.decode(rollout.prompt_ids[j]),
-            "completion": tokenizer.decode(rollout.completion_ids[j], skip_special_tokens=True),
+            "prompt": tokenizer.decode(samples.prompt_ids[j]) if samples.prompts_extended else texts[rows[j]],
+            "completion": tokenizer.decode(samples.completion_ids[j], skip_special_tokens=True),
             "reward": float(rewards[j]),
             "advantage": float(advantages[j]),
         }
-        if rollout.episodes is not None:
-            sample.update(ended_by=rollout.episodes[j].ended_by, error=rollout.episodes[j].error)
-        samples.append(sample)
-    return samples
+        if endings is not None:
+            sample.update(ended_by=endings[j].ended_by, error=endings[j].error)
+        written.append(sample)
+    return written
 
 
 def write_completions(path: Path, samples: list[dict], echo: bool) -> None:

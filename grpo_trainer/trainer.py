@@ -3,6 +3,7 @@
 One step, as named phases (each a function with a typed input and output):
 
     1. collect      (collect.py)  prompts -> G completions each -> rewards        -> ScoredBatch
+                                  (samples.py: TrainingSamples, EpisodeStats, metrics: all the rest reads)
                                   (plain, or DAPO dynamic sampling: same result type); the completions come
                                   from the rollout queue (rollout_queue.py): sampled now, or, with
                                   rollout.max_staleness K >= 1, while the K steps before trained
@@ -59,6 +60,7 @@ from .metrics import PhaseTimer
 from .preemption import StopRequests
 from .report import completion_samples, step_record, write_completions
 from .run import Run, build_run, finish, resume, stop_run
+from .samples import ScoredBatch, TrainingSamples
 from .terms import term_types
 from .trackers import log_samples
 from .train_state import TrainState
@@ -140,17 +142,18 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     cfg, geometry, started, timer = run.cfg, run.geometry, time.perf_counter(), PhaseTimer()
     run.heap_trimmer()  # what the last step freed, before the rollout's KV cache and reordered weights
     scored = collect(Sources(run.rollouts, run.task, run.comm, geometry, CollectSettings.of(cfg)), step, timer)
+    samples = scored.samples  # from here on, the step reads the records of samples.py only
     # a step no reward scored: warned about, stopped after a few in a row
     checks = ScoreChecks.of(cfg, run.task.rewards)
-    state = replace(state, step=step, unscored_in_a_row=check_scored(scored, step, state.unscored_in_a_row, checks))
+    unscored = check_scored(samples.per_function, scored.episodes, step, state.unscored_in_a_row, checks)
+    state = replace(state, step=step, unscored_in_a_row=unscored)
     run.engine.sleep()
-    all_advantages, reward_stats = step_advantages(run, scored)
+    all_advantages, reward_stats = step_advantages(run, samples)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
     advantages = geometry.my_completions(all_advantages)  # [local_n]
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
-            scored.rollout.prompt_ids or run.task.prompt_ids(scored.prompt_rows),
-            scored.rollout,
+            samples,
             advantages,
             run.tokenizer.pad_token_id,
             micro_batch_size=geometry.micro_batch_size,
@@ -192,14 +195,14 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     return record, state
 
 
-def step_advantages(run: Run, scored) -> tuple[torch.Tensor, dict[str, float]]:
+def step_advantages(run: Run, samples: TrainingSamples) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages of the whole batch [world * local_n] (every rank computes them from the gathered rewards) and
     the reward statistics; `loss.reward_aggregation: normalize_then_sum` feeds the per-reward values."""
     loss = run.cfg.loss
-    per_function = scored.per_function if loss.reward_aggregation == "normalize_then_sum" else None
+    per_function = samples.per_function if loss.reward_aggregation == "normalize_then_sum" else None
     weights = torch.tensor([reward.weight for reward in run.task.rewards])
     advantages, stats = batch_advantages(
-        scored.rewards,
+        samples.rewards,
         run.geometry.group_size,
         estimator=loss.advantage,
         scale=loss.scale_rewards,
@@ -245,7 +248,9 @@ def periodic_eval(run: Run, state: TrainState, timer: PhaseTimer) -> dict[str, f
     return results if run.is_main_process else {}
 
 
-def report(run: Run, step: int, record: dict, scored, advantages: torch.Tensor, log_this_step: bool) -> None:
+def report(
+    run: Run, step: int, record: dict, scored: ScoredBatch, advantages: torch.Tensor, log_this_step: bool
+) -> None:
     """Phase 8: write the record where it goes (metrics.jsonl, trackers), sample completions when due, advance the
     progress bar."""
     if log_this_step:
@@ -257,8 +262,10 @@ def report(run: Run, step: int, record: dict, scored, advantages: torch.Tensor, 
     every = run.cfg.logging.completions_every
     if every and step % every == 0 and run.is_main_process:
         n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
-        rewards = run.geometry.my_completions(scored.rewards)
-        samples = completion_samples(run.task.prompts.texts, run.tokenizer, step, scored, rewards, advantages, n)
+        rewards = run.geometry.my_completions(scored.samples.rewards)
+        samples = completion_samples(
+            run.task.prompts.texts, run.tokenizer, step, scored.samples, scored.episodes, rewards, advantages, n
+        )
         write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
         log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
     run.progress.update(record)

@@ -22,6 +22,7 @@ from .batches import MicroBatch, TrainBatch
 from .config import Config
 from .errors import TrainingError
 from .geometry import Geometry
+from .samples import EpisodeStats
 from .terms import LossTerm, StepTotals, Sum, TermInputs, shapes_advantages
 from .train_state import TrainState
 
@@ -395,20 +396,21 @@ class ScoreChecks:
         return cls(tuple(rewards), cfg.train.max_consecutive_unscored, name)
 
 
-def check_scored(scored, step: int, unscored_in_a_row: int, checks: ScoreChecks) -> int:
+def check_scored(
+    per_function: torch.Tensor, episodes: EpisodeStats, step: int, unscored_in_a_row: int, checks: ScoreChecks
+) -> int:
     """Before the update: warn about rewards that scored no completion of the step (None or NaN for every one, over
-    all ranks), and count the steps in which none did: nothing to learn from (every advantage 0), yet the run
-    would go on silently. Returns the count after this step (`unscored_in_a_row` before it; the count is in
-    checkpoints); stops once more than train.max_consecutive_unscored such steps came in a row. Every rank sees
-    the gathered rewards, so every rank decides alike."""
+    all ranks: `per_function` [world * local_n, R]), and count the steps in which none did, or in which the
+    environment failed every episode: nothing to learn from (every advantage 0), yet the run would go on silently.
+    Returns the count after this step (`unscored_in_a_row` before it; the count is in checkpoints); stops once
+    more than train.max_consecutive_unscored such steps came in a row. Every rank sees the gathered rewards and
+    episode metrics, so every rank decides alike."""
     from .rewards import unscored
 
-    if scored.tool_metrics.get("environment/frac_failed") == 1.0:  # over all ranks
-        return _all_episodes_failed(scored, step, unscored_in_a_row + 1, checks)
-    if scored.per_function is None:
-        return unscored_in_a_row
-    names = unscored(list(checks.rewards), scored.per_function)
-    n = scored.per_function.shape[0]
+    if episodes.all_failed:
+        return _all_episodes_failed(episodes, step, unscored_in_a_row + 1, checks)
+    names = unscored(list(checks.rewards), per_function)
+    n = per_function.shape[0]
     if len(names) < len(checks.rewards) or not n:
         for name in names:
             logger.warning(
@@ -439,14 +441,11 @@ def check_scored(scored, step: int, unscored_in_a_row: int, checks: ScoreChecks)
     return unscored_in_a_row
 
 
-def _all_episodes_failed(scored, step: int, in_a_row: int, checks: ScoreChecks) -> int:
+def _all_episodes_failed(episodes: EpisodeStats, step: int, in_a_row: int, checks: ScoreChecks) -> int:
     """A step in which the environment failed every episode (all ranks): whatever on_error scores them, nothing
     was learnt about the model. Counted as a step no reward scored (the same limit, the same count in checkpoints):
     warned about with this rank's first error, stopped after train.max_consecutive_unscored in a row."""
-    from .environments.scoring import failure_kinds
-
-    kinds = failure_kinds(scored.rollout.episodes or [])
-    first = f": {kinds[0][0]}" if kinds else ""
+    first = f": {episodes.failures[0][0]}" if episodes.failures else ""
     limit = checks.max_unscored
     what = f"{checks.environment} failed every episode{first}"
     if in_a_row > limit:

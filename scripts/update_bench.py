@@ -73,14 +73,14 @@ def status_mib(key: str) -> float:
 
 
 def setup(model: str, spread: str, lr: float = 1e-5):
-    """The policy (prepared by Accelerate, single process), its optimizer, and a step's prompts + rollout."""
+    """The policy (prepared by Accelerate, single process), its optimizer, and a step's samples."""
     import torch
     from accelerate import Accelerator
 
     from grpo_trainer.config import load_config
     from grpo_trainer.models import TokenLogprobs, load_causal_lm, load_tokenizer
     from grpo_trainer.cpu.adamw import adamw_for
-    from grpo_trainer.rollout import Rollout
+    from grpo_trainer.samples import TrainingSamples
     from grpo_trainer.task import load_task
 
     max_len = 512 if spread == "longtail" else 64
@@ -95,7 +95,11 @@ def setup(model: str, spread: str, lr: float = 1e-5):
     gen = torch.Generator().manual_seed(1)
     vocab = lm.config.vocab_size
     completions = [torch.randint(100, vocab, (k,), generator=gen).tolist() for k in lengths]
-    rollout = Rollout(completion_ids=completions, truncated=[k == max_len for k in lengths])
+    samples = TrainingSamples(
+        prompt_indices=list(range(cfg.train.prompts_per_step)), prompt_ids=prompts, completion_ids=completions,
+        loss_mask=[[1] * k for k in lengths], truncated=[k == max_len for k in lengths], sampler_logprobs=None,
+        weight_versions=None, rewards=torch.zeros(n), per_function=torch.zeros(n, 0),
+    )
     advantages = torch.randn(n, generator=gen)
     advantages[advantages == 0] = 0.1
     accelerator = Accelerator(cpu=True)
@@ -103,7 +107,7 @@ def setup(model: str, spread: str, lr: float = 1e-5):
     optimizer = adamw_for(accelerator)([p for p in policy.parameters() if p.requires_grad], lr=lr)  # the trainer's
     policy, optimizer = accelerator.prepare(policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    step = SimpleNamespace(prompts=prompts, rollout=rollout, advantages=advantages, lengths=lengths,
+    step = SimpleNamespace(samples=samples, advantages=advantages, lengths=lengths,
                            prompt_lengths=[len(p) for p in prompts])
     return cfg, accelerator, policy, optimizer, scheduler, step
 
@@ -138,7 +142,7 @@ def layout_batch(run, step, advantages=None):
 
     cfg, geometry = run.cfg, run.geometry
     return build_train_batch(
-        step.prompts, step.rollout, step.advantages if advantages is None else advantages, 0,
+        step.samples, step.advantages if advantages is None else advantages, 0,
         micro_batch_size=geometry.micro_batch_size, micro_batch_tokens=geometry.micro_batch_tokens,
         packing=cfg.train.packing, mask_truncated=cfg.loss.mask_truncated_completions,
         skip_zero_advantage=skips_zero_advantage(cfg), group_size=geometry.group_size, mini_batches=geometry.mini_batches,

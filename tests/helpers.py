@@ -371,3 +371,35 @@ def rollout_queue(run):
     push = weight_pusher(run.engine, run.comm, lambda: run.bare_lm(), accelerator, settings.checkpoints)
     return RolloutQueue(run.engine, settings, geometry=run.geometry, comm=run.comm, task=run.task, sampler=run.sampler,
                         push=push)
+
+
+
+def training_samples(prompt_ids: list[list[int]], completion_ids: list[list[int]], truncated=None, loss_mask=None,
+                     sampler_logprobs=None):
+    """A step's `TrainingSamples` for the training phases (batches, the passes) from per-completion lists, as collect
+    builds them: the loss over every token unless `loss_mask` says otherwise; no rewards (the phases read the
+    advantages)."""
+    import torch
+
+    from grpo_trainer.samples import TrainingSamples
+
+    n = len(completion_ids)
+    return TrainingSamples(
+        prompt_indices=list(range(n)), prompt_ids=prompt_ids, completion_ids=completion_ids,
+        loss_mask=loss_mask or [[1] * len(c) for c in completion_ids], truncated=truncated or [False] * n,
+        sampler_logprobs=sampler_logprobs, weight_versions=None, rewards=torch.zeros(n),
+        per_function=torch.zeros(n, 0),
+    )
+
+
+def samples_share(samples, rows: list[int]):
+    """Completions `rows` of `samples` (a rank's share of the batch), every per-completion field alike."""
+    from dataclasses import replace
+
+    def pick(values):
+        return None if values is None else [values[j] for j in rows]
+
+    return replace(samples, prompt_indices=list(range(len(rows))), prompt_ids=pick(samples.prompt_ids),
+                   completion_ids=pick(samples.completion_ids), loss_mask=pick(samples.loss_mask),
+                   truncated=pick(samples.truncated), sampler_logprobs=pick(samples.sampler_logprobs),
+                   rewards=samples.rewards[rows], per_function=samples.per_function[rows])

@@ -79,13 +79,13 @@ def test_the_off_policy_mask_takes_the_policy_gradient_of_a_masked_completion_aw
     the gradient loses completion 1's term, -(1/4) A_1 grad log pi(7) = (1/4)(onehot(7) - softmax(w))."""
     from grpo_trainer.batches import build_train_batch
 
-    prompts, rollout, advantages = four_completions([1.0, -1.0, -1.0, 1.0], truncated=(False,) * 4)
+    samples, advantages = four_completions([1.0, -1.0, -1.0, 1.0], truncated=(False,) * 4)
     results = {}
     for threshold in (None, 0.5):
         run = toy_run(accelerator_factory, [] if threshold is None else [f"loss.off_policy_mask_threshold={threshold}"])
         logp_all = run.policy.w.detach().log_softmax(-1)
-        rollout.sampling_logprobs[2] = [float(logp_all[8]), float(logp_all[9])]
-        batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=4, mask_truncated=False,
+        samples.sampler_logprobs[2] = [float(logp_all[8]), float(logp_all[9])]
+        batch = build_train_batch(samples, advantages, PAD, micro_batch_size=4, mask_truncated=False,
                                   skip_zero_advantage=False)
         mb = batch.micro_batches[0]
         logp, _ = run.policy(**mb.sequences)
@@ -445,11 +445,11 @@ def test_dynamic_sampling_with_k1_samples_its_extra_rounds_now_with_the_current_
     run.rollouts.start(0)
     sources = Sources(run.rollouts, run.task, run.comm, run.geometry, CollectSettings.of(run.cfg))
     scored = collect(sources, 1, PhaseTimer())
-    assert scored.prompt_indices == [0, 6]
+    assert scored.samples.prompt_indices == [0, 6]
     assert scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
     assert [(prompts, thread) for prompts, _, thread in run.engine.calls] == [
         ([0, 1], "grpo-rollouts"), ([2, 3], "grpo-rollouts"), ([4, 5], "MainThread"), ([6, 7], "MainThread")]
-    assert scored.rollout.weight_versions == [0] * 4
+    assert scored.samples.weight_versions == [0] * 4
     run.rollouts.close()
 
 

@@ -19,6 +19,7 @@ from grpo_trainer.errors import ConfigError, TrainingError
 from grpo_trainer.metrics import read_metrics
 from grpo_trainer.preflight import preflight
 from grpo_trainer.rewards import Reward
+from grpo_trainer.samples import EpisodeStats
 from grpo_trainer.update import ScoreChecks, check_scored
 from helpers import free_port, run_cli, small_run_overrides
 
@@ -93,20 +94,21 @@ def score_checks(limit: int, names=("accuracy", "format")) -> ScoreChecks:
 
 
 def scores(*columns):
-    return SimpleNamespace(per_function=torch.tensor(columns, dtype=torch.float32).T, tool_metrics={})  # [N, R]
+    return torch.tensor(columns, dtype=torch.float32).T  # per_function [N, R]
 
 
 NAN = math.nan
+NO_EPISODES = EpisodeStats()  # no tools, no environment
 
 
 def test_steps_no_reward_scored_are_warned_about_and_stop_the_run_after_the_limit(caplog):
     checks = score_checks(limit=2)
     with caplog.at_level("WARNING", logger="grpo_trainer"):
-        count = check_scored(scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0, checks=checks)
-        count = check_scored(scores([NAN] * 4, [NAN] * 4), step=2, unscored_in_a_row=count, checks=checks)
+        count = check_scored(scores([NAN] * 4, [NAN] * 4), NO_EPISODES, step=1, unscored_in_a_row=0, checks=checks)
+        count = check_scored(scores([NAN] * 4, [NAN] * 4), NO_EPISODES, step=2, unscored_in_a_row=count, checks=checks)
         assert count == 2
         with pytest.raises(TrainingError) as error:
-            check_scored(scores([NAN] * 4, [NAN] * 4), step=3, unscored_in_a_row=count, checks=checks)
+            check_scored(scores([NAN] * 4, [NAN] * 4), NO_EPISODES, step=3, unscored_in_a_row=count, checks=checks)
     for step, count in ((1, 1), (2, 2)):
         assert (f"step {step}: no reward scored any completion (reward 'accuracy', 'format' returned None or NaN for all 4): "
                 f"nothing to learn from this step ({count} in a row; train.max_consecutive_unscored=2)") in caplog.text
@@ -117,15 +119,15 @@ def test_steps_no_reward_scored_are_warned_about_and_stop_the_run_after_the_limi
 
 def test_a_scored_step_resets_the_count_and_a_reward_silent_on_its_own_is_named(caplog):
     checks = score_checks(limit=1)
-    count = check_scored(scores([NAN] * 4, [NAN] * 4), step=1, unscored_in_a_row=0, checks=checks)
+    count = check_scored(scores([NAN] * 4, [NAN] * 4), NO_EPISODES, step=1, unscored_in_a_row=0, checks=checks)
     with caplog.at_level("WARNING", logger="grpo_trainer"):
         # one completion scored: something to learn
-        count = check_scored(scores([NAN, NAN, 1.0, NAN], [NAN] * 4), step=2, unscored_in_a_row=count, checks=checks)
+        count = check_scored(scores([NAN, NAN, 1.0, NAN], [NAN] * 4), NO_EPISODES, step=2, unscored_in_a_row=count, checks=checks)
         assert count == 0
-        count = check_scored(scores([0.0, 1.0, 1.0, 0.0], [NAN] * 4), step=3, unscored_in_a_row=count, checks=checks)
+        count = check_scored(scores([0.0, 1.0, 1.0, 0.0], [NAN] * 4), NO_EPISODES, step=3, unscored_in_a_row=count, checks=checks)
     assert "step 3: reward 'format' returned None or NaN for all 4 completions (the others scored them)" in caplog.text
     assert "reward 'accuracy' returned" not in caplog.text
-    count = check_scored(scores([NAN] * 4, [NAN] * 4), step=4, unscored_in_a_row=count, checks=checks)
+    count = check_scored(scores([NAN] * 4, [NAN] * 4), NO_EPISODES, step=4, unscored_in_a_row=count, checks=checks)
     assert count == 1  # 1 in a row again: within the limit
 
 

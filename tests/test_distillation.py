@@ -51,15 +51,15 @@ def test_the_update_follows_the_per_token_advantage(accelerator_factory):
     One SGD step (lr 1) over two micro-batches is exactly w - dL/dw; the logged reverse KL is the mean of
     mu - log pi_teacher over the 10 tokens."""
     run = teacher_run(accelerator_factory)
-    prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+    samples, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=skips_zero_advantage(run.cfg))
     assert len(batch.micro_batches) == 2  # the zero-advantage completion is trained: the teacher term moves it
     (teacher,) = run.terms
     teacher_logp = teacher.teacher.w.detach().log_softmax(-1)
     w = run.policy.w.detach().clone().requires_grad_(True)
     expected_loss, kl = 0.0, 0.0
-    for a, ids, mu in zip(advantages.tolist(), rollout.completion_ids, rollout.sampling_logprobs):
+    for a, ids, mu in zip(advantages.tolist(), samples.completion_ids, samples.sampler_logprobs):
         a_t = torch.tensor([a + 0.5 * (float(teacher_logp[y]) - m) for y, m in zip(ids, mu)])
         expected_loss = expected_loss - (a_t * w.log_softmax(-1)[ids]).mean() / 4
         kl += sum(m - float(teacher_logp[y]) for y, m in zip(ids, mu))
@@ -71,8 +71,8 @@ def test_the_update_follows_the_per_token_advantage(accelerator_factory):
     logged = stats.metrics(10, 4, sampler_logprobs=True)
     assert logged["teacher/reverse_kl"] == pytest.approx(kl / 10, abs=1e-6)
     teacher_sizes = sum(abs(0.5 * (float(teacher_logp[y]) - m))
-                        for ids, mus in zip(rollout.completion_ids, rollout.sampling_logprobs) for y, m in zip(ids, mus))
-    group_sizes = sum(abs(a) * len(ids) for a, ids in zip(advantages.tolist(), rollout.completion_ids))
+                        for ids, mus in zip(samples.completion_ids, samples.sampler_logprobs) for y, m in zip(ids, mus))
+    group_sizes = sum(abs(a) * len(ids) for a, ids in zip(advantages.tolist(), samples.completion_ids))
     assert logged["teacher/advantage_share"] == pytest.approx(teacher_sizes / (teacher_sizes + group_sizes), abs=1e-6)
 
 
@@ -82,8 +82,8 @@ def test_the_update_does_not_depend_on_micro_batches(accelerator_factory, loss_t
     weights = []
     for micro in (2, 1):
         run = teacher_run(accelerator_factory, [f"train.micro_batch_size={micro}", f"loss.type={loss_type}"])
-        prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
-        batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
+        samples, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
+        batch = build_train_batch(samples, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
                                   skip_zero_advantage=False)
         run.add_logprobs(batch)
         run.update(batch, TrainState(step=1))
@@ -102,8 +102,8 @@ def test_teacher_only_leaves_the_group_advantage_out_of_the_loss(accelerator_fac
     results = []
     for group in ([1.0, -1.0, 1.0, -1.0], [0.0] * 4):
         run = teacher_run(accelerator_factory, ["loss.teacher_only=true"])
-        prompts, rollout, advantages = four_completions(group, truncated=(False,) * 4)
-        batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=4, mask_truncated=False,
+        samples, advantages = four_completions(group, truncated=(False,) * 4)
+        batch = build_train_batch(samples, advantages, PAD, micro_batch_size=4, mask_truncated=False,
                                   skip_zero_advantage=skips_zero_advantage(run.cfg))
         run.add_logprobs(batch)
         mb = batch.micro_batches[0]

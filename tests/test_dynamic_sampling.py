@@ -7,13 +7,14 @@ import logging
 import pytest
 import torch
 
-from grpo_trainer.collect import CollectSettings, ScoredBatch, Sources, collect
+from grpo_trainer.collect import CollectSettings, Sources, collect
 from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
 from grpo_trainer.rollout import Rollout
 from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
+from grpo_trainer.samples import ScoredBatch
 from grpo_trainer.geometry import batch_geometry
 from helpers import ThreadCollectives, Exchange, run_ranks
 
@@ -75,9 +76,9 @@ def test_fills_the_batch_with_informative_groups_when_most_are_degenerate():
     scored = collect(sources, step=1, timer=PhaseTimer())
     # 8 prompts per round, a third of them informative: rounds of 0..7, 8..15, 16..23 give 3 + 2 + 3 = 8.
     assert len(engine.calls) == 3 and scored.sampling_stats["dynamic_sampling/extra_rounds"] == 2
-    assert scored.prompt_indices == [0, 3, 6, 9, 12, 15, 18, 21]
-    assert scored.rollout.completion_ids[:G] == [[0, k] for k in range(G)]  # completions travel with their prompt
-    assert scored.rewards.shape == (8 * G,) and scored.rewards.view(8, G).std(1).min() > 0
+    assert scored.samples.prompt_indices == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert scored.samples.completion_ids[:G] == [[0, k] for k in range(G)]  # completions travel with their prompt
+    assert scored.samples.rewards.shape == (8 * G,) and scored.samples.rewards.view(8, G).std(1).min() > 0
     assert scored.sampling_stats["dynamic_sampling/generated_groups"] == 24
     assert scored.sampling_stats["dynamic_sampling/filled_degenerate_groups"] == 0
     assert abs(scored.sampling_stats["frac_reward_zero_std"] - 5 / 8) < 1e-9  # of the first round: what the policy does
@@ -89,8 +90,8 @@ def test_stops_at_the_bound_with_a_warning_and_a_full_batch(caplog):
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
         scored = collect(sources, step=1, timer=PhaseTimer())
     assert len(engine.calls) == 4  # the first round + loss.max_sampling_rounds
-    assert len(scored.prompt_indices) == 8 and len(scored.rollout.completion_ids) == 8 * G
-    assert scored.prompt_indices[0] == 0 and scored.sampling_stats["dynamic_sampling/kept_groups"] == 1
+    assert len(scored.samples.prompt_indices) == 8 and len(scored.samples.completion_ids) == 8 * G
+    assert scored.samples.prompt_indices[0] == 0 and scored.sampling_stats["dynamic_sampling/kept_groups"] == 1
     assert scored.sampling_stats["dynamic_sampling/filled_degenerate_groups"] == 7
     assert "dynamic sampling: only 1 of 8 groups had differing rewards after 3 extra rounds" in caplog.text
 
@@ -105,16 +106,16 @@ def test_two_ranks_split_one_batch_and_see_the_same_rewards(dynamic):
         return collect(fake_sources(comm, informative_every=3, dynamic=dynamic)[0], step=1, timer=PhaseTimer())
 
     first, second = run_ranks(2, rank_collects)
-    assert torch.equal(first.rewards, second.rewards)
-    both = first.prompt_indices + second.prompt_indices
+    assert torch.equal(first.samples.rewards, second.samples.rewards)
+    both = first.samples.prompt_indices + second.samples.prompt_indices
     assert both == ([0, 3, 6, 9, 12, 15, 18, 21] if dynamic else list(range(8)))
     for scored in (first, second):
-        assert len(scored.prompt_indices) == 4
-        assert scored.rollout.completion_ids == [[p, k] for p in scored.prompt_indices for k in range(G)]
-        assert scored.rollout.sampling_logprobs == [[-(p + k / 10)] * 2 for p, k in scored.rollout.completion_ids]
+        assert len(scored.samples.prompt_indices) == 4
+        assert scored.samples.completion_ids == [[p, k] for p in scored.samples.prompt_indices for k in range(G)]
+        assert scored.samples.sampler_logprobs == [[-(p + k / 10)] * 2 for p, k in scored.samples.completion_ids]
         # Round 0 over both ranks: prompts 0..7, of which 0, 3 and 6 average 0.5, the other five 1.
         assert scored.reward_metrics["rewards/x/mean"] == pytest.approx((3 * 0.5 + 5 * 1.0) / 8)
     # The rewards of the whole batch, in rank order: rank 0's completions first.
     local_n = 4 * G
     expected = [float(k % 2) if p % 3 == 0 else 1.0 for p in both for k in range(G)]
-    assert first.rewards.tolist() == expected and len(expected) == 2 * local_n
+    assert first.samples.rewards.tolist() == expected and len(expected) == 2 * local_n

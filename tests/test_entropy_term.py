@@ -100,8 +100,8 @@ def state_at(run, step: int) -> TrainState:
 
 def toy_batch(advantages):
     """test_phases' two prompts x G = 2, with 3, 1, 2 and 4 completion tokens (10 in all), in two micro-batches."""
-    prompts, rollout, advantages = four_completions(advantages, truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+    samples, advantages = four_completions(advantages, truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)  # one rank: build_train_batch counts the tokens itself
     return batch
 

@@ -426,24 +426,27 @@ def test_episodes_play_in_waves_of_whole_groups_within_the_capacity_and_give_the
         engine.generate([_prompt(tokenizer, "w0")], 2, episodes=[_spec(tokenizer, "w0")])
 
 
+class OneRank:
+    """The collectives of a single process."""
+
+    def gather(self, tensor):
+        return tensor
+
+    def sum(self, tensor):
+        return tensor
+
+
 def test_environment_counters_are_logged_per_batch_summed_over_ranks():
-    from grpo_trainer.collect import tool_metrics
-
-    class OneRank:
-        def gather(self, tensor):
-            return tensor
-
-        def sum(self, tensor):
-            return tensor
+    from grpo_trainer.collect import episode_stats
 
     part = Rollout(completion_ids=[[1]], truncated=[False], tool_calls=[0], tool_errors=[0], turns=[1],
                    episodes=[EpisodeRecord("model")], env_counters={"capacity_refusals": 1, "reconnects": 2})
     joined = Rollout.concat([part, part])
     assert joined.env_counters == {"capacity_refusals": 2, "reconnects": 4}
-    metrics = tool_metrics(OneRank(), joined)
+    metrics = episode_stats(OneRank(), joined).metrics
     assert (metrics["environment/capacity_refusals"], metrics["environment/reconnects"]) == (2, 4)
     part.env_counters = {}  # environments that count nothing log nothing of it
-    assert "environment/reconnects" not in tool_metrics(OneRank(), part)
+    assert "environment/reconnects" not in episode_stats(OneRank(), part).metrics
 
 
 def test_environment_seeds_are_the_groups_and_fit_31_bits():
@@ -657,8 +660,7 @@ def test_failed_episodes_are_logged_once_per_kind_naming_the_environment(tiny_mo
 def test_steps_in_which_every_episode_failed_are_unscored_steps_and_stop_the_run(caplog):
     """Defect 3: whatever on_error scores them, a step whose episodes all failed (over all ranks) is warned about
     with its first error and counts toward train.max_consecutive_unscored; one episode that played resets it."""
-    from types import SimpleNamespace
-
+    from grpo_trainer.collect import episode_stats
     from grpo_trainer.config import load_config
     from grpo_trainer.errors import TrainingError
     from grpo_trainer.update import ScoreChecks, check_scored
@@ -667,18 +669,23 @@ def test_steps_in_which_every_episode_failed_are_unscored_steps_and_stop_the_run
                              "train.max_consecutive_unscored=1"])
     checks = ScoreChecks.of(cfg, [environment_reward(1.0)])
 
-    def scored(frac_failed: float):
-        episodes = [EpisodeRecord("error", error="reset: KeyError: 'secret'")] * 2
-        episodes += [EpisodeRecord("environment")] * (frac_failed < 1) * 2
-        return SimpleNamespace(tool_metrics={"environment/frac_failed": frac_failed},
-                               rollout=SimpleNamespace(episodes=episodes), per_function=torch.zeros(4, 1))
+    def episodes(frac_failed: float):
+        """The step's episode statistics, as collect gives them, for 4 episodes of which `frac_failed` failed."""
+        played = [EpisodeRecord("error", error="reset: KeyError: 'secret'")] * int(4 * frac_failed)
+        played += [EpisodeRecord("environment")] * (4 - len(played))
+        rollout = Rollout([[1]] * 4, [False] * 4, tool_calls=[0] * 4, tool_errors=[0] * 4, turns=[1] * 4,
+                          episodes=played)
+        return episode_stats(OneRank(), rollout)
+
+    def check(frac_failed: float, step: int, in_a_row: int) -> int:
+        return check_scored(torch.zeros(4, 1), episodes(frac_failed), step, in_a_row, checks)
 
     with caplog.at_level("WARNING", logger="grpo_trainer"):
-        assert check_scored(scored(1.0), step=1, unscored_in_a_row=0, checks=checks) == 1
-        assert check_scored(scored(0.5), step=2, unscored_in_a_row=1, checks=checks) == 0
-        assert check_scored(scored(1.0), step=3, unscored_in_a_row=0, checks=checks) == 1
+        assert check(1.0, step=1, in_a_row=0) == 1
+        assert check(0.5, step=2, in_a_row=1) == 0
+        assert check(1.0, step=3, in_a_row=0) == 1
         with pytest.raises(TrainingError) as error:
-            check_scored(scored(1.0), step=4, unscored_in_a_row=1, checks=checks)
+            check(1.0, step=4, in_a_row=1)
     name = "environment.factory configs/guess_number_env.py:GuessNumber"
     assert (f"step 1: {name} failed every episode: reset: KeyError: 'secret': nothing to learn from this step "
             "(1 in a row; train.max_consecutive_unscored=1)") in caplog.text
@@ -865,17 +872,19 @@ def test_observation_chars_counts_the_cut_note(tiny_model_path, limit):
 def test_completions_jsonl_shows_the_prompt_with_the_reset_text_and_how_the_episode_ended(tiny_model_path):
     """Defect 18: completions.jsonl (and print_completions, which shows its end) show the prompt the model was
     conditioned on, the reset text included; an episode's record says how it ended and why it failed."""
-    from types import SimpleNamespace
-
+    from grpo_trainer.collect import episode_stats, training_samples
     from grpo_trainer.report import completion_samples
 
     tokenizer = _tokenizer()
     engine, _ = _engine(tokenizer, {"r": ["3" + END] * 4, "q": ["3" + END] * 4})
     out = engine.generate([_prompt(tokenizer, "r"), _prompt(tokenizer, "q")], 2,
                           episodes=[_spec(tokenizer, "r"), _spec(tokenizer, "q", "step_raises")])
-    scored = SimpleNamespace(rollout=out, prompt_rows=[0, 0, 1, 1])
+    # The environment gave every prompt, so the task's prompts are not consulted (task None).
+    training = training_samples(None, [0, 1], out, torch.zeros(4), torch.zeros(4, 0))
+    assert training.prompts_extended
     texts = [tokenizer.decode(_prompt(tokenizer, "r")), tokenizer.decode(_prompt(tokenizer, "q"))]
-    samples = completion_samples(texts, tokenizer, 1, scored, torch.zeros(4), torch.zeros(4), 4)
+    samples = completion_samples(texts, tokenizer, 1, training, episode_stats(OneRank(), out), torch.zeros(4),
+                                 torch.zeros(4), 4)
     assert samples[0]["prompt"] == tokenizer.decode(_prompt(tokenizer, "r", " Range 1-4, seed 2."))
     assert "Range 1-4, seed 2." in samples[0]["prompt"] and "Range 1-4" not in texts[0]
     assert (samples[0]["ended_by"], samples[0]["error"]) == ("environment", None)

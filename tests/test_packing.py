@@ -27,12 +27,11 @@ from grpo_trainer.geometry import batch_geometry
 from grpo_trainer.losses import LOSS_TYPES, LOSS_VARIANTS
 from grpo_trainer.models import (TokenLogprobs, check_packing_support, load_causal_lm, load_tokenizer,
                                  make_packed_batch, make_sequence_batch, pack_rows)
-from grpo_trainer.rollout import Rollout
 from grpo_trainer.run import reference_scorer
 from grpo_trainer.terms import TermModels, build_terms
 from grpo_trainer.train_state import TrainState
 from grpo_trainer.update import LogprobSettings, LossSettings, add_logprobs, micro_batch_loss
-from helpers import assert_as_exact_as, load_script, run_ranks
+from helpers import assert_as_exact_as, load_script, run_ranks, samples_share, training_samples
 
 PAD = 0
 G = 4
@@ -231,8 +230,8 @@ LAYOUTS = {
 }
 
 
-def scored_rollout():
-    """The tiny batch as a step's rollout: advantages with a zero group, a truncated completion (masked: DAPO),
+def scored_samples():
+    """The tiny batch as a step's samples: advantages with a zero group, a truncated completion (masked: DAPO),
     tool output inside two completions (no loss there), sampler log-probs."""
     prompts, completions = tiny_batch()
     g = torch.Generator().manual_seed(1)
@@ -241,11 +240,11 @@ def scored_rollout():
     tool_mask = [[1] * len(c) for c in completions]
     tool_mask[4][10:20] = [0] * 10
     tool_mask[14][3:6] = [0] * 3
-    rollout = Rollout(
-        completion_ids=completions, truncated=[j == 6 for j in range(len(completions))],
-        sampling_logprobs=[(-torch.rand(len(c), generator=g)).tolist() for c in completions], completion_mask=tool_mask,
+    samples = training_samples(
+        prompts, completions, truncated=[j == 6 for j in range(len(completions))], loss_mask=tool_mask,
+        sampler_logprobs=[(-torch.rand(len(c), generator=g)).tolist() for c in completions],
     )
-    return prompts, rollout, advantages
+    return samples, advantages
 
 
 def perturbed(lm, scale: float, seed: int):
@@ -288,19 +287,19 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
     if entropy_coef:
         overrides.append(f"loss.entropy_coef={entropy_coef}")
     cfg = load_config(None, overrides)
-    prompts, rollout, advantages = scored_rollout()
+    samples, advantages = scored_samples()
     params = [p for p in policy.parameters() if p.requires_grad]
 
     def rank(r, comm):
         geometry = batch_geometry(cfg, world, r)
         mine = list(range(r * geometry.completions_per_rank, (r + 1) * geometry.completions_per_rank))
         batch = build_train_batch(
-            [prompts[j] for j in mine], rollout.select(mine), advantages[mine], PAD, micro_batch_size=geometry.micro_batch_size,
+            samples_share(samples, mine), advantages[mine], PAD, micro_batch_size=geometry.micro_batch_size,
             micro_batch_tokens=budget, packing=packing, mask_truncated=True, skip_zero_advantage=False, group_size=G,
             mini_batches=geometry.mini_batches, comm=comm,
         )
         if budget:
-            cost = tokens_of([prompts[j] for j in mine], [len(rollout.completion_ids[j]) for j in mine], G, packing)
+            cost = tokens_of([samples.prompt_ids[j] for j in mine], [len(samples.completion_ids[j]) for j in mine], G, packing)
             assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
         # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
         plain = SimpleNamespace(distributed_type=DistributedType.NO)  # an accelerator that wraps nothing
@@ -316,7 +315,7 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
                 total += 0 if g is None else g
             loss += share.detach()
             for i, j in enumerate(mb.rows):
-                n = len(rollout.completion_ids[mine[j]])
+                n = len(samples.completion_ids[mine[j]])
                 tokens[mine[j]] = (logp[i, :n].detach(), entropy[i, :n].detach())
         return loss, grad, tokens, batch.window_sizes
 

@@ -14,7 +14,6 @@ from torch import nn
 
 from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import Config, load_config
-from grpo_trainer.rollout import Rollout
 from grpo_trainer.geometry import Geometry, batch_geometry
 from grpo_trainer.cpu.heap import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
@@ -30,7 +29,7 @@ from grpo_trainer.update import (
     micro_batch_loss,
     update,
 )
-from helpers import run_ranks, small_run_overrides
+from helpers import run_ranks, small_run_overrides, training_samples
 
 PAD = 0
 ONE_RANK = SimpleNamespace(sum=lambda t: t)  # the collectives of a single process
@@ -38,17 +37,18 @@ ONE_RANK = SimpleNamespace(sum=lambda t: t)  # the collectives of a single proce
 
 def four_completions(advantages, truncated=(False, False, False, True)):
     """Two prompts x G = 2: prompt [1, 2] -> [5, 6, 2], [7]; prompt [3] -> [8, 9], [4, 4, 4, 4] (truncated)."""
-    rollout = Rollout(
-        completion_ids=[[5, 6, 2], [7], [8, 9], [4, 4, 4, 4]],
+    samples = training_samples(
+        [[1, 2], [1, 2], [3], [3]],
+        [[5, 6, 2], [7], [8, 9], [4, 4, 4, 4]],
         truncated=list(truncated),
-        sampling_logprobs=[[-0.1, -0.2, -0.3], [-0.4], [-0.5, -0.6], [-0.7] * 4],
+        sampler_logprobs=[[-0.1, -0.2, -0.3], [-0.4], [-0.5, -0.6], [-0.7] * 4],
     )
-    return [[1, 2], [1, 2], [3], [3]], rollout, torch.tensor(advantages, dtype=torch.float32)
+    return samples, torch.tensor(advantages, dtype=torch.float32)
 
 
 def test_micro_batches_keep_every_row_pad_and_mask_truncated_completions():
-    prompts, rollout, advantages = four_completions([1.0, -1.0, 0.0, 0.0])
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=True,
+    samples, advantages = four_completions([1.0, -1.0, 0.0, 0.0])
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=True,
                               skip_zero_advantage=False)
     assert len(batch.micro_batches) == 2 and batch.trained_completions == 4
     assert batch.local_tokens == 3 + 1 + 2  # the truncated completion counts in no normaliser
@@ -63,8 +63,8 @@ def test_micro_batches_keep_every_row_pad_and_mask_truncated_completions():
 
 
 def test_zero_advantage_rows_skip_the_passes_but_not_the_normaliser():
-    prompts, rollout, advantages = four_completions([1.0, -1.0, 0.0, 0.0], truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+    samples, advantages = four_completions([1.0, -1.0, 0.0, 0.0], truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=True)
     # The same number of micro-batches (every rank must make the same backward calls), one trainable row each.
     assert [mb.sequences["completion_ids"].tolist() for mb in batch.micro_batches] == [[[5, 6, 2]], [[7]]]
@@ -142,13 +142,13 @@ def test_update_over_micro_batches_takes_the_batch_gradient_step(accelerator_fac
     """GRPO at ratio 1: L = -(1/N) sum_i A_i mean_t log pi(o_it). Two micro-batches accumulated must take exactly
     one SGD step along that gradient, and report L's value, -(1/N) sum_i A_i = -0.25 here."""
     toy = toy_run(accelerator_factory)
-    prompts, rollout, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+    samples, advantages = four_completions([1.0, -0.5, 0.5, 0.0], truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
     w0 = toy.policy.w.detach().clone()
     w = w0.clone().requires_grad_(True)
     logp_all = w.log_softmax(-1)
-    expected_loss = -sum(a * logp_all[c].mean() for a, c in zip(advantages.tolist(), rollout.completion_ids)) / 4
+    expected_loss = -sum(a * logp_all[c].mean() for a, c in zip(advantages.tolist(), samples.completion_ids)) / 4
     expected_loss.backward()
 
     stats, after = toy.update(batch, TrainState(step=1))
@@ -162,8 +162,8 @@ def test_a_nonfinite_update_is_skipped_and_reported_with_the_whole_steps_loss(ac
     """The first micro-batch overflows, the last is harmless: the warning gives the loss of the optimizer step
     (-inf), not the last micro-batch's share (it once said 0.0), and the weights do not move."""
     toy = toy_run(accelerator_factory)
-    prompts, rollout, advantages = four_completions([3e38, 3e38, 0.5, -0.5], truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=2, mask_truncated=False,
+    samples, advantages = four_completions([3e38, 3e38, 0.5, -0.5], truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=2, mask_truncated=False,
                               skip_zero_advantage=False)
     w0 = toy.policy.w.detach().clone()
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):

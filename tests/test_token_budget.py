@@ -14,22 +14,21 @@ from grpo_trainer.config import load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.geometry import batch_geometry, geometry_of
 from grpo_trainer.preflight import preflight
-from grpo_trainer.rollout import Rollout
 from grpo_trainer.train_state import TrainState
-from helpers import run_ranks
+from helpers import run_ranks, samples_share, training_samples
 from test_phases import PAD, accelerator_factory, four_completions, toy_run  # noqa: F401 (a fixture)
 
 G = 4
 
 
-def rank_rollout(rank: int):
+def rank_samples(rank: int):
     """Rank 0: two groups of short completions; rank 1: one short group and a long-tailed one (two 40-token
     completions among 2-token ones). Prompts of 5 and 3 tokens."""
     lengths = [[3, 2, 4, 1, 2, 2, 3, 1], [2, 3, 1, 2, 40, 2, 40, 2]][rank]
     completions = [[10 + (j % 7)] * n for j, n in enumerate(lengths)]
     prompts = [[1, 2, 3, 4, 5] if j < G else [6, 7, 8] for j in range(len(lengths))]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
-    return prompts, Rollout(completion_ids=completions, truncated=[False] * len(lengths)), advantages
+    return training_samples(prompts, completions), advantages
 
 
 def computed_tokens(mb) -> int:
@@ -45,8 +44,8 @@ def test_micro_batches_stay_within_the_budget_and_every_rank_makes_as_many(packi
     budget = 48
 
     def rank(r, comm):
-        prompts, rollout, advantages = rank_rollout(r)
-        return build_train_batch(prompts, rollout, advantages, PAD, micro_batch_tokens=budget, packing=packing,
+        samples, advantages = rank_samples(r)
+        return build_train_batch(samples, advantages, PAD, micro_batch_tokens=budget, packing=packing,
                                  mask_truncated=False, skip_zero_advantage=False, group_size=G, comm=comm)
 
     batches = run_ranks(2, rank)
@@ -63,8 +62,9 @@ def test_micro_batches_stay_within_the_budget_and_every_rank_makes_as_many(packi
 
 
 def test_a_group_over_the_budget_is_cut_and_its_prompt_runs_in_each_part():
-    prompts, rollout, advantages = rank_rollout(1)
-    batch = build_train_batch(prompts[G:], rollout.select(list(range(G, 8))), advantages[G:], PAD, micro_batch_tokens=44,
+    samples, advantages = rank_samples(1)
+    group = samples_share(samples, list(range(G, 8)))
+    batch = build_train_batch(group, advantages[G:], PAD, micro_batch_tokens=44,
                               packing=True, mask_truncated=False, skip_zero_advantage=False, group_size=G)
     # The group: prompt 3 + fed tokens 39 + 1 + 39 + 1 = 83 > 44, so it is cut in two parts that fit, [40, 2] and
     # [40, 2] (3 + 39 + 1 = 43 each), each with the prompt.
@@ -75,9 +75,9 @@ def test_a_group_over_the_budget_is_cut_and_its_prompt_runs_in_each_part():
 
 
 def test_a_completion_too_long_for_the_budget_names_the_key():
-    prompts, rollout, advantages = rank_rollout(1)
+    samples, advantages = rank_samples(1)
     with pytest.raises(ConfigError, match=r"train.micro_batch_tokens \(30\) cannot hold one completion with its prompt"):
-        build_train_batch(prompts, rollout, advantages, PAD, micro_batch_tokens=30, packing=True, mask_truncated=False,
+        build_train_batch(samples, advantages, PAD, micro_batch_tokens=30, packing=True, mask_truncated=False,
                           skip_zero_advantage=False, group_size=G)
 
 
@@ -95,9 +95,9 @@ def test_pieces_are_spread_over_the_micro_batches_by_tokens():
 
 
 def test_skipped_completions_leave_an_idle_mini_batch_with_one_filler_under_a_budget():
-    prompts, rollout, _ = rank_rollout(0)
+    samples, _ = rank_samples(0)
     advantages = torch.tensor([0.0] * 4 + [1.0, -1.0, 0.0, 0.0])  # mini-batch 0 (prompt 0) has nothing to train
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_tokens=48, packing=True, mask_truncated=False,
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_tokens=48, packing=True, mask_truncated=False,
                               skip_zero_advantage=True, group_size=G, mini_batches=2)
     assert batch.idle == [True, False] and batch.window_sizes == [1, 1]
     filler, trained = batch.micro_batches
@@ -131,8 +131,8 @@ def idle_step_run(accelerator_factory, monkeypatch, shortcut: bool):
                   optimizer=lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.1))
     weights, records = [], []
     for advantages in ([1.0, -0.5, 0.5, -1.0], [0.0] * 4):
-        prompts, rollout, adv = four_completions(advantages, truncated=(False,) * 4)
-        batch = build_train_batch(prompts, rollout, adv, PAD, micro_batch_size=2, mask_truncated=False,
+        samples, adv = four_completions(advantages, truncated=(False,) * 4)
+        batch = build_train_batch(samples, adv, PAD, micro_batch_size=2, mask_truncated=False,
                                   skip_zero_advantage=True, group_size=2)
         calls = counting.calls
         stats, _ = run.update(batch, TrainState(step=len(records) + 1))

@@ -338,10 +338,10 @@ def test_a_turn_cut_by_the_length_limit_runs_no_tool(tiny_model_path):
 
 def test_the_loss_mask_leaves_tool_tokens_out_and_the_normaliser_counts_model_tokens():
     from grpo_trainer.batches import build_train_batch
+    from helpers import training_samples
 
-    rollout = Rollout(completion_ids=[[5, 6, 7, 8, 9], [5, 6]], truncated=[False, False],
-                      completion_mask=[[1, 1, 0, 0, 1], [1, 1]])
-    batch = build_train_batch([[1, 2], [1, 2]], rollout, torch.tensor([1.0, -1.0]), 0, micro_batch_size=2,
+    samples = training_samples([[1, 2], [1, 2]], [[5, 6, 7, 8, 9], [5, 6]], loss_mask=[[1, 1, 0, 0, 1], [1, 1]])
+    batch = build_train_batch(samples, torch.tensor([1.0, -1.0]), 0, micro_batch_size=2,
                               mask_truncated=False, skip_zero_advantage=False)
     (mb,) = batch.micro_batches
     assert mb.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]

@@ -186,11 +186,11 @@ def test_mini_batches_hold_whole_groups_and_the_same_completions_on_any_number_o
 def mini_batch_run(accelerator_factory, micro: int, overrides=()):
     run = toy_run(accelerator_factory, ["train.mini_batches=2", f"train.micro_batch_size={micro}",
                                         "loss.epsilon_low=0.01", *overrides], comm=ONE_RANK)
-    prompts, rollout, advantages = four_completions([1.0, -0.5, -0.5, 1.0], truncated=(False,) * 4)
-    batch = build_train_batch(prompts, rollout, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
+    samples, advantages = four_completions([1.0, -0.5, -0.5, 1.0], truncated=(False,) * 4)
+    batch = build_train_batch(samples, advantages, PAD, micro_batch_size=micro, mask_truncated=False,
                               skip_zero_advantage=False, group_size=2, mini_batches=2)
     run.add_logprobs(batch)
-    return run, batch, rollout, advantages
+    return run, batch, samples, advantages
 
 
 def test_mini_batches_take_one_step_each_against_the_sampling_time_policy(accelerator_factory):
@@ -198,15 +198,15 @@ def test_mini_batches_take_one_step_each_against_the_sampling_time_policy(accele
     range [0.99, 1.01]. Step 1 at w0 (ratio 1): the gradient of L_0 = -(1/2) sum_i A_i mean_t log pi(o_it). Step 2 at w1 against
     pi_w0 (the old policy of the whole batch): L_1 = -(1/2) sum_i mean_t min(r A_i, clip(r) A_i), r = pi_w/pi_w0,
     so clipping acts in the second mini-batch only."""
-    run, batch, rollout, advantages = mini_batch_run(accelerator_factory, micro=2)
+    run, batch, samples, advantages = mini_batch_run(accelerator_factory, micro=2)
     assert [mb.mini_batch for mb in batch.micro_batches] == [0, 1] and batch.mini_batch_totals == [4.0, 6.0]
     w = run.policy.w.detach().clone().requires_grad_(True)
     old = w.detach().log_softmax(-1)
-    step0 = -sum(a * w.log_softmax(-1)[c].mean() for a, c in zip(advantages[:2].tolist(), rollout.completion_ids[:2])) / 2
+    step0 = -sum(a * w.log_softmax(-1)[c].mean() for a, c in zip(advantages[:2].tolist(), samples.completion_ids[:2])) / 2
     (g0,) = torch.autograd.grad(step0, w)
     w1 = (w.detach() - g0).requires_grad_(True)
     terms = []
-    for a, c in zip(advantages[2:].tolist(), rollout.completion_ids[2:]):
+    for a, c in zip(advantages[2:].tolist(), samples.completion_ids[2:]):
         r = torch.exp(w1.log_softmax(-1)[c] - old[c])
         terms.append(torch.min(r * a, r.clamp(0.99, 1.01) * a).mean())
     step1 = -sum(terms) / 2
