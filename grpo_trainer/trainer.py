@@ -3,10 +3,11 @@
 One step, as named phases (each a function with a typed input and output):
 
     1. collect      (collect.py)  prompts -> G completions each -> rewards        -> ScoredBatch
-                                  (samples.py: TrainingSamples, EpisodeStats, metrics: all the rest reads)
                                   (plain, or DAPO dynamic sampling: same result type); the completions come
                                   from the rollout queue (rollout_queue.py): sampled now, or, with
-                                  rollout.max_staleness K >= 1, while the K steps before trained
+                                  rollout.max_staleness K >= 1, while the K steps before trained. Its records
+                                  (samples.py: TrainingSamples, EpisodeStats, the metrics) are all the phases
+                                  below read of what produced the samples
                     engine.sleep()                 the sampler frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
@@ -263,9 +264,9 @@ def report(
     if every and step % every == 0 and run.is_main_process:
         n = min(run.cfg.logging.num_completions, run.geometry.completions_per_rank)
         rewards = run.geometry.my_completions(scored.samples.rewards)
-        samples = completion_samples(
+        shown = completion_samples(
             run.task.prompts.texts, run.tokenizer, step, scored.samples, scored.episodes, rewards, advantages, n
         )
-        write_completions(run.output_dir / "completions.jsonl", samples, run.cfg.logging.print_completions)
-        log_samples(run.accelerator, samples, step)  # as a table, to the trackers that have tables
+        write_completions(run.output_dir / "completions.jsonl", shown, run.cfg.logging.print_completions)
+        log_samples(run.accelerator, shown, step)  # as a table, to the trackers that have tables
     run.progress.update(record)

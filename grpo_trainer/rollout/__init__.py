@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollout:
-    """Completions for a list of prompts, grouped: rows i*G .. i*G+G-1 belong to prompt i."""
+    """Completions for a list of prompts, grouped: rows i*G .. i*G+G-1 belong to prompt i. What engines and
+    environments produce and rewards read; collect turns it into the step's `samples.TrainingSamples` and
+    `EpisodeStats`, and nothing after collect reads it."""
 
     completion_ids: list[list[int]]  # each ends with EOS unless truncated
     truncated: list[bool]  # True when max_completion_length was reached without EOS
