@@ -11,7 +11,7 @@ Producing (the rollout queue, the engines, environments and tools, the rewards) 
 - the step's reward and sampling metrics.
 
 Everything after collect (advantages, batches, the passes, the report) reads these records and nothing of an
-engine, an environment or a `Rollout` (tests/test_phase_inputs.py). They hold plain data only, so this module
+engine, an environment or a `Rollout` (tests/test_boundary.py). They hold plain data only, so this module
 imports nothing of the package.
 """
 
