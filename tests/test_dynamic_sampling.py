@@ -113,6 +113,9 @@ def test_two_ranks_split_one_batch_and_see_the_same_rewards(dynamic):
         assert len(scored.samples.prompt_indices) == 4
         assert scored.samples.completion_ids == [[p, k] for p in scored.samples.prompt_indices for k in range(G)]
         assert scored.samples.sampler_logprobs == [[-(p + k / 10)] * 2 for p, k in scored.samples.completion_ids]
+        # The prompt tokens come from the task (no environment extended them); the loss covers every token.
+        assert scored.samples.prompt_ids == [[p] for p in scored.samples.prompt_rows]
+        assert not scored.samples.prompts_extended and scored.samples.loss_mask == [[1, 1]] * (4 * G)
         # Round 0 over both ranks: prompts 0..7, of which 0, 3 and 6 average 0.5, the other five 1.
         assert scored.reward_metrics["rewards/x/mean"] == pytest.approx((3 * 0.5 + 5 * 1.0) / 8)
     # The rewards of the whole batch, in rank order: rank 0's completions first.
