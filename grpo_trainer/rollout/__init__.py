@@ -116,12 +116,6 @@ class Rollout:
         """Pickled without `environments`: environment objects never cross ranks (dynamic sampling gathers rollouts)."""
         return {**self.__dict__, "environments": None}
 
-    def model_tokens(self) -> list[int]:
-        """Tokens the model wrote in each completion: what the loss is over (tool output excluded)."""
-        if self.completion_mask is None:
-            return [len(c) for c in self.completion_ids]
-        return [sum(m) for m in self.completion_mask]
-
 
 @dataclass(frozen=True)
 class SamplingSettings:
