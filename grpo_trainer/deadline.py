@@ -122,6 +122,7 @@ class UserCalls:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._threads = 0  # workers alive and not abandoned
+        self._outstanding = 0  # calls queued or running, not yet finished or abandoned (of every caller's run)
         self._abandoned: Counter[str] = Counter()  # abandoned calls still running, by function name
         self.abandoned_total = 0  # calls abandoned since the pool started (finished since or not)
 
@@ -143,8 +144,13 @@ class UserCalls:
             if job.call.limit <= 0:  # no time left for it: the call is not made
                 job.finished, job.outcome = True, Outcome(timed_out=job.call.label)
             else:
+                with self._changed:
+                    self._outstanding += 1
                 self._queue.put(job)
-        self._ensure_workers(min(self.workers, sum(not job.finished for job in jobs)))
+        # Enough workers for these calls and those of other threads' runs still going (callers may run at once).
+        with self._changed:
+            outstanding = self._outstanding
+        self._ensure_workers(min(self.workers, outstanding))
         with self._changed:
             while True:
                 now = time.perf_counter()
@@ -186,6 +192,7 @@ class UserCalls:
         its place."""
         job.abandoned = True
         job.finished = True
+        self._outstanding -= 1
         job.outcome = Outcome(timed_out=job.call.label, seconds=job.call.limit)
         self._abandoned[job.call.name or self.name] += 1
         self.abandoned_total += 1
@@ -213,6 +220,8 @@ class UserCalls:
                 self._changed.notify_all()
             outcome = _outcome(job.call.fn)
             with self._changed:
+                if not job.abandoned:
+                    self._outstanding -= 1
                 if job.abandoned:  # too late: the caller went on; this thread was replaced, so it ends
                     name = job.call.name or self.name
                     self._abandoned[name] -= 1

@@ -100,6 +100,7 @@ class _Deadline:
     limit: float
     excluded: Callable[[], float]
     calls: UserCalls
+    waiters: concurrent.futures.ThreadPoolExecutor  # threads that wait on `calls` for the loop
 
 
 _DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("agent_episode_deadline", default=None)
@@ -117,7 +118,8 @@ async def call_sync(fn: Callable[[], Any]) -> Any:
     if deadline is None:
         return await asyncio.to_thread(fn)
     call = Call(fn, deadline.limit, excluded=deadline.excluded, label="episode")
-    outcome = (await asyncio.to_thread(deadline.calls.run, [call]))[0]
+    loop = asyncio.get_running_loop()
+    outcome = (await loop.run_in_executor(deadline.waiters, deadline.calls.run, [call]))[0]
     if outcome.timed_out is not None:
         raise EpisodeTimeout("the agent ran past environment.episode_timeout")
     if outcome.exception is not None:
@@ -135,6 +137,7 @@ class _Slot:
     seed: int
     handle: EpisodeHandle
     started: float | None = None  # when it got a place among the concurrent plays
+    finished: float | None = None
     outcome: Outcome | None = None
     timed_out: bool = False
 
@@ -216,8 +219,12 @@ class AgentEngine:
             what="the agent hangs",
             catch_os_exit=True,
         )
+        self.waiters = concurrent.futures.ThreadPoolExecutor(concurrency, "agent-sync-wait")
         self.endpoint: TokenEndpoint | None = None
         self._players: _PlayersLoop | None = None
+        # os._exit raises in the agents' threads while the engine lives (a no-op under the CLI's own guard): an
+        # abandoned sync solve may still call it after its batch
+        self._guard = contextlib.ExitStack()
 
     @property
     def needs_episodes(self) -> bool:
@@ -273,6 +280,8 @@ class AgentEngine:
             self.endpoint.close()
             self.endpoint = None
         self.calls.close()
+        self.waiters.shutdown(wait=False)
+        self._guard.close()
         self.engine.close()
 
     # ------------------------------------------------------------------ serving
@@ -287,6 +296,7 @@ class AgentEngine:
                 self._sampler(), self.tokenizer, seed=self.seed, eos_token_ids=self.eos_token_ids
             ).start()
         if self._players is None:
+            self._guard.enter_context(guard_os_exit())
             self._players = _PlayersLoop(self.player, self.concurrency)
         return self.endpoint
 
@@ -314,8 +324,7 @@ class AgentEngine:
                 )
                 slots.append(_Slot(i, j, spec.record, mix_seed(spec.seed, j), handle))
         tick = time.perf_counter()
-        with guard_os_exit():
-            self._play(slots)
+        self._play(slots)
         requests = [endpoint.close_episode(s.handle.session_id) for s in slots]
         rollout = self._rollout(prompt_ids, specs, g, slots, requests)
         rollout.env_seconds = time.perf_counter() - tick
@@ -374,20 +383,23 @@ class AgentEngine:
             def excluded() -> float:
                 return endpoint.sampler_seconds(session)
 
-            _DEADLINE.set(_Deadline(self.episode_timeout, excluded, self.calls))
+            _DEADLINE.set(_Deadline(self.episode_timeout, excluded, self.calls, self.waiters))
             task = asyncio.ensure_future(self._guarded(slot))
-            while True:
-                left = self.episode_timeout - (time.perf_counter() - started - excluded())
-                if left <= 0:
-                    task.cancel()
-                    slot.outcome, slot.timed_out = Outcome(timed_out="episode"), True
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait({task}, timeout=1.0)
-                    return
-                done, _ = await asyncio.wait({task}, timeout=left)
-                if done:
-                    slot.outcome = task.result()
-                    return
+            try:
+                while True:
+                    left = self.episode_timeout - (time.perf_counter() - started - excluded())
+                    if left <= 0:
+                        task.cancel()
+                        slot.outcome, slot.timed_out = Outcome(timed_out="episode"), True
+                        with contextlib.suppress(BaseException):
+                            await asyncio.wait({task}, timeout=1.0)
+                        return
+                    done, _ = await asyncio.wait({task}, timeout=left)
+                    if done:
+                        slot.outcome = task.result()
+                        return
+            finally:
+                slot.finished = time.perf_counter()
 
     async def _guarded(self, slot: _Slot) -> Outcome:
         """The play's outcome: Played, or what it raised (SystemExit and os._exit too), as deadline.Outcome."""
@@ -467,7 +479,7 @@ class AgentEngine:
             refused=dict(req.refused),
             rerendered_turns=req.rerendered_turns,
             sampler_seconds=sampler,
-            agent_seconds=max(0.0, outcome.seconds - sampler) if outcome.seconds else 0.0,
+            agent_seconds=max(0.0, slot.finished - slot.started - sampler) if slot.finished and slot.started else 0.0,
         )
         if slot.timed_out or outcome.timed_out is not None:
             record.ended_by = FAILED_TIMEOUT
@@ -503,7 +515,7 @@ class AgentEngine:
             record.rewards = {k: v for k, v in ((k, reward_number(v)) for k, v in reward.items()) if v is not None}
             return
         if names and reward is not None:
-            raise ValueError("a number, where environment.reward_weights names the rewards: return a dict of them")
+            raise ValueError(f"{reward!r} is not a dict of the rewards environment.reward_weights names")
         record.env_reward = reward_number(reward)
 
     def _messages(self, played: Played | None, req: EpisodeRequests, completion: list[int]) -> list[dict[str, Any]]:
