@@ -155,7 +155,7 @@ def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_its_last_branch
 
 
 AGENTS = textwrap.dedent(
-    '''
+    """
     import asyncio, os, sys, time, json, urllib.request
 
     def ask(base_url, key, max_tokens=4, content="What is 1+2?"):
@@ -211,7 +211,7 @@ AGENTS = textwrap.dedent(
             os._exit(5)
         ask(base_url, api_key, 2)
         return 0.25
-    '''
+    """
 )
 
 
@@ -239,7 +239,10 @@ def test_every_way_an_agent_fails_ends_only_its_episode(policy, tmp_path, caplog
             rollout = play(engine, [{"kind": k, "prompt": k} for k in kinds])
         assert time.perf_counter() - tick < 20
         by_kind = dict(zip(kinds, rollout.episodes))
-        assert by_kind["good"].ended_by == ENDED_BY_ENVIRONMENT and by_kind["good"].rewards == {"correct": 1.0, "short": 0.5}
+        assert by_kind["good"].ended_by == ENDED_BY_ENVIRONMENT and by_kind["good"].rewards == {
+            "correct": 1.0,
+            "short": 0.5,
+        }
         assert by_kind["hang"].ended_by == FAILED_TIMEOUT
         errors = {k: by_kind[k].error for k in kinds if k not in ("good", "hang")}
         assert all(by_kind[k].ended_by == FAILED_ERROR for k in errors), errors
@@ -318,7 +321,9 @@ def test_environment_agent_is_checked_before_the_model_loads(tmp_path):
     from grpo_trainer.config import load_config
     from grpo_trainer.environments.checks import check_environment
 
-    (tmp_path / "a.py").write_text("def solve(row):\n    return 1.0\n\nasync def fine(row, *, base_url, api_key, model, seed):\n    return 1.0\n")
+    (tmp_path / "a.py").write_text(
+        "def solve(row):\n    return 1.0\n\nasync def fine(row, *, base_url, api_key, model, seed):\n    return 1.0\n"
+    )
     for spec, message in [
         (f"{tmp_path}/missing.py:solve", "agent file not found"),
         (f"{tmp_path}/a.py:nope", "has no function 'nope'"),
@@ -328,7 +333,9 @@ def test_environment_agent_is_checked_before_the_model_loads(tmp_path):
         with pytest.raises(ConfigError, match="environment.agent") as error:
             check_environment(cfg, contact_server=False)
         assert message in str(error.value)
-    check_environment(load_config("configs/agent_cpu.yaml", [f"environment.agent={tmp_path}/a.py:fine"]), contact_server=False)
+    check_environment(
+        load_config("configs/agent_cpu.yaml", [f"environment.agent={tmp_path}/a.py:fine"]), contact_server=False
+    )
     with pytest.raises(Exception, match="rollout.max_staleness 1 with environment.agent is not supported"):
         load_config("configs/agent_cpu.yaml", ["rollout.max_staleness=1", "rollout.engine=vllm_server"])
     with pytest.raises(Exception, match="set one of factory, openenv, url or agent"):
@@ -344,8 +351,9 @@ def train_agent(out, steps: int, resume: str = "never"):
     from helpers import run_cli, small_run_overrides
 
     overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
-    result = run_cli(["train", "configs/agent_cpu.yaml", *overrides, "checkpoint.save_every=1",
-                      f"checkpoint.resume={resume}"])
+    result = run_cli(
+        ["train", "configs/agent_cpu.yaml", *overrides, "checkpoint.save_every=1", f"checkpoint.resume={resume}"]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -63,7 +63,7 @@ from ..rollout import Rollout, RolloutEngine
 from ..seeds import mix_seed
 from .endpoint import EpisodeHandle, TokenEndpoint
 from .producer import Played, Player, PlayerEnvironment
-from .records import Branch, EpisodeRequests
+from .records import EpisodeRequests
 from .sampler import EngineTokenSampler, HFTokenSampler, TokenSampler
 
 if TYPE_CHECKING:
@@ -466,9 +466,7 @@ class AgentEngine:
         rollout.env_counters = cast(dict[str, int], self._counters(records))  # floats too: summed as floats
         return rollout
 
-    def _record(
-        self, slot: _Slot, req: EpisodeRequests, played: Played | None, group: str
-    ) -> AgentEpisodeRecord:
+    def _record(self, slot: _Slot, req: EpisodeRequests, played: Played | None, group: str) -> AgentEpisodeRecord:
         outcome = slot.outcome or Outcome(error="the episode was never played")
         sampler = req.sampler_seconds
         record = AgentEpisodeRecord(
@@ -483,7 +481,9 @@ class AgentEngine:
         )
         if slot.timed_out or outcome.timed_out is not None:
             record.ended_by = FAILED_TIMEOUT
-            record.error = f"the agent ran past environment.episode_timeout ({self.episode_timeout:g} s of its own time)"
+            record.error = (
+                f"the agent ran past environment.episode_timeout ({self.episode_timeout:g} s of its own time)"
+            )
             return record
         if played is None:
             record.ended_by, record.error = FAILED_ERROR, f"the agent raised {outcome.error}"

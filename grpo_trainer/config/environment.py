@@ -22,12 +22,12 @@ class EnvironmentConfig(_Section):
         description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
         "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
         "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
-        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.",
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url/agent.",
         json_schema_extra=CHANGES_MEANING,
     )
     openenv: str | None = Field(
         None,
-        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.",
+        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url/agent.",
         json_schema_extra=CHANGES_MEANING,
     )
     action: str | None = Field(
@@ -38,7 +38,7 @@ class EnvironmentConfig(_Section):
     url: str | None = Field(
         None,
         description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
-        "over its /ws protocol. One of factory/openenv/url.",
+        "over its /ws protocol. One of factory/openenv/url/agent.",
     )
     agent: str | None = Field(
         None,
