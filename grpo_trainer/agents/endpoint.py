@@ -33,8 +33,9 @@ of the engine, on one worker thread, while the server keeps accepting.
 Records: `close_episode(session_id)` returns the episode's `EpisodeRequests` (records.py), every request token for
 token with the sampler's log-probs; `counters()` gives the endpoint's totals (`agent/rerendered_turns`, ...).
 
-Not done here: the producers (verifiers environments, `environment.agent`), the vLLM engines (sampler.py), tool-call
-parsing on the chat route (tools are rendered into the prompt; replies are plain text), stop strings per request.
+The producers that run programs against it and train on its records: producer.py (the seam), engine.py. Not done
+here: tool-call parsing on the chat route (tools are rendered into the prompt; replies are plain text), stop strings
+per request.
 """
 
 from __future__ import annotations
