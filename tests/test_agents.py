@@ -379,3 +379,35 @@ def test_the_openai_sdk_example_trains_and_a_resumed_run_is_the_same_run(tmp_pat
         assert r["environment/errors"] == 0 and r["environment/turns_per_episode"] == 1
         assert 0 <= r["rewards/environment/mean"] <= 1
         assert r["sampling/logp_diff_max"] < 1e-4
+
+
+def test_any_engine_that_reports_sampler_logprobs_serves_the_endpoint():
+    """EngineTokenSampler (the vLLM engines' way in): the requests of a batch with one max_tokens go in one
+    `generate(prompts, 1, seeds=..., max_tokens=...)`, each completion is cut after its own stop token with its
+    log-probs, and the results come back in the requests' order; an engine without sampler log-probs is refused."""
+    from grpo_trainer.agents.sampler import EngineTokenSampler, TokenRequest
+    from grpo_trainer.rollout import Rollout
+
+    calls = []
+
+    class Engine:
+        logprobs = True
+
+        def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+            calls.append((len(prompt_ids), num_generations, list(seeds), max_tokens))
+            ids = [[s % 10 + k for k in range(max_tokens)] for s in seeds]  # seed-determined tokens
+            logprobs = [[-0.5 - k for k in range(max_tokens)] for _ in seeds] if self.logprobs else None
+            return Rollout(ids, [True] * len(ids), sampling_logprobs=logprobs)
+
+    sampler = EngineTokenSampler(Engine(), eos_token_ids=[2], max_model_len=64)
+    requests = [TokenRequest([1], 4, 10), TokenRequest([1], 3, 21), TokenRequest([1], 4, 33, stop_token_ids=(5,))]
+    out = sampler.sample(requests)
+    assert sorted(calls) == [(1, 1, [21], 3), (2, 1, [10, 33], 4)]
+    assert (out[0].completion_ids, out[0].finish_reason) == ([0, 1, 2], "stop")  # EOS 2 ends it
+    assert (out[1].completion_ids, out[1].finish_reason) == ([1, 2], "stop")
+    assert (out[2].completion_ids, out[2].logprobs, out[2].finish_reason) == ([3, 4, 5], [-0.5, -1.5, -2.5], "stop")
+    assert sampler.sample([TokenRequest([1], 2, 7)])[0].finish_reason == "length"
+    no_logprobs = Engine()
+    no_logprobs.logprobs = False
+    with pytest.raises(RuntimeError, match="reports no sampler log-probs"):
+        EngineTokenSampler(no_logprobs, [2], 64).sample(requests)

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("grpo_trainer")
 
+DEFAULT_CONTEXT = 4096  # the context the endpoint assumes for a vLLM engine without rollout.vllm.max_model_len
 LOOP_GRACE = 10.0  # seconds past every running episode's deadline before the players' loop counts as blocked
 ABANDONED_PER_WORKER = 4  # sync solve calls still running past their deadline, per slot, before the run stops
 
@@ -148,7 +149,9 @@ class _PlayersLoop:
     def __init__(self, player: Player, concurrency: int):
         self.player = player
         self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(concurrency, "agent-sync"))
+        # asyncio.to_thread in the agents' code: as many threads as plays run at once
+        self.executor = concurrent.futures.ThreadPoolExecutor(concurrency, "agent-to-thread")
+        self.loop.set_default_executor(self.executor)
         self._exit: contextlib.AsyncExitStack | None = None
         self.thread = threading.Thread(target=self._run, name="agent-players", daemon=True)
         self.thread.start()
@@ -158,7 +161,13 @@ class _PlayersLoop:
     def _run(self) -> None:
         raise_on_os_exit()  # os._exit in a play ends its episode, not the run
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            if not self.abandoned:
+                self.loop.close()
+
+    abandoned = False  # given up on while blocked: its tasks are left as they are
 
     def submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -181,7 +190,9 @@ class _PlayersLoop:
         if leave and self.thread.is_alive():
             with contextlib.suppress(Exception):
                 self.submit(self._leave()).result(timeout=60)
+        self.abandoned = not leave
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.executor.shutdown(wait=False)
 
 
 class AgentEngine:
@@ -287,8 +298,8 @@ class AgentEngine:
     # ------------------------------------------------------------------ serving
     def _sampler(self) -> TokenSampler:
         if hasattr(self.engine, "sample_rows"):  # the hf engine: one decode, each row its own stream
-            return HFTokenSampler(cast(Any, self.engine), self.max_model_len)
-        return EngineTokenSampler(self.engine, self.eos_token_ids, self.max_model_len or 4096)
+            return HFTokenSampler(cast(Any, self.engine), self.max_model_len)  # None: the model's context
+        return EngineTokenSampler(self.engine, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT)
 
     def _start(self) -> TokenEndpoint:
         if self.endpoint is None:
@@ -551,9 +562,17 @@ class AgentEngine:
 
 
 def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: list[int], environment) -> AgentEngine:
-    """`engine` behind the endpoint, played by the run's player (`environment`: a PlayerEnvironment)."""
+    """`engine` behind the endpoint, played by the run's player (`environment`: a PlayerEnvironment). The context the
+    endpoint caps requests by: the model's on the hf engine, rollout.vllm.max_model_len (else DEFAULT_CONTEXT) on a
+    vLLM engine."""
+    from ..errors import ConfigError
+
+    if engine.lockstep is not None:
+        raise ConfigError(
+            f"{environment.name}: the hf engine under FSDP samples in lockstep (every rank the same generate calls), "
+            "and each rank's agents form their own batches: use DDP or DeepSpeed, or a vLLM engine"
+        )
     env = cfg.environment
-    max_prompt = cfg.data.max_prompt_length
     return AgentEngine(
         engine,
         environment,
@@ -561,7 +580,7 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
         seed=cfg.seed,
         eos_token_ids=eos_token_ids,
         max_completion_length=cfg.rollout.max_completion_length,
-        max_model_len=None if max_prompt is None else max_prompt + cfg.rollout.max_completion_length,
+        max_model_len=cfg.rollout.vllm.max_model_len if cfg.rollout.engine != "hf" else None,
         episode_timeout=env.episode_timeout if math.isfinite(env.episode_timeout) else math.inf,
         concurrency=env.concurrency,
     )
