@@ -120,7 +120,9 @@ class TokenEndpoint:
         self.seed = seed
         self.model_name = model_name
         self.limits = limits
-        self.vocab_size = len(tokenizer)
+        # Token ids a request may hold: the tokenizer's, or the policy's rows where it has more (a vocabulary padded
+        # to a multiple: the policy can sample those ids, and an agent sends back what it sampled).
+        self.vocab_size = max(len(tokenizer), getattr(sampler, "vocab_size", None) or 0)
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         self.eos_token_ids = {int(t) for t in eos if t is not None}
         self.api_key = secrets.token_urlsafe(32)  # the run's key: hand it to episodes, never log it

@@ -210,6 +210,7 @@ class AgentEngine:
         max_model_len: int | None,
         episode_timeout: float,
         concurrency: int,
+        vocab_size: int | None = None,
     ):
         self.engine = engine
         self.environment = environment
@@ -221,6 +222,7 @@ class AgentEngine:
         self.max_model_len = max_model_len
         self.episode_timeout = episode_timeout
         self.concurrency = concurrency
+        self.vocab_size = vocab_size  # a vLLM engine's policy rows (the hf engine's are read from its model)
         self.counter_names: tuple[str, ...] = tuple(getattr(self.player, "counter_names", ()) or ())
         self.calls = UserCalls(
             self.player.name,
@@ -299,7 +301,9 @@ class AgentEngine:
     def _sampler(self) -> TokenSampler:
         if hasattr(self.engine, "sample_rows"):  # the hf engine: one decode, each row its own stream
             return HFTokenSampler(cast(Any, self.engine), self.max_model_len)  # None: the model's context
-        return EngineTokenSampler(self.engine, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT)
+        return EngineTokenSampler(
+            self.engine, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT, vocab_size=self.vocab_size
+        )
 
     def _start(self) -> TokenEndpoint:
         if self.endpoint is None:
@@ -581,9 +585,26 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
         eos_token_ids=eos_token_ids,
         max_completion_length=cfg.rollout.max_completion_length,
         max_model_len=cfg.rollout.vllm.max_model_len if cfg.rollout.engine != "hf" else None,
+        vocab_size=None if cfg.rollout.engine == "hf" else _vocab_size(cfg),
         episode_timeout=env.episode_timeout if math.isfinite(env.episode_timeout) else math.inf,
         concurrency=env.concurrency,
     )
+
+
+def _vocab_size(cfg: Config) -> int | None:
+    """The policy's vocabulary rows, from its config (None where it cannot be read)."""
+    from ..builtin import resolve_model_path
+
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code
+        )
+    except Exception:  # noqa: BLE001 (then the tokenizer's vocabulary is the bound)
+        return None
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) else None
 
 
 if TYPE_CHECKING:
