@@ -77,9 +77,14 @@ class EnvironmentConfig(_Section):
         300.0,
         gt=0,
         description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
-        "sampler never fails an episode); an overrun ends it as a failure.",
+        "sampler never fails an episode); an overrun ends it as a failure. environment.agent: the agent's own time "
+        "(wall time minus the time its requests spent in the sampler).",
     )
-    concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
+    concurrency: int = Field(
+        64,
+        ge=1,
+        description="Environment calls run at once on each rank (threads); environment.agent: episodes played at once.",
+    )
     on_error: ON_ERROR = Field(
         "zero",
         description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
