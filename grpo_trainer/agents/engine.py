@@ -501,7 +501,7 @@ class AgentEngine:
             )
             return record
         if played is None:
-            record.ended_by, record.error = FAILED_ERROR, f"the agent raised {outcome.error}"
+            record.ended_by, record.error = FAILED_ERROR, f"the agent: {outcome.error}"  # kinds: the exception's type
             return record
         record.stop_condition = played.stop_condition
         record.counters = dict(played.counters)
