@@ -411,3 +411,39 @@ def test_any_engine_that_reports_sampler_logprobs_serves_the_endpoint():
     no_logprobs.logprobs = False
     with pytest.raises(RuntimeError, match="reports no sampler log-probs"):
         EngineTokenSampler(no_logprobs, [2], 64).sample(requests)
+
+
+def test_named_rewards_and_the_episodes_messages_reach_the_scoring(tmp_path, tiny_model_path):
+    """With environment.reward_weights, each name is a reward `environment/<name>` with its weight, read from the
+    episodes' records (None where an episode gave none); a reward function of `rewards:` gets the episode's messages
+    as its completion; a failed episode is scored by environment.on_error."""
+    from grpo_trainer.config import load_config
+    from grpo_trainer.environments import build_environment
+    from grpo_trainer.rollout import Rollout
+    from grpo_trainer.task import load_task
+
+    (tmp_path / "agent.py").write_text("async def solve(row, *, base_url, api_key, model, seed):\n    return None\n")
+    (tmp_path / "reward.py").write_text(
+        "def replies(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    cfg = load_config("configs/agent_cpu.yaml", [
+        f"environment.agent={tmp_path}/agent.py:solve", "environment.reward_weights={correct: 1.0, short: 0.5}",
+        f"rewards=[{{name: {tmp_path}/reward.py:replies, weight: 0.0}}]",
+    ])
+    environment = build_environment(cfg)
+    task = load_task(cfg.data, cfg.rewards, load_tokenizer(ModelConfig()), None, environment=environment,
+                     environment_config=cfg.environment)
+    assert [r.name for r in task.rewards] == ["replies", "environment/correct", "environment/short"]
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    records = [
+        AgentEpisodeRecord(ENDED_BY_ENVIRONMENT, rewards={"correct": 1.0, "short": 0.2}),
+        AgentEpisodeRecord(ENDED_BY_ENVIRONMENT, rewards={"correct": 0.0}),
+        AgentEpisodeRecord(FAILED_ERROR, error="the agent: ValueError: x"),
+    ]
+    rollout = Rollout([[5], [5], [5]], [False] * 3, conversations=[messages, messages[1:], messages],
+                      tool_calls=[0] * 3, episodes=records)
+    scored = task.score([0, 0, 0], rollout)
+    expected = torch.tensor([[2.0, 1.0, 0.2], [1.0, 0.0, float("nan")]])
+    torch.testing.assert_close(scored.per_function[:2], expected, equal_nan=True)
+    torch.testing.assert_close(scored.total[:2], torch.tensor([1.1, 0.0]))  # weights 0, 1, 0.5; None adds nothing
+    assert scored.per_function[2].tolist() == [0.0, 0.0, 0.0] and scored.total[2] == 0.0  # on_error: zero
