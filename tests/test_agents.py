@@ -274,6 +274,33 @@ def test_every_way_an_agent_fails_ends_only_its_episode(policy, tmp_path, caplog
         engine.close()
 
 
+class Blocker:
+    """Blocks the event loop it plays on (sync sleep in async code), or answers at once."""
+
+    name = "test blocker"
+
+    async def play(self, row, episode, seed) -> Played:
+        if row["prompt"] == "block":
+            time.sleep(3)
+        return Played(reward=1.0)
+
+
+@pytest.mark.slow
+def test_an_agent_that_blocks_the_event_loop_fails_its_batch_and_the_next_batch_plays(policy, caplog):
+    engine = agent_engine(policy, Blocker(), timeout=0.5)
+    engine.loop_grace = 0.5
+    try:
+        tick = time.perf_counter()
+        with caplog.at_level("WARNING", logger="grpo_trainer"):
+            blocked = play(engine, [{"prompt": "block"}])
+        assert time.perf_counter() - tick < 2.9  # given up on before the sleep ends
+        assert [e.ended_by for e in blocked.episodes] == [FAILED_TIMEOUT]
+        assert any("event loop has been blocked" in r.getMessage() for r in caplog.records)
+        assert [e.ended_by for e in play(engine, [{"prompt": "fine"}], g=2).episodes] == [ENDED_BY_ENVIRONMENT] * 2
+    finally:
+        engine.close()
+
+
 class SlowSampler:
     """The endpoint's sampler, each batch 1 s slower: time an episode spends waiting for its answers."""
 

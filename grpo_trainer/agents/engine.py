@@ -233,6 +233,7 @@ class AgentEngine:
             catch_os_exit=True,
         )
         self.waiters = concurrent.futures.ThreadPoolExecutor(concurrency, "agent-sync-wait")
+        self.loop_grace = LOOP_GRACE
         self.endpoint: TokenEndpoint | None = None
         self._players: _PlayersLoop | None = None
         # os._exit raises in the agents' threads while the engine lives (a no-op under the CLI's own guard): an
@@ -363,7 +364,7 @@ class AgentEngine:
                     "%s: the players' event loop has been blocked for over %g s past every deadline (sync code in "
                     "an async agent); its %d episodes fail as timeouts and a new loop is started",
                     self.player.name,
-                    LOOP_GRACE,
+                    self.loop_grace,
                     len(pending),
                 )
                 for future in pending:
@@ -374,7 +375,7 @@ class AgentEngine:
                 return
 
     def _blocked(self, slots: list[_Slot]) -> bool:
-        """Whether every slot still running is past its deadline by LOOP_GRACE (the loop would have ended them)."""
+        """Whether every slot still running is past its deadline by `loop_grace` (the loop would have ended them)."""
         assert self.endpoint is not None
         now = time.perf_counter()
         running = [s for s in slots if s.started is not None]
@@ -382,7 +383,7 @@ class AgentEngine:
             return False
         for slot in running:
             used = now - cast(float, slot.started) - self.endpoint.sampler_seconds(slot.handle.session_id)
-            if used < self.episode_timeout + LOOP_GRACE:
+            if used < self.episode_timeout + self.loop_grace:
                 return False
         return True
 
