@@ -59,6 +59,7 @@ from ..environments.protocol import (
     reward_number,
 )
 from ..environments.scoring import failure_summary
+from ..errors import UserError
 from ..rollout import Rollout, RolloutEngine
 from ..seeds import mix_seed
 from .endpoint import EpisodeHandle, TokenEndpoint
@@ -155,7 +156,11 @@ class _PlayersLoop:
         self._exit: contextlib.AsyncExitStack | None = None
         self.thread = threading.Thread(target=self._run, name="agent-players", daemon=True)
         self.thread.start()
-        self.submit(self._enter()).result()
+        try:
+            self.submit(self._enter()).result()
+        except Exception as exc:  # the player's own setup: the run cannot play it (one line)
+            self.close(leave=False)
+            raise UserError(f"{player.name}: serving() failed: {one_line(exc)}") from None
         self.semaphore = self.submit(self._semaphore(concurrency)).result()
 
     def _run(self) -> None:
