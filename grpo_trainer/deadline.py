@@ -10,6 +10,8 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
   the call was working on again (an environment object whose call was abandoned is not closed, scored or reused).
 - Daemon threads, never `concurrent.futures` ones: those are joined when the interpreter exits, so one call that
   never returns would hold the trainer's exit forever. A daemon thread cannot.
+- A call's limit may leave out time it spends waiting on the trainer (`Call.excluded`: an agent's requests waiting
+  for the policy's answers, agents/engine.py); the deadline moves on by that time as it grows.
 - Abandoned calls still running are counted (`abandoned`, and `abandoned_total` since the pool started); more of
   one function's than the pool's bound means the function hangs as a rule, not by accident, and the run stops
   with one line naming the function (`CallsHang`, a UserError: exit status 2) instead of piling up threads.
@@ -18,8 +20,10 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
 
 Not covered, because no thread can do it: `os._exit()` (or a crash in C code) in user code ends the whole process
 at once, with no Python code run after it. `guard_os_exit` makes a Python-level `os._exit` during the run say so
-and end the process with a failure status instead of the status the user code passed (0 would read as success);
-a C-level `_exit` or a fatal signal is beyond it: the exit status, or the missing "done" line, is the only trace.
+and end the process with a failure status instead of the status the user code passed (0 would read as success),
+except in threads marked by `raise_on_os_exit` (an agent's: `UserCalls(catch_os_exit=True)`, the agent engine's
+event loop), where it raises `OsExitCalled`, an error of that call like sys.exit; a C-level `_exit` or a fatal
+signal is beyond it: the exit status, or the missing "done" line, is the only trace.
 Process isolation, where a hung call must really be killed, is running an environment as an OpenEnv server, and
 the `python` tool's sandbox.
 
@@ -78,6 +82,9 @@ class Call:
     limit: float
     name: str | None = None
     label: str = TIMEOUT
+    # Seconds of the call's running time that do not count against its limit, read as it runs (it may only grow):
+    # an agent's time waiting for the policy's answers (agents/engine.py). None: all of it counts.
+    excluded: Callable[[], float] | None = None
 
 
 class _Job:
@@ -107,7 +114,9 @@ class UserCalls:
         limit_key: str,
         stop: type[UserError] = CallsHang,
         what: str = "the function hangs",
+        catch_os_exit: bool = False,
     ):
+        self.catch_os_exit = catch_os_exit  # os._exit in a call raises OsExitCalled there (raise_on_os_exit)
         self.name = name
         self.what = what
         self.workers = workers
@@ -117,6 +126,7 @@ class UserCalls:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._threads = 0  # workers alive and not abandoned
+        self._outstanding = 0  # calls queued or running, not yet finished or abandoned (of every caller's run)
         self._abandoned: Counter[str] = Counter()  # abandoned calls still running, by function name
         self.abandoned_total = 0  # calls abandoned since the pool started (finished since or not)
 
@@ -138,8 +148,13 @@ class UserCalls:
             if job.call.limit <= 0:  # no time left for it: the call is not made
                 job.finished, job.outcome = True, Outcome(timed_out=job.call.label)
             else:
+                with self._changed:
+                    self._outstanding += 1
                 self._queue.put(job)
-        self._ensure_workers(min(self.workers, sum(not job.finished for job in jobs)))
+        # Enough workers for these calls and those of other threads' runs still going (callers may run at once).
+        with self._changed:
+            outstanding = self._outstanding
+        self._ensure_workers(min(self.workers, outstanding))
         with self._changed:
             while True:
                 now = time.perf_counter()
@@ -147,7 +162,8 @@ class UserCalls:
                 for job in jobs:
                     if job.finished or job.started is None:
                         continue
-                    left = job.started + job.call.limit - now
+                    excluded = job.call.excluded() if job.call.excluded is not None else 0.0
+                    left = job.started + job.call.limit + excluded - now
                     if left <= 0:
                         self._abandon(job)
                     elif math.isfinite(left):
@@ -180,6 +196,7 @@ class UserCalls:
         its place."""
         job.abandoned = True
         job.finished = True
+        self._outstanding -= 1
         job.outcome = Outcome(timed_out=job.call.label, seconds=job.call.limit)
         self._abandoned[job.call.name or self.name] += 1
         self.abandoned_total += 1
@@ -196,6 +213,8 @@ class UserCalls:
         threading.Thread(target=self._work, name="grpo-user-call", daemon=True).start()
 
     def _work(self) -> None:
+        if self.catch_os_exit:
+            raise_on_os_exit()
         while True:
             job = self._queue.get()
             if job is None:
@@ -205,6 +224,8 @@ class UserCalls:
                 self._changed.notify_all()
             outcome = _outcome(job.call.fn)
             with self._changed:
+                if not job.abandoned:
+                    self._outstanding -= 1
                 if job.abandoned:  # too late: the caller went on; this thread was replaced, so it ends
                     name = job.call.name or self.name
                     self._abandoned[name] -= 1
@@ -251,15 +272,39 @@ def one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------- the process's end
 _real_exit = os._exit
 _guarded_pid: int | None = None
+_threads = threading.local()  # .raise_exit: os._exit in this thread raises OsExitCalled (raise_on_os_exit)
+
+
+class OsExitCalled(BaseException):
+    """`os._exit(status)` called, under `guard_os_exit`, in a thread marked by `raise_on_os_exit` (an agent's): raised
+    there instead of ending the process, so it ends what that thread was running (one episode). A BaseException, as
+    SystemExit is: code that catches Exception does not swallow it."""
+
+    def __init__(self, status: int):
+        super().__init__(f"os._exit({status}) was called")
+        self.status = status
+
+
+def raise_on_os_exit() -> None:
+    """Mark the calling thread: under `guard_os_exit`, a Python-level `os._exit` in it raises `OsExitCalled` (the
+    call's outcome is then an error, as for sys.exit) instead of ending the process. For threads that run only user
+    code whose failure must end only what it was doing (agents' episodes: UserCalls(catch_os_exit=True), the
+    agent engine's players' loop)."""
+    _threads.raise_exit = True
 
 
 @contextlib.contextmanager
 def guard_os_exit() -> Iterator[None]:
     """While a command runs, a Python-level `os._exit(status)` in this process (user code in an
     environment or a tool: the trainer's own code never calls it then) prints one line saying so and ends the
-    process with `status`, or 1 for 0: a run that vanished is never a success. Child processes (a fork inherits
-    the guard) are left alone. A C-level _exit or a signal cannot be seen here (see the module docstring)."""
+    process with `status`, or 1 for 0: a run that vanished is never a success (in a thread marked by
+    `raise_on_os_exit`, it raises `OsExitCalled` there instead). Child processes (a fork inherits the guard) are
+    left alone. A C-level _exit or a signal cannot be seen here (see the module docstring). Re-entrant: an inner
+    guard (the agent engine's, in a run the CLI already guards) changes nothing."""
     global _guarded_pid
+    if _guarded_pid == os.getpid():
+        yield
+        return
     _guarded_pid = os.getpid()
     os._exit = _guarded_exit  # type: ignore[assignment]
     try:
@@ -270,6 +315,8 @@ def guard_os_exit() -> Iterator[None]:
 
 
 def _guarded_exit(status: int) -> None:
+    if os.getpid() == _guarded_pid and getattr(_threads, "raise_exit", False):
+        raise OsExitCalled(status)
     if os.getpid() == _guarded_pid:
         code = status if status else 1
         thread = threading.current_thread().name

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import CHANGES_MEANING, _Section
 
-ENVIRONMENT_KINDS = ("factory", "openenv", "url")  # environments.KINDS: the keys that choose an environment
+ENVIRONMENT_KINDS = ("factory", "openenv", "url", "agent")  # environments.KINDS: the keys that choose an environment
 ON_ERROR = Literal["zero", "none", "skip_group"]
 
 
@@ -22,12 +22,12 @@ class EnvironmentConfig(_Section):
         description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
         "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
         "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
-        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.",
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url/agent.",
         json_schema_extra=CHANGES_MEANING,
     )
     openenv: str | None = Field(
         None,
-        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.",
+        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url/agent.",
         json_schema_extra=CHANGES_MEANING,
     )
     action: str | None = Field(
@@ -38,7 +38,23 @@ class EnvironmentConfig(_Section):
     url: str | None = Field(
         None,
         description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
-        "over its /ws protocol. One of factory/openenv/url.",
+        "over its /ws protocol. One of factory/openenv/url/agent.",
+    )
+    agent: str | None = Field(
+        None,
+        description="An agent program that calls the policy through an OpenAI-compatible endpoint, "
+        "`my_agent.py:solve` or `package.module:solve`: `async def solve(row, *, base_url, api_key, model, seed)` (or a "
+        "plain def, run in a thread) returning the episode's reward (a number, None, or a dict of named rewards: see "
+        "reward_weights); its requests are the episode, trained token for token (docs/agents.md). One of "
+        "factory/openenv/url/agent.",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    reward_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="environment.agent: the named rewards its solve function returns as a dict, with their weights; "
+        "each is a reward `environment/<name>` (an unnamed key fails the episode). Empty: it returns one number, the "
+        "`environment` reward.",
+        json_schema_extra=CHANGES_MEANING,
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -61,9 +77,14 @@ class EnvironmentConfig(_Section):
         300.0,
         gt=0,
         description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
-        "sampler never fails an episode); an overrun ends it as a failure.",
+        "sampler never fails an episode); an overrun ends it as a failure. environment.agent: the agent's own time "
+        "(wall time minus the time its requests spent in the sampler).",
     )
-    concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
+    concurrency: int = Field(
+        64,
+        ge=1,
+        description="Environment calls run at once on each rank (threads); environment.agent: episodes played at once.",
+    )
     on_error: ON_ERROR = Field(
         "zero",
         description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
@@ -116,7 +137,7 @@ class EnvironmentConfig(_Section):
 
     @property
     def kind(self) -> str | None:
-        """Which key chose the environment (factory, openenv or url), None without one."""
+        """Which key chose the environment (factory, openenv, url or agent), None without one."""
         chosen = self._chosen()
         return chosen[0] if chosen else None
 
@@ -156,11 +177,13 @@ class EnvironmentConfig(_Section):
     def _one_kind(self):
         chosen = self._chosen()
         if len(chosen) > 1:
-            raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
+            raise ValueError(f"set one of factory, openenv, url or agent, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):
             raise ValueError(
                 "environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one"
             )
+        if self.reward_weights and self.kind != "agent":
+            raise ValueError("environment.reward_weights: the named rewards of environment.agent; set it")
         if self.action is not None and self.kind != "openenv":
             raise ValueError("environment.action: the Action class of environment.openenv; set it")
         return self
