@@ -6,7 +6,7 @@ One step, as named phases (each a function with a typed input and output):
                                   (plain, or DAPO dynamic sampling: same result type); the completions come
                                   from the rollout queue (rollout_queue.py): sampled now, or, with
                                   rollout.max_staleness K >= 1, while the K steps before trained
-                    engine.sleep()                 the sampler frees its memory for the update
+                    engine sleeps (Sleeps)         a sampler that can frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
                                   packed, fixed size or a token budget               -> TrainBatch
@@ -58,6 +58,7 @@ from .evaluate import evaluate_model
 from .metrics import PhaseTimer
 from .preemption import StopRequests
 from .report import completion_samples, step_record, write_completions
+from .rollout import Sleeps, capability
 from .run import Run, build_run, finish, resume, stop_run
 from .terms import term_types
 from .trackers import log_samples
@@ -143,7 +144,8 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     # a step no reward scored: warned about, stopped after a few in a row
     checks = ScoreChecks.of(cfg, run.task.rewards)
     state = replace(state, step=step, unscored_in_a_row=check_scored(scored, step, state.unscored_in_a_row, checks))
-    run.engine.sleep()
+    if (sleeper := capability(run.engine, Sleeps)) is not None:
+        sleeper.sleep()  # vLLM in this process frees its memory for the update
     all_advantages, reward_stats = step_advantages(run, scored)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
     advantages = geometry.my_completions(all_advantages)  # [local_n]
