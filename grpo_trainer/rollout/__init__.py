@@ -270,22 +270,13 @@ Kind = TypeVar("Kind")
 
 class EngineWrapper:
     """An engine around another one (`inner`) that changes how it samples (the episode loop, an agent program):
-    `generate` is the wrapper's own; pushes and closing reach the wrapped engine; and its capabilities are the
-    wrapped engine's, found there by `capability`, plus any the wrapper class declares itself. So a new wrapper
-    forwards nothing by hand and drops nothing. One that holds more (threads, connections) extends `close`."""
+    `generate` is the subclass's own (this base has none, so a wrapper that forgets it is no RolloutEngine);
+    pushes and closing reach the wrapped engine; and its capabilities are the wrapped engine's, found there by
+    `capability`, plus any the wrapper class declares itself. So a new wrapper forwards nothing by hand and drops
+    nothing. One that holds more (threads, connections) extends `close`."""
 
     def __init__(self, inner: RolloutEngine):
         self.inner = inner
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        num_generations: int,
-        seeds: list[int] | None = None,
-        max_tokens: int | None = None,
-        episodes: list[Any] | None = None,
-    ) -> Rollout:
-        raise NotImplementedError(f"{type(self).__name__} wraps an engine but does not say how it samples")
 
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
         self.inner.sync_weights(model, version=version, gather=gather)
