@@ -31,9 +31,6 @@ class DecodeReach:
     rows: int
     context: int
 
-    def widest(self, other: DecodeReach) -> DecodeReach:
-        return DecodeReach(max(self.rows, other.rows), max(self.context, other.context))
-
 
 @dataclass(frozen=True)
 class KernelPlanning:
