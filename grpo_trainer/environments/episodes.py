@@ -6,8 +6,8 @@ loop; pushes and closing reach the wrapped engine, and so does every capability 
 wait for, memory to free, kernels to plan, lockstep): as an `EngineWrapper`, it has the wrapped engine's
 capabilities found through it (rollout.capability), so none is forwarded by hand and none can be dropped (a
 capability the wrapper lacked would silently change what the loop does). It talks to environments only through
-the `Episode` protocol (grpo_trainer/environments), so the built-in tools environment (`environment.tools`), a TRL-style class and
-OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
+the `Episode` protocol (grpo_trainer/environments), so the built-in tools environment (`environment.tools`), a
+TRL-style class and OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
 
     prompt [+ reset text] | model turn 1 ... <EOS> | environment tokens | model turn 2 ... <EOS> | ...
 

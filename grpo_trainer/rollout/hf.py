@@ -10,9 +10,9 @@ prefilled once and its KV cache copied to its G completions, and rows that
 have finished are dropped from the batch instead of being decoded as padding
 to the end; the loop runs with `decode.decode_kernels` (no per-token cache
 copies, faster CPU kernels for few rows), whose choices are fixed before the engine samples anything
-(kernel_plan.py): settled for the reach it was built with (a run's, keeping a resumed run's recorded plan), given
-(a periodic evaluation takes the run's), or planned for the shapes of its first call. Sampling is what `generate` does for
-these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
+(kernel_plan.py): settled for the reach it was built with (a run's, keeping a resumed run's recorded plan),
+given (a periodic evaluation takes the run's), or planned for the shapes of its first call. Sampling is what
+`generate` does for these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
 multinomial draw per row), so for one prompt and G = 1 the two give the same
 tokens from the same seed (tested; in a batch the random streams part ways once
 rows finish). The repetition penalty counts a row's prompt tokens, not its

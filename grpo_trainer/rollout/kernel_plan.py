@@ -7,8 +7,8 @@ whether this process decides the plan (the main process: it reads and fills this
 the ranks agree on it (`share`: the main process's plan handed to every rank, so all sample alike). The run hands
 it a resumed run's recorded plan (`settle`, through `PlansKernels.settle_kernels`) and records the plan it gets
 back. An engine built without a reach (an evaluation of its own, the token endpoint's) plans for the shapes of
-its first call, or is given a plan, and can widen it (`HFEngine.widen_kernels`) to more rows or a longer context, keeping every
-choice it holds.
+its first call, or is given a plan, and can widen it (`HFEngine.widen_kernels`) to more rows or a longer context,
+keeping every choice it holds.
 
 Deliberately not here: the choices themselves (decode.plan_decode_kernels, the rule in kernels.py) and what a
 run reaches (run.py counts its batches, its eval batches and its prompts).
