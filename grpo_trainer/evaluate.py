@@ -49,7 +49,7 @@ from .environments.episodes import with_environment
 from .environments.scoring import failure_kinds
 from .errors import ConfigError, DataError
 from .models import context_length, eos_token_ids, load_causal_lm, load_tokenizer
-from .rollout import RolloutEngine, sampling_settings
+from .rollout import RolloutEngine, needs_episodes, sampling_settings
 from .rollout.hf import HFEngine
 from .seeds import mix_seed
 from .task import Task, load_task
@@ -262,7 +262,7 @@ def _sample_and_score(
         for start in range(0, prompts_total, per_batch):
             indices = list(range(start, min(start + per_batch, prompts_total)))
             specs = None
-            if engine.needs_episodes:  # eval's own seeds: step 0 is never a training step
+            if needs_episodes(engine):  # eval's own seeds: step 0 is never a training step
                 specs = [task.episode_spec(i, mix_seed(cfg.seed, 0, -1, i), f"eval-{i}") for i in indices]
             rollout = engine.generate(task.prompt_ids(indices), k, episodes=specs)
             episodes += rollout.episodes or []

@@ -21,9 +21,9 @@ more than K versions older than the trainer's weights: such groups are left out,
 the current weights. (The schedule never produces them; a server that lost its weights, or a resumed run with a
 smaller K, can.)
 
-Faults (an engine that `can_lose_weights`, today `vllm_server`; the engine waits up to
-`rollout.vllm_server.reconnect_timeout` for a server that went away, and so does the queue, through
-`engine.reconnect`, for one found gone between requests). A server that came back has lost the pushed weights (vLLM starts from its model folder): the engine's
+Faults (an engine that `Reconnects`, today `vllm_server`; the engine waits up to
+`rollout.vllm_server.reconnect_timeout` for a server that went away, and so does the queue, through its
+`reconnect`, for one found gone between requests). A server that came back has lost the pushed weights (vLLM starts from its model folder): the engine's
 `generate` raises `WeightsLost`. Every rank learns of it at the next point where all ranks meet (`take`,
 `sample_more`, before a push), the current weights are pushed again, and every batch not yet trained is sampled
 again: the restart happened at one moment for all ranks, and a batch that ended after it came from the wrong
@@ -39,7 +39,8 @@ run samples them again, with newer weights than an uninterrupted run would have 
 The queue is given what it uses, not the run: the engine, its settings (`QueueSettings`, from the config), the
 batch geometry, the ranks' collectives, the task's prompts, the prompt sampler, and `push(version)`, which makes the
 engine sample with the trainer's current weights (`weight_pusher`: the trainer's model, gathered piecewise under
-ZeRO-3). What the engine can do it asks the engine (`can_lose_weights`, `samples_outside_process`, `reconnect`).
+ZeRO-3). What the engine can do it asks by capability (rollout.capability: `Reconnects`, `needs_weight_sync`,
+`needs_episodes`).
 
 Deliberately not here: dynamic sampling's decisions (collect.py asks for more with `sample_more`), rewards, and
 how an engine talks to its server (rollout/).
@@ -63,7 +64,18 @@ import torch
 
 from .checkpoint import checkpoint_root
 from .errors import TrainingError
-from .rollout import Rollout, RolloutEngine, ServerGone, WeightsLost, mix_seed
+from .rollout import (
+    Reconnects,
+    Rollout,
+    RolloutEngine,
+    ServerGone,
+    Sleeps,
+    WeightsLost,
+    capability,
+    mix_seed,
+    needs_episodes,
+    needs_weight_sync,
+)
 from .rollout.weight_sync import zero3_gather
 
 if TYPE_CHECKING:
@@ -172,7 +184,7 @@ class RolloutQueue:
         self.max_staleness = settings.max_staleness
         self.version = 0  # the weights the sampler holds, as far as the trainer knows
         self.pending: deque[_Batch] = deque()  # drawn, not yet trained, in step order
-        self.can_lose_weights = engine.can_lose_weights  # a separate process can restart
+        self.reconnects = capability(engine, Reconnects)  # a sampler in another process, which can restart
         self._worker = _Worker() if self.max_staleness else None
         self._broken = False  # a queued generation failed: later ones must not run on a server in an unknown state
         self._lock = threading.Lock()
@@ -212,6 +224,12 @@ class RolloutQueue:
         mine = self.geometry.my_prompts(self._draw())
         return mine, self._sample_now(mine, step, draw, current=step - 1)
 
+    def before_update(self) -> None:
+        """The step's samples are taken: an engine that `Sleeps` (vLLM in this process) frees its memory for the
+        update (it wakes itself before it samples or takes weights again)."""
+        if (sleeper := capability(self.engine, Sleeps)) is not None:
+            sleeper.sleep()
+
     def after_update(self, step: int) -> None:
         """Step `step` updated the weights: push them as version `step` (once every rank's generation in flight has
         ended), and queue what keeps the pipeline K+1 batches deep."""
@@ -229,7 +247,7 @@ class RolloutQueue:
             busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
             self._busy, self._busy_since = 0.0, (now if self._busy_since is not None else None)
         out = self._step_metrics
-        if self.engine.needs_weight_sync:  # docs/async.md: every engine that samples outside the training model
+        if needs_weight_sync(self.engine):  # docs/async.md: every engine that samples outside the training model
             out = {
                 **out,
                 "timing/rollout_wait": self._waited,
@@ -349,7 +367,7 @@ class RolloutQueue:
     def _resolve(self, step: int, status: int, error: BaseException | None, current: int) -> bool:
         """Act on every rank's worst state: OK -> False; a server that lost its weights -> push version `current`
         (the trainer's weights now) again, queue every untrained batch again -> True; fatal -> every rank raises."""
-        if not self.can_lose_weights:  # nothing to agree on: an error is a bug, and raises here
+        if self.reconnects is None:  # nothing to agree on: an error is a bug, and raises here
             if error is not None:
                 raise error
             return False
@@ -409,7 +427,7 @@ class RolloutQueue:
         seeds = [mix_seed(self.settings.seed, step, draw, p) for p in places] if self.settings.seed_per_prompt else None
         # Environments reset from the row and a seed of the group's, whether or not sampling is seeded per prompt.
         episodes = None
-        if self.engine.needs_episodes:
+        if needs_episodes(self.engine):
             episodes = [
                 self.task.episode_spec(i, mix_seed(self.settings.seed, step, draw, p), f"s{step}-d{draw}-p{p}")
                 for i, p in zip(mine, places)
@@ -445,12 +463,10 @@ class RolloutQueue:
         waited for here, up to the same reconnect time."""
         if isinstance(error, WeightsLost):
             return LOST, error
-        if isinstance(error, ServerGone) and self.can_lose_weights:
+        if isinstance(error, ServerGone) and self.reconnects is not None:
             timeout = self.settings.reconnect_timeout
             try:  # whatever waiting raises (a URL that now answers but is not vLLM) is this rank's state, not an escape
-                back = self.engine.reconnect(
-                    timeout
-                )  # before the ranks agree (_resolve): they would wait for us forever
+                back = self.reconnects.reconnect(timeout)  # before the ranks agree (_resolve): they would wait for us
             except Exception as exc:
                 return FATAL, exc
             if back:
@@ -487,7 +503,7 @@ def push_weights(
     (`WeightsLost`) is made again by every rank. Every rank returns, or raises, together. (Under ZeRO-3 a rank that
     raises in the middle of the gathers leaves the others inside one: only the engine can avoid that, and does for
     a server that goes away, `VLLMServerEngine.sync_weights`.) `checkpoints`: named when the server is lost."""
-    if not engine.needs_weight_sync:
+    if not needs_weight_sync(engine):
         return  # the hf engine samples from the training model: nothing to push, nothing to gather
     bare_lm = model()
     for _ in range(MAX_RECOVERIES + 1):

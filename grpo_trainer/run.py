@@ -34,7 +34,7 @@ from .data import PromptSampler
 from .environments import build_environment
 from .environments.checks import check_environment
 from .environments.episodes import with_environment
-from .errors import ConfigError, TrainingError
+from .errors import ConfigError
 from .evaluate import load_eval_task
 from .export import save_model
 from .geometry import Geometry, batch_geometry
@@ -53,8 +53,9 @@ from .models import (
 )
 from .preflight import check_model_sources, run_preflight
 from .report import ProgressBar, flat_hparams
-from .rollout import RolloutEngine, sampling_settings
+from .rollout import PlansKernels, RolloutEngine, capability, sampling_settings
 from .rollout.engines import engine_kind
+from .rollout.kernel_plan import DecodeReach, KernelPlanning
 from .rollout.registry import build_engine
 from .rollout_queue import QueueSettings, RolloutQueue, weight_pusher
 from .task import Task, load_task
@@ -123,11 +124,18 @@ def build_run(cfg: Config) -> Run:
     # Loaded before the per-rank seed below, as the policy: a load that draws random numbers draws alike everywhere.
     reference, teacher = _reference(cfg, accelerator, lm), _teacher(cfg, accelerator, tokenizer)
     comm = distributed.Collectives(accelerator)
+    # every rank evaluates (see trainer.periodic_eval); loaded before the engine, whose kernel plan covers it
+    eval_task = load_eval_task(cfg, tokenizer, context_length(lm), environment=environment) if cfg.eval.every else None
 
     def bare_lm() -> torch.nn.Module:  # what Run.bare_lm returns: for the engine's sampling and the weight pushes
         return distributed.unwrap(accelerator, policy).lm
 
-    engine = _engine(cfg, accelerator, comm, policy, bare_lm, tokenizer, lm, environment)
+    kernels = KernelPlanning(
+        decode_reach(cfg, geometry, task, eval_task),
+        decides=accelerator.is_main_process,
+        share=(lambda item: comm.gather_objects([item])[0]) if geometry.world > 1 else None,
+    )
+    engine = _engine(cfg, accelerator, comm, policy, bare_lm, tokenizer, lm, environment, kernels)
     set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks sample different completions
     sampler = PromptSampler(len(task), seed=cfg.seed, shuffle=cfg.data.shuffle)
     settings = QueueSettings.of(cfg)
@@ -150,10 +158,7 @@ def build_run(cfg: Config) -> Run:
         rollouts=RolloutQueue(engine, settings, geometry=geometry, comm=comm, task=task, sampler=sampler, push=push),
         progress=ProgressBar(cfg, accelerator.is_main_process),
         heap_trimmer=_heap_trimmer(cfg, accelerator, lm),
-        # every rank evaluates (see trainer.periodic_eval)
-        eval_task=load_eval_task(cfg, tokenizer, context_length(lm), environment=environment)
-        if cfg.eval.every
-        else None,
+        eval_task=eval_task,
     )
 
 
@@ -191,9 +196,9 @@ def _start_processes(cfg: Config) -> tuple[Any, Geometry, list[str]]:
     return accelerator, geometry, trackers
 
 
-def _engine(cfg: Config, accelerator, comm, policy, bare_lm, tokenizer, lm, environment) -> RolloutEngine:
-    """The rollout engine, sampling from `bare_lm()` (whole parameters under ZeRO-3) or its own copy; with an
-    environment, the episode loop around it."""
+def _engine(cfg: Config, accelerator, comm, policy, bare_lm, tokenizer, lm, environment, kernels) -> RolloutEngine:
+    """The rollout engine, sampling from `bare_lm()` (whole parameters under ZeRO-3) or its own copy, its kernels
+    planned for `kernels` (the hf engine); with an environment, the episode loop around it."""
     sampling = sampling_settings(cfg, eos_token_ids(tokenizer, lm))
     sampler = build_engine(
         cfg,
@@ -205,6 +210,7 @@ def _engine(cfg: Config, accelerator, comm, policy, bare_lm, tokenizer, lm, envi
         rank=accelerator.process_index,
         is_main_process=accelerator.is_main_process,
         lockstep=distributed.sampling_lockstep(accelerator, comm),
+        kernels=kernels,
     )
     return with_environment(sampler, tokenizer, cfg, sampling, environment)
 
@@ -316,10 +322,12 @@ def _frozen_copy(cfg: Config, model: ModelConfig, accelerator) -> TokenLogprobs:
 
 def resume(run: Run) -> TrainState:
     """The state to continue from (`checkpoint.restore`: the checkpoint's, loaded into the components, or a fresh
-    one) with the run's kernel plan settled; then the run's outputs are opened."""
+    one) with the engine's kernel plan, settled with the plan the checkpoint recorded; then the run's outputs are
+    opened."""
     cfg, accelerator = run.cfg, run.accelerator
     state, recorded = ckpt.restore(run.resumable)
-    state = replace(state, decode_kernels=settle_decode_kernels(run, recorded))
+    planner = capability(run.engine, PlansKernels)
+    state = replace(state, decode_kernels=planner.settle_kernels(recorded) if planner is not None else {})
     if accelerator.is_main_process:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -330,9 +338,9 @@ def resume(run: Run) -> TrainState:
     return state
 
 
-def decode_reach(cfg: Config, geometry: Geometry, task: Task, eval_task: Task | None) -> tuple[int, int]:
+def decode_reach(cfg: Config, geometry: Geometry, task: Task, eval_task: Task | None) -> DecodeReach:
     """The most rows one decode step of a run holds (prompts per generate call x G, training or periodic eval)
-    and the longest context it reaches (prompt + completion): what the kernel plan must cover."""
+    and the longest context it reaches (prompt + completion): what the hf engine's kernel plan must cover."""
     rows = (cfg.rollout.batch_size or geometry.prompts_per_rank) * geometry.group_size
     context = max(map(len, task.prompts.token_ids), default=0)
     if eval_task is not None:
@@ -340,25 +348,7 @@ def decode_reach(cfg: Config, geometry: Geometry, task: Task, eval_task: Task | 
 
         rows = max(rows, min(len(eval_task), cfg.rollout.batch_size or DEFAULT_BATCH_PROMPTS) * eval_settings(cfg).k)
         context = max(context, max(map(len, eval_task.prompts.token_ids), default=0))
-    return rows, context + cfg.rollout.max_completion_length
-
-
-def settle_decode_kernels(run: Run, recorded: dict[str, str] | None) -> dict[str, str]:
-    """The run's kernel plan, made before it samples anything: the main process plans (from this machine's cache,
-    measuring what is missing; a resumed run keeps its `recorded` choices) and every rank samples with its plan."""
-    rows, context = decode_reach(run.cfg, run.geometry, run.task, run.eval_task)
-    try:
-        plan, error = run.engine.plan_kernels(rows, context, recorded, decide=run.is_main_process), None
-    except Exception as exc:  # carried to every rank: the others wait for the main process's plan below
-        if run.geometry.world == 1:
-            raise
-        plan, error = {}, f"decode kernels: {exc}"
-    if run.geometry.world > 1:
-        plan, error = run.comm.gather_objects([(plan, error)])[0]  # the main process's, everywhere
-    if error is not None:
-        raise TrainingError(error)
-    run.engine.use_kernels(plan)
-    return plan
+    return DecodeReach(rows, context + cfg.rollout.max_completion_length)
 
 
 def record_decode_kernels(output_dir: Path, plan: Mapping[str, str], device_type: str) -> None:
@@ -385,9 +375,9 @@ def measure_decode_kernels(cfg: Config, remeasure: bool = False) -> tuple[dict[s
     environment = _environment_for_kernels(cfg)
     task = _training_task(cfg, tokenizer, lm, environment)
     eval_task = load_eval_task(cfg, tokenizer, context_length(lm), environment=environment) if cfg.eval.every else None
-    rows, context = decode_reach(cfg, geometry, task, eval_task)
-    before = plan_decode_kernels(lm, rows, context)
-    return before, plan_decode_kernels(lm, rows, context, remeasure=True) if remeasure else before
+    reach = decode_reach(cfg, geometry, task, eval_task)
+    before = plan_decode_kernels(lm, reach.rows, reach.context)
+    return before, plan_decode_kernels(lm, reach.rows, reach.context, remeasure=True) if remeasure else before
 
 
 def _environment_for_kernels(cfg: Config):

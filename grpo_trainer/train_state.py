@@ -50,7 +50,7 @@ class TrainState:
         """The state a checkpoint's trainer state records (missing entries: written by an earlier version, which
         did not count them). The entropy coefficient is the checkpoint's only where it adapts; a fixed one is the
         config's (`loss.entropy_coef`, which a resume may change). Decode kernels are settled afterwards
-        (`checkpoint.restore` hands `saved["decode_kernels"]` to `run.settle_decode_kernels`)."""
+        (`checkpoint.restore` returns `saved["decode_kernels"]`, which `run.resume` hands the engine)."""
         control = EntropyControl(entropy_coef)
         if adaptive_entropy and "entropy_control" in saved:
             control = EntropyControl(**saved["entropy_control"])

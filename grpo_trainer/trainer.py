@@ -8,7 +8,7 @@ One step, as named phases (each a function with a typed input and output):
                                   rollout.max_staleness K >= 1, while the K steps before trained. Its records
                                   (samples.py: TrainingSamples, EpisodeStats, the metrics) are all the phases
                                   below read of what produced the samples
-                    engine.sleep()                 the sampler frees its memory for the update
+                    engine sleeps (Sleeps)         a sampler that can frees its memory for the update
     2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
                                   packed, fixed size or a token budget               -> TrainBatch
@@ -148,7 +148,7 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     checks = ScoreChecks.of(cfg, run.task.rewards)
     unscored = check_scored(samples.per_function, scored.episodes, step, state.unscored_in_a_row, checks)
     state = replace(state, step=step, unscored_in_a_row=unscored)
-    run.engine.sleep()
+    run.rollouts.before_update()  # a sampler that Sleeps frees its memory for the update
     all_advantages, reward_stats = step_advantages(run, samples)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
     advantages = geometry.my_completions(all_advantages)  # [local_n]

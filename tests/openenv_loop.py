@@ -10,7 +10,7 @@ import random
 from grpo_trainer.config import ModelConfig
 from grpo_trainer.environments import EpisodeSpec
 from grpo_trainer.models import load_tokenizer
-from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout import Rollout, SamplesTrainingModel
 from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings
 
 END = "<|im_end|>"
@@ -23,11 +23,8 @@ def call(guess, name: str = "guess") -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {{"guess": {guess}}}}}</tool_call>'
 
 
-class ScriptedModel:
+class ScriptedModel(SamplesTrainingModel):
     """A stand-in engine: model turn k of every conversation is script[k] (sampling log-probs -0.5)."""
-
-    needs_weight_sync = False
-    lockstep = None
 
     def __init__(self, tokenizer, script: list[str]):
         self.tokenizer, self.script = tokenizer, script

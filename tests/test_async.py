@@ -22,7 +22,7 @@ from grpo_trainer.errors import ConfigError
 from grpo_trainer.losses import importance_weight, off_policy_sequence_mask
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
-from grpo_trainer.rollout import Rollout, ServerGone, ServerUnreachable, WeightsLost
+from grpo_trainer.rollout import Reconnects, Rollout, ServerGone, ServerUnreachable, WeightsLost
 from grpo_trainer.rollout_queue import ServerLostError
 from grpo_trainer.geometry import batch_geometry
 from helpers import Exchange, ThreadCollectives, rollout_queue, run_ranks
@@ -128,17 +128,11 @@ def test_async_settings_are_checked_when_the_config_loads():
 URL = "http://127.0.0.1:1"
 
 
-class FakeServer:
+class FakeServer(Reconnects):
     """A server engine stand-in: completion k of prompt p is [p, k]; it records, per generate call, the prompts,
     the version it held and the thread; a push sets its version and fails the test if a generation is running.
     `gate(call)` (optional) runs inside generate, e.g. to block until the test lets it go. Its server never comes
     back once gone (`reconnect`)."""
-    needs_episodes = False  # a sampler: no environment
-
-    needs_weight_sync = True
-    samples_outside_process = True
-    can_lose_weights = True
-    lockstep = None
 
     def __init__(self, gate=None, fail=None, fail_push=None):
         self.version, self.running, self.calls, self.pushes, self.gathers = 0, 0, [], [], []
@@ -173,18 +167,6 @@ class FakeServer:
     def reconnect(self, timeout):
         self.reconnects = [*getattr(self, "reconnects", []), timeout]
         return False
-
-    def plan_kernels(self, max_rows, max_context, recorded=None, decide=True):
-        return {}
-
-    def use_kernels(self, plan):
-        pass
-
-    def sleep(self):
-        pass
-
-    def wake_up(self):
-        pass
 
     def close(self):
         pass

@@ -21,7 +21,7 @@ from grpo_trainer import cli
 from grpo_trainer.config import ModelConfig, VLLMServerConfig, load_config
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.rollout import Rollout, SamplingSettings
-from grpo_trainer.rollout import ServerGone
+from grpo_trainer.rollout import Reconnects, ServerGone, Sleeps, capability, needs_weight_sync
 from grpo_trainer.rollout.vllm_server import NotAVLLMServer, VLLMServerEngine
 from grpo_trainer.serve import serve_command, shell_line
 from helpers import ROOT, free_port, run_cli, small_run_overrides
@@ -283,13 +283,10 @@ def test_disk_pushes_of_two_runs_on_one_machine_go_to_folders_of_their_own_remov
 # ---------------------------------------------------------------------------- tools on a server (item 13)
 
 
-class Restarting:
+class Restarting(Reconnects, Sleeps):
     """A vllm_server engine stand-in whose server goes away just before generate call `gone_at` and is back by the
-    time anyone waits for it; it records what it was asked."""
-    needs_episodes = False  # a sampler: no environment
-
-    needs_weight_sync = samples_outside_process = can_lose_weights = True
-    lockstep = None
+    time anyone waits for it; it records what it was asked (and, unlike a server engine, it sleeps: so that the
+    loop's sleep through a wrapper is seen too)."""
 
     def __init__(self, gone_at: int):
         self.gone_at, self.calls, self.waits, self.pushes, self.slept = gone_at, [], [], [], []
@@ -305,12 +302,6 @@ class Restarting:
     def reconnect(self, seconds):
         self.waits.append(seconds)
         return True
-
-    def plan_kernels(self, max_rows, max_context, recorded=None, decide=True):
-        return {}
-
-    def use_kernels(self, plan):
-        pass
 
     def sync_weights(self, model, version=None, gather=None):
         self.pushes.append(version)
@@ -339,11 +330,11 @@ def tools_engine(inner, max_len=6):
 def test_the_tools_engine_has_what_the_engine_it_wraps_has(tiny_model_path):
     inner = Restarting(gone_at=-1)
     engine = tools_engine(inner)
-    assert engine.reconnect(7.0) and inner.waits == [7.0]
-    assert engine.can_lose_weights and engine.samples_outside_process and engine.needs_weight_sync
+    assert capability(engine, Reconnects).reconnect(7.0) and inner.waits == [7.0]
+    assert needs_weight_sync(engine)
     engine.sync_weights(nn.Linear(1, 1), version=4)
     assert inner.weight_version == 4 and inner.pushes == [4]
-    engine.sleep()
+    capability(engine, Sleeps).sleep()
     assert inner.slept == [True]
     out = engine.generate([[1, 2]], 2, max_tokens=3)  # lowers the limit for this call
     assert inner.calls == [3] and [len(ids) for ids in out.completion_ids] == [3, 3]

@@ -12,7 +12,7 @@ from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
-from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout import Rollout, SamplesTrainingModel
 from grpo_trainer.rollout_queue import QueueSettings, RolloutQueue
 from grpo_trainer.samples import ScoredBatch
 from grpo_trainer.geometry import batch_geometry
@@ -21,11 +21,8 @@ from helpers import ThreadCollectives, Exchange, run_ranks
 G = 4
 
 
-class FakeEngine:
+class FakeEngine(SamplesTrainingModel):  # nothing to push; no server that can restart
     """Completion k of prompt p is [p, k]; the sampler's log-prob of each token is -(p + k / 10)."""
-    needs_episodes = False  # a sampler: no environment
-
-    needs_weight_sync = samples_outside_process = can_lose_weights = False  # what the queue asks
 
     def __init__(self):
         self.calls: list[list[int]] = []

@@ -26,19 +26,15 @@ from grpo_trainer.environments.scoring import apply_on_error, environment_metric
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.models import load_tokenizer
 from grpo_trainer.rewards import Reward, RewardBatch
-from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout import Rollout, RunsInLockstep, SamplesTrainingModel, TakesEpisodes
 from grpo_trainer.environments.episodes import EpisodeEngine, EpisodeSettings
 
 END = "<|im_end|>"
 
 
-class ScriptedModel:
+class ScriptedModel(SamplesTrainingModel, RunsInLockstep):
     """A stand-in engine: the model's turn k in a conversation whose prompt contains `key` is scripts[key][k]
     (the same for the G completions of a group); sampling log-probs -0.5."""
-    needs_episodes = False  # a sampler: no environment
-
-    needs_weight_sync = False
-    lockstep = None
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts
@@ -454,12 +450,10 @@ def test_environment_seeds_are_the_groups_and_fit_31_bits():
     assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
 
 
-class RecordingEngine:
+class RecordingEngine(SamplesTrainingModel, TakesEpisodes):
     """Records what the rollout queue asks of an engine that needs episodes."""
 
     needs_episodes = True
-    needs_weight_sync = samples_outside_process = can_lose_weights = False
-    lockstep = None
 
     def __init__(self):
         self.asked = []

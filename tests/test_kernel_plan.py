@@ -195,32 +195,66 @@ def test_the_kernels_command_remeasures_only_when_asked_and_says_what_changed(tm
     assert "choices changed: only exact alternatives are timed" in out
 
 
-def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line(monkeypatch):
+def test_the_engine_settles_its_plan_for_the_reach_it_was_built_with(tiny_model_path, monkeypatch):
+    """The run builds the hf engine with its reach and hands it the recorded plan: the plan covers that reach, keeps
+    the recorded choices, and is what the engine then samples with (no planning at its first generate)."""
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout import hf
+    from grpo_trainer.rollout.kernel_plan import DecodeReach, KernelPlanning
+
+    _every_decision_measured(monkeypatch, FAST_OTHERS)
+    table = kernels.KernelTable(None)
+    monkeypatch.setattr(kernels, "default_table", lambda: table)
+    lm = _tiny(tiny_model_path)
+    recorded = {"linear/96x96x8": "linear"}
+    engine = hf.HFEngine(SamplingSettings(eos_token_ids=[2], max_completion_length=8), get_model=lambda: lm,
+                         pad_token_id=0, planning=KernelPlanning(DecodeReach(8, 40)))
+    plan = engine.settle_kernels(recorded)
+    assert plan == plan_decode_kernels(lm, 8, 40, table, recorded=recorded) and plan["linear/96x96x8"] == "linear"
+    assert engine.kernel_plan == plan
+    monkeypatch.setattr(hf, "plan_decode_kernels", lambda *a, **k: pytest.fail("planned again at generate"))
+    engine.generate([[5, 6, 7]], 2)
+
+
+def test_the_token_endpoint_widens_the_plan_keeping_every_choice(tiny_model_path, monkeypatch):
+    """`widen_kernels` (agents/sampler.py, before the endpoint's first batch) covers more rows and a longer
+    context, and keeps every choice the engine's plan already held, whatever this machine would choose."""
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout.hf import HFEngine
+
+    _every_decision_measured(monkeypatch, FAST_OTHERS)
+    monkeypatch.setattr(kernels, "default_table", lambda: kernels.KernelTable(None))
+    lm = _tiny(tiny_model_path)
+    held = {"linear/96x96x1": "linear", "draw/1x128": "torch"}
+    engine = HFEngine(SamplingSettings(eos_token_ids=[2], max_completion_length=8), get_model=lambda: lm,
+                      pad_token_id=0, kernel_plan=held)
+    engine.widen_kernels(8, 100)
+    assert engine.kernel_plan is not None and held.items() <= engine.kernel_plan.items()
+    assert set(engine.kernel_plan) == set(plan_decode_kernels(lm, 8, 100, kernels.KernelTable(None)))
+
+
+def test_a_planning_error_on_the_main_process_stops_every_rank_with_its_line():
     """Only the main process plans; the others wait for its plan in a gather. Whatever planning raises there is
-    carried through that gather, so every rank stops with the same line instead of waiting forever."""
-    from types import SimpleNamespace
-
-    from grpo_trainer import run as building
+    carried through that gather, so every rank stops with the same line instead of waiting forever; with one
+    process, the error itself."""
     from grpo_trainer.errors import ConfigError, TrainingError
+    from grpo_trainer.rollout.kernel_plan import DecodeReach, KernelPlanning, settle
 
-    monkeypatch.setattr(building, "decode_reach", lambda *a: (4, 64))
     carried = []
 
-    class Engine:
-        def plan_kernels(self, rows, context, recorded, decide):
-            if decide:
-                raise ConfigError("GRPO_TRAINER_DECODE_KERNELS: linear='x' is not available here")
-            return {}
+    def plan_here(decides):
+        if decides:
+            raise ConfigError("GRPO_TRAINER_DECODE_KERNELS: linear='x' is not available here")
+        return {}
 
-        def use_kernels(self, plan):
-            raise AssertionError("sampled with a plan after a failed planning")
+    def gather(item):
+        carried.append(item) if not carried else None
+        return carried[0]
 
-    def gather(items):
-        carried.extend(items) if not carried else None
-        return [carried[0], *items]
-
-    for is_main in (True, False):  # the main process first: its item is what the gather hands everyone
-        run = SimpleNamespace(cfg=None, geometry=SimpleNamespace(world=2), task=None, eval_task=None, engine=Engine(),
-                              comm=SimpleNamespace(gather_objects=gather), is_main_process=is_main)
+    for decides in (True, False):  # the main process first: its item is what the gather hands everyone
         with pytest.raises(TrainingError, match="decode kernels: GRPO_TRAINER_DECODE_KERNELS: linear='x'"):
-            building.settle_decode_kernels(run, None)
+            settle(KernelPlanning(DecodeReach(4, 64), decides=decides, share=gather), plan_here)
+    with pytest.raises(ConfigError, match="linear='x'"):
+        settle(KernelPlanning(DecodeReach(4, 64)), plan_here)
+    assert settle(KernelPlanning(DecodeReach(4, 64), decides=False, share=lambda item: ({"a": "b"}, None)),
+                  plan_here) == {"a": "b"}  # the main process's plan, on a rank that planned nothing

@@ -20,7 +20,6 @@ TAKES_THE_RUN = {
     ("trainer.py", "report"),
     ("trainer.py", "preempt"),
     ("run.py", "resume"),
-    ("run.py", "settle_decode_kernels"),
     ("run.py", "finish"),
     ("run.py", "stop_run"),
     ("run.py", "_save_final_model"),

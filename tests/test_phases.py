@@ -14,6 +14,7 @@ from torch import nn
 
 from grpo_trainer.batches import build_train_batch
 from grpo_trainer.config import Config, load_config
+from grpo_trainer.rollout import EngineWrapper, SamplesTrainingModel, Sleeps
 from grpo_trainer.geometry import Geometry, batch_geometry
 from grpo_trainer.cpu.heap import HeapTrimmer
 from grpo_trainer.rollout_queue import push_weights
@@ -194,29 +195,17 @@ def test_step_stats_reduce_over_ranks_sums_and_takes_the_max_gap():
         assert "kl" not in metrics
 
 
-class RecordingEngine:
-    """Wraps an engine and records which of the lifecycle calls the loop made, in order."""
-    needs_episodes = False  # a sampler: no environment
+class RecordingEngine(EngineWrapper, Sleeps):
+    """Wraps an engine (its capabilities seen through, as every wrapper's) and records which of the lifecycle calls
+    the loop made, in order; it can sleep, so the loop puts it to sleep."""
 
-    samples_outside_process = can_lose_weights = False
-    lockstep = None
-
-    def __init__(self, inner, needs_weight_sync: bool, calls: list):
-        self.inner, self.needs_weight_sync, self.calls = inner, needs_weight_sync, calls
+    def __init__(self, inner, calls: list):
+        super().__init__(inner)
+        self.calls = calls
 
     def generate(self, *args, **kwargs):
         self.calls.append("generate")
         return self.inner.generate(*args, **kwargs)
-
-    def reconnect(self, timeout):
-        return False
-
-    def plan_kernels(self, *args, **kwargs):
-        return self.inner.plan_kernels(*args, **kwargs) if self.inner is not None else {}
-
-    def use_kernels(self, plan):
-        if self.inner is not None:
-            self.inner.use_kernels(plan)
 
     def sync_weights(self, model, version=None, gather=None):
         self.calls.append("sync_weights")
@@ -235,7 +224,7 @@ class RecordingEngine:
 def test_sync_weights_only_for_engines_that_keep_their_own_copy(needs_weight_sync):
     calls, barriers = [], []
     lm = nn.Linear(2, 2)
-    engine = RecordingEngine(None, needs_weight_sync, calls)
+    engine = RecordingEngine(None if needs_weight_sync else SamplesTrainingModel(), calls)  # the hf engine's kind
     comm = SimpleNamespace(max=lambda t: barriers.append(1) or t)  # the ranks agree the push went through
     push_weights(engine, comm, lambda: lm, version=1)
     assert calls == (["sync_weights"] if needs_weight_sync else [])
@@ -252,7 +241,7 @@ def test_the_loop_puts_the_engine_to_sleep_after_sampling_and_closes_it(tmp_path
 
     calls: list[str] = []
     real_build = building.build_engine
-    monkeypatch.setattr(building, "build_engine", lambda *a, **k: RecordingEngine(real_build(*a, **k), False, calls))
+    monkeypatch.setattr(building, "build_engine", lambda *a, **k: RecordingEngine(real_build(*a, **k), calls))
     result = train(load_config("configs/demo_cpu.yaml", small_run_overrides(tmp_path / "run")))
     assert calls == ["generate", "sleep", "generate", "sleep", "close"]
     assert result.steps_done == 2 and len(read_metrics(tmp_path / "run")) == 2

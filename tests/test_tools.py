@@ -24,7 +24,7 @@ from grpo_trainer.environments.tools import (
 )
 from grpo_trainer.environments.tools_env import ToolsEnvironment
 from grpo_trainer.models import load_tokenizer
-from grpo_trainer.rollout import Rollout
+from grpo_trainer.rollout import Rollout, RunsInLockstep, SamplesTrainingModel
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 
@@ -228,13 +228,9 @@ def test_a_template_without_eos_after_assistant_turns_is_refused():
 # ---------------------------------------------------------------------------- the loop
 
 
-class ScriptedEngine:
+class ScriptedEngine(SamplesTrainingModel, RunsInLockstep):  # EpisodeEngine asks for lockstep (hf under FSDP)
     """Plays scripted conversations: completion j of the first call says scripts[j][0]; a later context gets the
     next turn of the script whose first turn it contains."""
-    needs_episodes = False  # a sampler: no environment
-
-    needs_weight_sync = False
-    lockstep = None  # EpisodeEngine asks (the hf engine under FSDP has one)
 
     def __init__(self, tokenizer, scripts: list[list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts

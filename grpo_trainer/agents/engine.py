@@ -1,9 +1,9 @@
 """Agent programs as a rollout engine: each completion of a step is one episode a `Player` plays against the token
 endpoint (producer.py is the seam; docs/agents.md).
 
-`AgentEngine` wraps the run's engine and keeps its interface, as `EpisodeEngine` (environments/episodes.py) does:
-`generate` (with `episodes=`: `needs_episodes`), and every other member of the `RolloutEngine` protocol forwarded to
-the wrapped engine, in one block copied from EpisodeEngine's. Per rank it owns:
+`AgentEngine` wraps the run's engine as `EpisodeEngine` (environments/episodes.py) does (`EngineWrapper`: pushes and
+closing reach the wrapped engine, and its capabilities are the wrapped engine's): its own `generate` takes
+`episodes=` (`TakesEpisodes`). Per rank it owns:
 
 - one `TokenEndpoint` (endpoint.py) over the wrapped engine, started at the first `generate` and closed with the
   engine: the hf engine through `HFTokenSampler` (`sample_rows`, sampler log-probs computed for its requests), any
@@ -46,8 +46,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
 from ..deadline import Call, CallsHang, Outcome, UserCalls, guard_os_exit, one_line, raise_on_os_exit
 from ..environments.protocol import (
     ENDED_BY_ENVIRONMENT,
@@ -60,7 +58,15 @@ from ..environments.protocol import (
 )
 from ..environments.scoring import failure_summary
 from ..errors import UserError
-from ..rollout import Rollout, RolloutEngine
+from ..rollout import (
+    EngineWrapper,
+    Rollout,
+    RolloutEngine,
+    SamplesTrainingModel,
+    TakesEpisodes,
+    capability,
+    lockstep_of,
+)
 from ..seeds import mix_seed
 from .endpoint import EpisodeHandle, TokenEndpoint
 from .producer import Played, Player, PlayerEnvironment
@@ -200,7 +206,7 @@ class _PlayersLoop:
         self.executor.shutdown(wait=False)
 
 
-class AgentEngine:
+class AgentEngine(EngineWrapper, TakesEpisodes):
     """An engine whose completions are episodes of agent programs; see the module docstring."""
 
     def __init__(
@@ -217,7 +223,7 @@ class AgentEngine:
         concurrency: int,
         vocab_size: int | None = None,
     ):
-        self.engine = engine
+        super().__init__(engine)
         self.environment = environment
         self.player = environment.player
         self.tokenizer = tokenizer
@@ -250,45 +256,6 @@ class AgentEngine:
         """Always: an agent plays from the dataset row (`episodes=`, one EpisodeSpec per prompt)."""
         return True
 
-    # ------------------------------------------------------------------ the wrapped engine's, forwarded
-    # (copied from environments/episodes.py's EpisodeEngine: every member of the RolloutEngine protocol but
-    # generate/needs_episodes/close, forwarded as is; keep the two blocks alike)
-    @property
-    def needs_weight_sync(self) -> bool:
-        return self.engine.needs_weight_sync
-
-    @property
-    def samples_outside_process(self) -> bool:
-        return self.engine.samples_outside_process
-
-    @property
-    def can_lose_weights(self) -> bool:
-        return self.engine.can_lose_weights
-
-    @property
-    def lockstep(self) -> Any:
-        return self.engine.lockstep
-
-    def reconnect(self, timeout: float) -> bool:
-        return self.engine.reconnect(timeout)
-
-    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
-        self.engine.sync_weights(model, version=version, gather=gather)
-
-    def plan_kernels(
-        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
-    ) -> dict[str, str]:
-        return self.engine.plan_kernels(max_rows, max_context, recorded, decide)
-
-    def use_kernels(self, plan: Mapping[str, str]) -> None:
-        self.engine.use_kernels(plan)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
     def close(self) -> None:
         """The players' loop (leaving the player's `serving()`), the endpoint, the sync calls' threads, and the
         wrapped engine."""
@@ -301,14 +268,14 @@ class AgentEngine:
         self.calls.close()
         self.waiters.shutdown(wait=False)
         self._guard.close()
-        self.engine.close()
+        super().close()
 
     # ------------------------------------------------------------------ serving
     def _sampler(self) -> TokenSampler:
-        if hasattr(self.engine, "sample_rows"):  # the hf engine: one decode, each row its own stream
-            return HFTokenSampler(cast(Any, self.engine), self.max_model_len)  # None: the model's context
+        if hasattr(self.inner, "sample_rows"):  # the hf engine: one decode, each row its own stream
+            return HFTokenSampler(cast(Any, self.inner), self.max_model_len)  # None: the model's context
         return EngineTokenSampler(
-            self.engine, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT, vocab_size=self.vocab_size
+            self.inner, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT, vocab_size=self.vocab_size
         )
 
     def _start(self) -> TokenEndpoint:
@@ -577,12 +544,12 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
     vLLM engine."""
     from ..errors import ConfigError
 
-    if engine.lockstep is not None:
+    if lockstep_of(engine) is not None:
         raise ConfigError(
             f"{environment.name}: the hf engine under FSDP samples in lockstep (every rank the same generate calls), "
             "and each rank's agents form their own batches: use DDP or DeepSpeed, or a vLLM engine"
         )
-    env = cfg.environment
+    env, vllm = cfg.environment, capability(engine, SamplesTrainingModel) is None  # else the training model samples
     return AgentEngine(
         engine,
         environment,
@@ -590,8 +557,8 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
         seed=cfg.seed,
         eos_token_ids=eos_token_ids,
         max_completion_length=cfg.rollout.max_completion_length,
-        max_model_len=cfg.rollout.vllm.max_model_len if cfg.rollout.engine != "hf" else None,
-        vocab_size=None if cfg.rollout.engine == "hf" else _vocab_size(cfg),
+        max_model_len=cfg.rollout.vllm.max_model_len if vllm else None,
+        vocab_size=_vocab_size(cfg) if vllm else None,
         episode_timeout=env.episode_timeout if math.isfinite(env.episode_timeout) else math.inf,
         concurrency=env.concurrency,
     )

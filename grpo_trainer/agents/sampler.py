@@ -68,8 +68,7 @@ class HFTokenSampler:
 
     def sample(self, requests: list[TokenRequest]) -> list[TokenResult]:
         if not self._planned:
-            recorded = self.engine.kernel_plan
-            self.engine.use_kernels(self.engine.plan_kernels(self.max_batch, self.max_model_len, recorded=recorded))
+            self.engine.widen_kernels(self.max_batch, self.max_model_len)
             self._planned = True
         out = self.engine.sample_rows(
             [r.prompt_ids for r in requests],

@@ -1,14 +1,13 @@
 """Multi-turn rollouts: episodes played against environments (`environment:`, `environment.tools`), on any engine.
 
 `EpisodeEngine` wraps an engine (hf, vllm_colocate, vllm_server) and keeps its interface, so the loop does not
-know environments exist: `generate` (with `max_tokens`, and `episodes=` where the engine `needs_episodes`), and
-every other member of the `RolloutEngine` protocol forwarded explicitly to the wrapped engine (its capabilities
-`needs_weight_sync`, `samples_outside_process`, `can_lose_weights`, `lockstep`; `reconnect` to a server the
-trainer waits for after a restart; pushes, kernels, memory). Nothing outside the protocol is forwarded: what the
-loop may ask an engine is the protocol, and a capability the wrapper lacked would silently change what the loop
-does (tests/test_engines.py checks every member is here). It talks to environments only through the `Episode`
-protocol (grpo_trainer/environments), so the built-in tools environment (`environment.tools`), a TRL-style class and
-OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
+know environments exist: `generate` (with `max_tokens`, and `episodes=` where it `needs_episodes`) is the episode
+loop; pushes and closing reach the wrapped engine, and so does every capability the loop asks for (a server to
+wait for, memory to free, kernels to plan, lockstep): as an `EngineWrapper`, it has the wrapped engine's
+capabilities found through it (rollout.capability), so none is forwarded by hand and none can be dropped (a
+capability the wrapper lacked would silently change what the loop does). It talks to environments only through
+the `Episode` protocol (grpo_trainer/environments), so the built-in tools environment (`environment.tools`), a
+TRL-style class and OpenEnv all run on this one loop. A completion becomes an episode, all of it one token sequence after the prompt:
 
     prompt [+ reset text] | model turn 1 ... <EOS> | environment tokens | model turn 2 ... <EOS> | ...
 
@@ -48,14 +47,13 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
-from ..rollout import Rollout, RolloutEngine, SamplingSettings
+from ..rollout import EngineWrapper, Rollout, RolloutEngine, SamplingSettings, TakesEpisodes, lockstep_of
 from ..seeds import mix_seed
 from .calls import EnvCalls, EpisodeBudget, Outcome
 from .protocol import (
@@ -216,7 +214,7 @@ class EpisodeSettings:
     record: bool  # episodes are recorded in the Rollout (`episodes`, `environments`, env metrics): environments only
 
 
-class EpisodeEngine:
+class EpisodeEngine(EngineWrapper, TakesEpisodes):
     """An engine whose completions are episodes in an environment; see the module docstring."""
 
     def __init__(
@@ -230,7 +228,7 @@ class EpisodeEngine:
         settings: EpisodeSettings,
         template_kwargs: dict[str, Any] | None = None,
     ):
-        self.engine = engine
+        super().__init__(engine)
         self.environment = environment
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -244,48 +242,11 @@ class EpisodeEngine:
         """Whether `generate` wants `episodes=` (one EpisodeSpec per prompt): every environment but environment.tools'."""
         return self.settings.record
 
-    # ------------------------------------------------------------------ the wrapped engine's, forwarded
-    @property
-    def needs_weight_sync(self) -> bool:
-        return self.engine.needs_weight_sync
-
-    @property
-    def samples_outside_process(self) -> bool:
-        return self.engine.samples_outside_process
-
-    @property
-    def can_lose_weights(self) -> bool:
-        return self.engine.can_lose_weights
-
-    @property
-    def lockstep(self) -> Any:
-        return self.engine.lockstep
-
-    def reconnect(self, timeout: float) -> bool:
-        return self.engine.reconnect(timeout)
-
-    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
-        self.engine.sync_weights(model, version=version, gather=gather)
-
-    def plan_kernels(
-        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
-    ) -> dict[str, str]:
-        return self.engine.plan_kernels(max_rows, max_context, recorded, decide)
-
-    def use_kernels(self, plan: Mapping[str, str]) -> None:
-        self.engine.use_kernels(plan)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
     def close(self) -> None:
         """The loop's threads and the wrapped engine; not the environment, which is shared (the run's task, engine
         and evaluator play the one built for the run) and closed by whoever built it."""
         self.calls.close()
-        self.engine.close()
+        super().close()
 
     # ------------------------------------------------------------------ the episode loop
     def generate(
@@ -330,7 +291,7 @@ class EpisodeEngine:
         every rank plays as many waves as the rank with the most (the others' last waves are empty), since every
         rank must make the same generate calls."""
         capacity = self.environment.capacity
-        lockstep = self.engine.lockstep
+        lockstep = lockstep_of(self.inner)
         if capacity is None or (prompts * g <= capacity and lockstep is None):
             return [(0, prompts)]
         if g > capacity:
@@ -363,7 +324,7 @@ class EpisodeEngine:
             self._start(conversations, g, episodes) if episodes is not None else self._start_plain(conversations)
         )
         prompts = [conversations[i * g].prompt for i in range(len(prompt_ids))]
-        first = self.engine.generate(prompts, g, seeds=seeds, max_tokens=limit if max_tokens else None)
+        first = self.inner.generate(prompts, g, seeds=seeds, max_tokens=limit if max_tokens else None)
         for j, conv in enumerate(conversations):
             conv.add_model_turn(
                 first.completion_ids[j],
@@ -375,7 +336,7 @@ class EpisodeEngine:
         respond_seconds = 0.0
         # With `lockstep` (the hf engine under FSDP) every rank must make the same generate calls:
         # then a round runs while any rank has a conversation going, the others calling with nothing.
-        lockstep = self.engine.lockstep
+        lockstep = lockstep_of(self.inner)
         for round_ in range(1, self.settings.max_turns):
             acting = []
             for conv in conversations:
@@ -545,7 +506,7 @@ class EpisodeEngine:
         seeds = None
         if going and going[0][0].seed is not None:
             seeds = [mix_seed(conv.seed, round_) for conv, _ in going if conv.seed is not None]  # all have one
-        out = self.engine.generate(contexts, 1, seeds=seeds, max_tokens=max((room for _, room in going), default=1))
+        out = self.inner.generate(contexts, 1, seeds=seeds, max_tokens=max((room for _, room in going), default=1))
         for j, (conv, room) in enumerate(going):
             tokens, truncated, logprobs = out.completion_ids[j], out.truncated[j], _row(out.sampling_logprobs, j)
             if len(tokens) > room:  # drawn with the largest room of the batch: cut to this conversation's own

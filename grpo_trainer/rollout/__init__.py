@@ -1,19 +1,25 @@
 """Rollout engines: sample G completions for each prompt, and own their lifecycle.
 
-The loop talks to an engine through `RolloutEngine` alone, so the `hf` engine
-(the training model itself, everywhere) and the vLLM engines (a copy of the
-weights inside vLLM) are interchangeable. An engine says whether it needs the
-trainer's weights pushed after each update (`needs_weight_sync`: the `hf` engine
-samples from the training model, so the loop skips the push and, under ZeRO-3,
-the all-gather that would precede it), frees its memory while the policy is
-updated (`sleep`, `wake_up`) and releases what it holds at the end (`close`).
-Callers ask the engine what it can do, never its name: whether it samples outside the training
-process (`samples_outside_process`: sampling can overlap the update, rollout.max_staleness >= 1), whether its
-sampler can restart without the pushed weights (`can_lose_weights`; `reconnect(timeout)` waits for it to come
-back), whether its generate calls are collectives (`lockstep`). Its faults are this package's (`ServerGone`,
-`WeightsLost`), so the loop catches them without importing an engine. The same capabilities are declared, for
-the config's checks, by the engine's entry in `engines.py` (without importing the engine); a test checks
-that every engine class and the tools wrapper have every member of the protocol and agree with their entry.
+The loop talks to an engine through `RolloutEngine`: `generate`, `sync_weights` (make the sampler use the
+trainer's current weights) and `close`. That is all every engine has, so the `hf` engine (the training model
+itself, everywhere) and the vLLM engines (a copy of the weights inside vLLM) are interchangeable. What only some
+engines do is a capability, a small class of its own that the engine declares as a base, and that callers ask
+for by type through `capability(engine, Kind)`, never by the engine's name:
+* `SamplesTrainingModel`: it samples from the training model itself (hf), so there are no weights to push: the
+  loop skips the push and, under ZeRO-3, the all-gather that would precede it (`needs_weight_sync`).
+* `Sleeps`: it frees accelerator memory while the policy is updated (vLLM in the training process).
+* `Reconnects`: its sampler is another process that can restart without the pushed weights (vLLM servers):
+  `generate` then raises `WeightsLost`, and `reconnect(timeout)` waits for one found gone (`ServerGone`).
+* `RunsInLockstep`: its generate calls may be collectives (the hf engine under FSDP: `lockstep_of`).
+* `PlansKernels`: it chooses among kernels of this package's before it samples (the hf engine's decode loop:
+  rollout/kernel_plan.py), and hands back the plan the run records.
+* `TakesEpisodes`: it plays an environment's episodes and wants one EpisodeSpec per prompt (`needs_episodes`).
+A wrapper (environments/episodes.py's EpisodeEngine, an agent program's producer) derives from `EngineWrapper`:
+`capability` looks through it to the engine it wraps, so a wrapper has exactly the wrapped engine's capabilities
+plus its own, without forwarding any by hand. Asking `isinstance(engine, Kind)` instead would miss a wrapped
+engine's: callers use `capability`. The faults are this package's (`ServerGone`, `WeightsLost`), so the loop
+catches them without importing an engine. What each engine can do is also declared, for the config's checks, by
+its entry in `engines.py` (without importing the engine); tests/test_engines.py checks the classes agree.
 
 `registry.build_engine` picks and builds one: each engine reads the sampling
 settings common to all (`SamplingSettings`) and its own typed config section;
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -35,6 +41,7 @@ from ..seeds import mix_seed  # noqa: F401 (the engines' seed rule, imported fro
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..distributed import Collectives
 
 
 @dataclass
@@ -138,7 +145,7 @@ class ServerUnreachable(UserError, ConnectionError):
 
 class ServerGone(ServerUnreachable):
     """The connection was refused or dropped: the sampler's process went away (as opposed to a slow answer). An
-    engine that `can_lose_weights` may see it come back: `reconnect(timeout)` waits for it."""
+    engine that `Reconnects` may see it come back: `reconnect(timeout)` waits for it."""
 
     def __init__(self, url: str, message: str):
         super().__init__(message)
@@ -165,33 +172,7 @@ class WeightsLost(RuntimeError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the loop asks of an engine. The capabilities (the attributes) are the engine class's own, the same
-    for every instance, and match its entry in engines.py; a wrapper forwards every one (environments/episodes.py)."""
-
-    # Read-only properties here, so that a class attribute and a wrapper's forwarding property both satisfy them.
-    @property
-    def needs_weight_sync(self) -> bool:
-        """False when the engine samples from the training model itself: no push, and no ZeRO-3 gather for one."""
-
-    @property
-    def samples_outside_process(self) -> bool:
-        """Sampling runs in another process (a server), so it can overlap the update (rollout.max_staleness >= 1)."""
-
-    @property
-    def can_lose_weights(self) -> bool:
-        """The sampler is a process that can restart without the pushed weights: `generate` then raises
-        WeightsLost, and a request can find it gone (ServerGone) until it is back (`reconnect`)."""
-
-    @property
-    def needs_episodes(self) -> bool:
-        """`generate` runs an environment's episodes and takes `episodes`, one environments.EpisodeSpec per prompt
-        (the EpisodeEngine wrapper); the samplers themselves take none."""
-
-    @property
-    def lockstep(self) -> Any:
-        """The ranks' collectives where every generate call is itself a collective (the hf engine under FSDP): then
-        every rank makes the same calls (environments/episodes.py runs a round while any rank has a conversation going).
-        None elsewhere."""
+    """What the loop asks of every engine. What only some can do is a capability (below), asked for by type."""
 
     def generate(
         self,
@@ -204,66 +185,128 @@ class RolloutEngine(Protocol):
         """G completions per prompt. With `seeds`, prompt i's group is drawn from seeds[i] alone, so the
         result does not depend on batching or on how prompts are split over ranks. `max_tokens` lowers the
         length limit for this call (multi-turn rollouts continue conversations within what is left). `episodes`:
-        only where `needs_episodes` (else None)."""
+        only for an engine that `TakesEpisodes` and needs them (else None)."""
 
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
-        """Make the sampler use the trainer's current weights (called only when needs_weight_sync, on every rank).
+        """Make the sampler use the trainer's current weights (called only when `needs_weight_sync`, on every rank).
 
         `version`: what the push is recorded as (the vLLM engines' `weight_version`, the server's
         `/weight_info`; default, the count of pushes); the trainer passes the step whose update made the weights.
         `gather`: weight_sync.zero3_gather's context (None outside ZeRO-3): the weights are gathered one decoder
         layer at a time, every rank taking part, instead of the trainer gathering the whole model first."""
 
-    def plan_kernels(
-        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
-    ) -> dict[str, str]:
-        """Choose, before anything is sampled, the engine's alternative kernels for every shape a run reaches
-        (rollout/kernels.py): at most `max_rows` rows per decode step, `max_context` positions; `recorded` (a
-        resumed run's plan) is kept where it can run. {} for engines with nothing to choose (vLLM's own)."""
-
-    def use_kernels(self, plan: Mapping[str, str]) -> None:
-        """Sample with `plan` (what plan_kernels returned, on this or the main process) from now on."""
-
-    def reconnect(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for a sampler that went away (ServerGone); whether it answers again (it has
-        then lost the pushed weights). False at once for engines that cannot lose their weights."""
-
-    def sleep(self) -> None:
-        """Free the engine's accelerator memory while the policy is updated (a no-op where nothing can be freed)."""
-
-    def wake_up(self) -> None:
-        """Undo `sleep`; engines also wake themselves before generating or taking weights."""
-
     def close(self) -> None:
         """Release processes and memory; the engine is not used afterwards."""
 
 
-class Sampler:
-    """For the engines that sample (every one but the EpisodeEngine wrapper): no environment of their own."""
+# ----------------------------------------------------------------------------- capabilities
+# Declared by the engine class as a base (nominal: nothing has one by the accident of a method's name), the same
+# for every instance; asked for with `capability`, which looks through wrappers. Plain classes, not ABCs, so that
+# they can be passed as the `kind` of `capability` (mypy takes no abstract class for a `type[...]` parameter);
+# tests/test_engines.py checks that every engine class overrides each method of its capabilities.
 
-    needs_episodes = False
+
+class SamplesTrainingModel:
+    """It samples from the training model itself: no copy of the weights to push (`sync_weights` is never called),
+    and so, under ZeRO-3, no all-gather for a push."""
 
 
-class InProcess(Sampler):
-    """For engines that sample inside the training process: nothing to overlap, nothing that restarts."""
+class Sleeps:
+    """It holds accelerator memory that it can free while the policy is updated."""
 
-    samples_outside_process = False
-    can_lose_weights = False
+    def sleep(self) -> None:
+        """Free the memory (the loop calls it after sampling, before the update)."""
+        raise NotImplementedError
+
+    def wake_up(self) -> None:
+        """Undo `sleep`; the engine also wakes itself before it generates or takes weights."""
+        raise NotImplementedError
+
+
+class Reconnects:
+    """Its sampler is another process that can restart without the pushed weights: `generate` then raises
+    WeightsLost, and a request can find it gone (ServerGone) until it is back."""
 
     def reconnect(self, timeout: float) -> bool:
-        return False
+        """Wait up to `timeout` seconds for a sampler that went away; whether it answers again (it has then lost
+        the pushed weights)."""
+        raise NotImplementedError
 
 
-class VendorKernels:
-    """For engines that sample with another library's kernels (vLLM): no alternatives of ours to plan."""
+class RunsInLockstep:
+    """Its generate calls may be collectives (the hf engine under FSDP, where every forward all-gathers): then
+    every rank must make the same calls, and `lockstep` is the ranks' collectives (None where they are not)."""
 
-    def plan_kernels(
-        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
-    ) -> dict[str, str]:
-        return {}
+    lockstep: Collectives | None = None
 
-    def use_kernels(self, plan: Mapping[str, str]) -> None:
-        pass
+
+class PlansKernels:
+    """It chooses among alternative kernels of this package's, per machine, before it samples anything (the hf
+    engine's decode loop: rollout/kernel_plan.py); the plan is what a run records, so a resume samples the same."""
+
+    def settle_kernels(self, recorded: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Fix the plan for every shape the engine was built to reach, keeping `recorded` (a resumed run's plan)
+        where it can run here, and sample with it from now on; return it, to be recorded. Every rank calls it."""
+        raise NotImplementedError
+
+
+class TakesEpisodes:
+    """It plays an environment's episodes (environments/episodes.py)."""
+
+    @property
+    def needs_episodes(self) -> bool:
+        """Whether `generate` wants `episodes=`, one environments.EpisodeSpec per prompt."""
+        raise NotImplementedError
+
+
+CAPABILITIES: tuple[type, ...] = (SamplesTrainingModel, Sleeps, Reconnects, RunsInLockstep, PlansKernels, TakesEpisodes)
+
+Kind = TypeVar("Kind")
+
+
+class EngineWrapper:
+    """An engine around another one (`inner`) that changes how it samples (the episode loop, an agent program):
+    `generate` is the subclass's own (this base has none, so a wrapper that forgets it is no RolloutEngine);
+    pushes and closing reach the wrapped engine; and its capabilities are the wrapped engine's, found there by
+    `capability`, plus any the wrapper class declares itself. So a new wrapper forwards nothing by hand and drops
+    nothing. One that holds more (threads, connections) extends `close`."""
+
+    def __init__(self, inner: RolloutEngine):
+        self.inner = inner
+
+    def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
+        self.inner.sync_weights(model, version=version, gather=gather)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def capability(engine: Any, kind: type[Kind]) -> Kind | None:
+    """`engine` if it is a `kind`, else the first engine it wraps that is one (`EngineWrapper.inner`, and so on
+    down); None where none is."""
+    while engine is not None:
+        if isinstance(engine, kind):
+            return engine
+        engine = engine.inner if isinstance(engine, EngineWrapper) else None
+    return None
+
+
+def needs_weight_sync(engine: RolloutEngine) -> bool:
+    """Whether the trainer pushes its weights to `engine` after each update: unless it samples the training model."""
+    return capability(engine, SamplesTrainingModel) is None
+
+
+def lockstep_of(engine: RolloutEngine) -> Collectives | None:
+    """The ranks' collectives where `engine`'s generate calls are collectives (every rank makes the same calls);
+    None elsewhere."""
+    found = capability(engine, RunsInLockstep)
+    return found.lockstep if found is not None else None
+
+
+def needs_episodes(engine: RolloutEngine) -> bool:
+    """Whether `engine.generate` wants `episodes=` (one EpisodeSpec per prompt)."""
+    found = capability(engine, TakesEpisodes)
+    return found is not None and found.needs_episodes
 
 
 def sampling_settings(cfg: Config, eos_token_ids: list[int]) -> SamplingSettings:

@@ -4,8 +4,9 @@ The config's checks, preflight and the Python API ask an engine's entry what it 
 its name: a rule such as "asynchronous rollouts need an engine that samples outside the training process" is
 written once, against the capability, and holds for an engine added later. Declaring the capabilities here,
 apart from the engine classes, keeps loading a config cheap: nothing from vLLM (or torch) is imported to
-validate one. The classes declare the same capabilities as attributes (the `RolloutEngine` protocol, what the
-loop asks at run time); tests/test_engines.py checks that the two agree. `registry.build_engine` builds the
+validate one. What the loop asks at run time the classes declare by their capability classes
+(rollout/__init__.py: `SamplesTrainingModel`, `Reconnects`, `PlansKernels`, ...); tests/test_engines.py checks that
+the two agree. `registry.build_engine` builds the
 engine an entry names.
 
 Deliberately not here: the engines' settings (config/rollout.py, one section each) and how they are built (registry.py).
@@ -18,7 +19,8 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class EngineKind:
-    """One engine's declared capabilities (the first three are also the engine class's, see the protocol)."""
+    """One engine's declared capabilities (those the loop also asks at run time are the engine class's too:
+    tests/test_engines.py's AT_RUN_TIME)."""
 
     name: str
     description: str

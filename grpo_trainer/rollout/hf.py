@@ -9,8 +9,10 @@ With `share_prompt` (the default) it runs its own decode loop: each prompt is
 prefilled once and its KV cache copied to its G completions, and rows that
 have finished are dropped from the batch instead of being decoded as padding
 to the end; the loop runs with `decode.decode_kernels` (no per-token cache
-copies, faster CPU kernels for few rows). Sampling is what `generate` does for
-these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
+copies, faster CPU kernels for few rows), whose choices are fixed before the engine samples anything
+(kernel_plan.py): settled for the reach it was built with (a run's, keeping a resumed run's recorded plan),
+given (a periodic evaluation takes the run's), or planned for the shapes of its first call. Sampling is what
+`generate` does for these settings (repetition penalty, temperature, top-k, top-p, min-p, then one
 multinomial draw per row), so for one prompt and G = 1 the two give the same
 tokens from the same seed (tested; in a batch the random streams part ways once
 rows finish). The repetition penalty counts a row's prompt tokens, not its
@@ -32,8 +34,9 @@ import torch
 
 from ..cpu.draw import draw_torch
 from ..models import left_padded, positions
-from . import InProcess, Rollout, SamplingSettings
+from . import PlansKernels, Rollout, RunsInLockstep, SamplesTrainingModel, SamplingSettings
 from .decode import EagerDecoder, decode_kernels, plan_decode_kernels, reserve_room
+from .kernel_plan import KernelPlanning, settle
 from .kernels import MIN_DRAW_ELEMENTS
 from .static_decode import CompiledForward, StaticDecoder
 from .stop import StopStrings
@@ -99,9 +102,9 @@ class _Rows:
         return nxt
 
 
-class HFEngine(InProcess):
-    needs_weight_sync = False  # it samples from the training model itself
-    lockstep: Collectives | None = None  # set per engine (__init__); declared here as the protocol's
+class HFEngine(SamplesTrainingModel, RunsInLockstep, PlansKernels):
+    """The training model's own sampler: nothing to push (SamplesTrainingModel); its forwards are collectives
+    under FSDP (RunsInLockstep); its decode loop's kernels are planned before it samples (PlansKernels)."""
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class HFEngine(InProcess):
         lockstep: Collectives | None = None,
         compile: str | None = None,
         kernel_plan: Mapping[str, str] | None = None,
+        planning: KernelPlanning | None = None,
     ):
         self.get_model = get_model  # returns the plain causal LM (unwrapped), called per generate
         # Context in which a sharded model's parameters are whole (ZeRO-3 gathers them); default: nothing to do.
@@ -128,9 +132,10 @@ class HFEngine(InProcess):
         # this torch.compile mode ("default" for torch's default); None: the eager loop with measured kernels.
         self.compile = compile
         self._compiled: CompiledForward | None = None
-        # The decode loop's kernel choices (rollout/kernels.py), fixed before anything is sampled: the trainer's
-        # recorded plan (plan_kernels / use_kernels), or planned at the first generate for its shapes.
+        # The decode loop's kernel choices (kernel_plan.py), fixed before anything is sampled: `kernel_plan` given,
+        # or settled for the run's reach (`planning`, settle_kernels), or planned at the first generate for its shapes.
         self.kernel_plan: dict[str, str] | None = dict(kernel_plan) if kernel_plan is not None else None
+        self.planning = planning
         self.eos_token_ids = list(sampling.eos_token_ids)
         self.max_completion_length = sampling.max_completion_length
         self.sampling: dict[str, Any] = dict(
@@ -149,35 +154,40 @@ class HFEngine(InProcess):
                 raise ValueError("rollout.stop: the hf engine needs the tokenizer to find stop strings")
             self.stop = StopStrings(sampling.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
-    def plan_kernels(
-        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decide: bool = True
+    def settle_kernels(self, recorded: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The plan for the reach this engine was built with (`planning`), `recorded` kept where it can run here:
+        made on the deciding process, taken by every rank (kernel_plan.settle); sampled with from now on."""
+        if self.planning is None:
+            raise ValueError("settle_kernels: this hf engine was built without the reach to plan for (planning=)")
+        reach = self.planning.reach
+        self.kernel_plan = settle(
+            self.planning, lambda decides: self._plan(reach.rows, reach.context, recorded, decides)
+        )
+        return dict(self.kernel_plan)
+
+    def widen_kernels(self, max_rows: int, max_context: int) -> None:
+        """Extend the plan, on this process alone, to every shape of up to `max_rows` rows and `max_context`
+        positions, keeping every choice it holds (so a wider batch never changes the kernel a narrower one runs)."""
+        self.kernel_plan = self._plan(max_rows, max_context, self.kernel_plan)
+
+    def _plan(
+        self, max_rows: int, max_context: int, recorded: Mapping[str, str] | None = None, decides: bool = True
     ) -> dict[str, str]:
-        """The decode loop's kernel plan for every shape a run of at most `max_rows` rows per decode step and
-        `max_context` positions reaches (decode.plan_decode_kernels; `recorded`: a resumed run's). Called on every
-        rank (the parameters are gathered where sharded, a collective); `decide` False returns {} without timing
-        anything, for ranks that take the main process's plan."""
+        """decode.plan_decode_kernels for `model`'s shapes up to `max_rows` rows per decode step and `max_context`
+        positions (`recorded` kept). Entered by every rank (the parameters are gathered where sharded, a
+        collective); where not `decides`, {} without timing anything."""
         if not self.share_prompt:  # `generate` runs transformers' own loop: nothing of ours to choose
             return {}
         model = self.get_model()
         with self.full_parameters(model):
-            return plan_decode_kernels(model, max_rows, max_context, recorded=recorded) if decide else {}
-
-    def use_kernels(self, plan: Mapping[str, str]) -> None:
-        """Sample with `plan` from now on (a shape it lacks runs the incumbent kernel)."""
-        self.kernel_plan = dict(plan)
+            return plan_decode_kernels(model, max_rows, max_context, recorded=recorded) if decides else {}
 
     def sync_weights(self, model: torch.nn.Module, version: Any = None, gather: Any = None) -> None:
-        """Nothing to do: this engine samples from the training model itself (`needs_weight_sync` is False, so
-        the trainer never calls it; the keywords are the protocol's)."""
-
-    def sleep(self) -> None:
-        """Nothing to free: the weights are the training model's, and the KV cache lives only inside `generate`."""
-
-    def wake_up(self) -> None:
-        """Nothing to restore."""
+        """Nothing to do: this engine samples from the training model itself (the trainer never calls it; the
+        keywords are the protocol's)."""
 
     def close(self) -> None:
-        """Nothing held."""
+        """Nothing held: the weights are the training model's, and the KV cache lives only inside `generate`."""
 
     @torch.no_grad()
     def generate(
@@ -202,7 +212,7 @@ class HFEngine(InProcess):
         batches = len(starts) if self.lockstep is None else self._max_over_ranks(len(starts))
         if self.kernel_plan is None:  # planned now, before this engine samples anything; then fixed
             context = max(map(len, prompt_ids), default=0) + limit
-            self.kernel_plan = self.plan_kernels(min(step, len(prompt_ids)) * num_generations, context)
+            self.kernel_plan = self._plan(min(step, len(prompt_ids)) * num_generations, context)
         completions: list[list[int]] = []
         truncated: list[bool] = []
         generate = self._decode_shared_prompt if self.share_prompt else self._generate_batch
@@ -251,7 +261,7 @@ class HFEngine(InProcess):
         use_cache = model.config.use_cache
         model.config.use_cache = True
         if self.kernel_plan is None:
-            self.kernel_plan = self.plan_kernels(len(prompt_ids), max(map(len, prompt_ids)) + limit)
+            self.kernel_plan = self._plan(len(prompt_ids), max(map(len, prompt_ids)) + limit)
         try:
             with self.full_parameters(model):
                 tokens, truncated = self._decode_shared_prompt(model, prompt_ids, 1, limit, per_row=rows)

@@ -13,8 +13,8 @@ of a timing (two fresh caches timing a near tie would otherwise give two runs of
   wins (`KernelTable.decide`). Whatever it picks, the samples are the same.
 * Every decision a run can reach (each linear shape at every row bucket up to the run's largest batch, each
   attention shape at every context bucket up to its longest sequence, each draw) is decided *before* the run
-  samples anything, as one plan (`decode.plan_decode_kernels`); the decode loop only looks its choices up and
-  never measures (a shape the plan lacks runs the incumbent). Timing runs under `fork_rng` with its own
+  samples anything, as one plan (`decode.plan_decode_kernels`, made by the hf engine for the reach it is built
+  with: kernel_plan.py); the decode loop only looks its choices up and never measures (a shape the plan lacks runs the incumbent). Timing runs under `fork_rng` with its own
   generators: it never moves the run's random stream.
 * A timed decision is cached in `decode_kernels.json` beside the model cache, keyed by what decides speed: the
   CPU model and its flags (or the GPU's name), ATen's CPU capability, torch's version and thread count; then by

@@ -1,7 +1,7 @@
 """The rollout engine registry: `build_engine(cfg, ...)` returns the engine `rollout.engine` names.
 
 What each engine can do is declared by its entry in `engines.py` (read by the config's checks without importing
-any engine); the built engine says the same as attributes (the `RolloutEngine` protocol). This is the one place
+any engine); the built engine says the same by its capability classes (rollout/__init__.py). This is the one place
 that tells engines apart by name.
 
 Kept apart from the package's `__init__` (the types every engine imports), so that the engines, imported
@@ -18,6 +18,7 @@ import torch
 
 from . import RolloutEngine, SamplingSettings
 from .engines import engine_kind
+from .kernel_plan import KernelPlanning
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -34,11 +35,13 @@ def build_engine(
     rank: int = 0,
     is_main_process: bool = True,
     lockstep=None,
+    kernels: KernelPlanning | None = None,
 ) -> RolloutEngine:
     """The engine `rollout.engine` names, given what only the trainer knows (the model, its sharding, the rank;
     the tokenizer, which the `hf` engine needs for stop strings; `lockstep`, the ranks' collectives where every
-    forward of the model is itself a collective, see HFEngine). An environment's episode loop around it is the
-    run builder's to add (environments/episodes.py's `with_environment`)."""
+    forward of the model is itself a collective, see HFEngine; `kernels`, the reach the hf engine plans its
+    kernels for and how the ranks agree on the plan, kernel_plan.py). An environment's episode loop around it is
+    the run builder's to add (environments/episodes.py's `with_environment`)."""
     name = engine_kind(cfg.rollout.engine).name  # an unknown name: one line listing the engines there are
     if name == "hf":
         from .hf import HFEngine
@@ -52,6 +55,7 @@ def build_engine(
             full_parameters=full_parameters or (lambda model: contextlib.nullcontext()),
             lockstep=lockstep,
             compile=cfg.rollout.hf.compile_mode if cfg.rollout.hf.compile else None,
+            planning=kernels,
         )
     seed = cfg.seed + rank  # ranks must not share a random stream
     from .lora_sync import push_adapters

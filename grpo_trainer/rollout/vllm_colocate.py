@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import InProcess, Rollout, SamplingSettings, VendorKernels
+from . import Rollout, SamplingSettings, Sleeps
 from .engines import vllm_lora_rank
 from .lora_sync import SLOTS, AdapterFolders
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
@@ -89,9 +89,9 @@ def completions_from_outputs(outputs, eos_token_ids: list[int], want_logprobs: b
     return completions, truncated, logprobs
 
 
-class VLLMColocateEngine(InProcess, VendorKernels):
-    needs_weight_sync = True  # vLLM holds its own copy of the weights
-    lockstep = None  # each rank's vLLM samples on its own
+class VLLMColocateEngine(Sleeps):
+    """vLLM in this process, with its own copy of the weights (pushed after each update), freeing its GPU memory
+    for the update (Sleeps); each rank's vLLM samples on its own."""
 
     def __init__(
         self,

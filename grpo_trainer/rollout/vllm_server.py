@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import UserError
-from . import Rollout, Sampler, SamplingSettings, ServerGone, ServerUnreachable, VendorKernels, WeightsLost
+from . import Reconnects, Rollout, SamplingSettings, ServerGone, ServerUnreachable, WeightsLost
 from .lora_sync import ADAPTER_PREFIX, Adapter, AdapterFolders, log_fallback
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
@@ -327,11 +327,10 @@ class _Tracked:
             pass
 
 
-class VLLMServerEngine(Sampler, VendorKernels):
-    needs_weight_sync = True  # the servers hold their own copy of the weights
-    samples_outside_process = True  # the servers sample while the trainer updates (rollout.max_staleness >= 1)
-    can_lose_weights = True  # a server restarts from its model folder
-    lockstep = None  # each rank's requests are its own
+class VLLMServerEngine(Reconnects):
+    """External vLLM servers, each with its own copy of the weights (pushed after each update), sampling while the
+    trainer updates (rollout.max_staleness >= 1); a server restarts from its model folder, without the pushed
+    weights (Reconnects). Each rank's requests are its own; the servers' memory is theirs (nothing to free here)."""
 
     def __init__(
         self,
@@ -776,12 +775,6 @@ class VLLMServerEngine(Sampler, VendorKernels):
             self.weights_dir = Path(tempfile.mkdtemp(prefix="grpo_trainer_vllm_weights_"))
             self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, ignore_errors=True)
         return self.weights_dir
-
-    def sleep(self) -> None:
-        """Nothing to free here: the servers' memory is on their own machines or GPUs."""
-
-    def wake_up(self) -> None:
-        """Nothing to restore."""
 
     def close(self) -> None:
         """Leave the transfer group (the servers outlive the trainer and may take another one); remove the weights
