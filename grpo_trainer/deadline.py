@@ -78,6 +78,9 @@ class Call:
     limit: float
     name: str | None = None
     label: str = TIMEOUT
+    # Seconds of the call's running time that do not count against its limit, read as it runs (it may only grow):
+    # an agent's time waiting for the policy's answers (agents/engine.py). None: all of it counts.
+    excluded: Callable[[], float] | None = None
 
 
 class _Job:
@@ -107,7 +110,9 @@ class UserCalls:
         limit_key: str,
         stop: type[UserError] = CallsHang,
         what: str = "the function hangs",
+        catch_os_exit: bool = False,
     ):
+        self.catch_os_exit = catch_os_exit  # os._exit in a call raises OsExitCalled there (raise_on_os_exit)
         self.name = name
         self.what = what
         self.workers = workers
@@ -147,7 +152,8 @@ class UserCalls:
                 for job in jobs:
                     if job.finished or job.started is None:
                         continue
-                    left = job.started + job.call.limit - now
+                    excluded = job.call.excluded() if job.call.excluded is not None else 0.0
+                    left = job.started + job.call.limit + excluded - now
                     if left <= 0:
                         self._abandon(job)
                     elif math.isfinite(left):
@@ -196,6 +202,8 @@ class UserCalls:
         threading.Thread(target=self._work, name="grpo-user-call", daemon=True).start()
 
     def _work(self) -> None:
+        if self.catch_os_exit:
+            raise_on_os_exit()
         while True:
             job = self._queue.get()
             if job is None:
@@ -251,15 +259,39 @@ def one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------- the process's end
 _real_exit = os._exit
 _guarded_pid: int | None = None
+_threads = threading.local()  # .raise_exit: os._exit in this thread raises OsExitCalled (raise_on_os_exit)
+
+
+class OsExitCalled(BaseException):
+    """`os._exit(status)` called, under `guard_os_exit`, in a thread marked by `raise_on_os_exit` (an agent's): raised
+    there instead of ending the process, so it ends what that thread was running (one episode). A BaseException, as
+    SystemExit is: code that catches Exception does not swallow it."""
+
+    def __init__(self, status: int):
+        super().__init__(f"os._exit({status}) was called")
+        self.status = status
+
+
+def raise_on_os_exit() -> None:
+    """Mark the calling thread: under `guard_os_exit`, a Python-level `os._exit` in it raises `OsExitCalled` (the
+    call's outcome is then an error, as for sys.exit) instead of ending the process. For threads that run only user
+    code whose failure must end only what it was doing (agents' episodes: UserCalls(catch_os_exit=True), the
+    agent engine's players' loop)."""
+    _threads.raise_exit = True
 
 
 @contextlib.contextmanager
 def guard_os_exit() -> Iterator[None]:
     """While a command runs, a Python-level `os._exit(status)` in this process (user code in an
     environment or a tool: the trainer's own code never calls it then) prints one line saying so and ends the
-    process with `status`, or 1 for 0: a run that vanished is never a success. Child processes (a fork inherits
-    the guard) are left alone. A C-level _exit or a signal cannot be seen here (see the module docstring)."""
+    process with `status`, or 1 for 0: a run that vanished is never a success (in a thread marked by
+    `raise_on_os_exit`, it raises `OsExitCalled` there instead). Child processes (a fork inherits the guard) are
+    left alone. A C-level _exit or a signal cannot be seen here (see the module docstring). Re-entrant: an inner
+    guard (the agent engine's, in a run the CLI already guards) changes nothing."""
     global _guarded_pid
+    if _guarded_pid == os.getpid():
+        yield
+        return
     _guarded_pid = os.getpid()
     os._exit = _guarded_exit  # type: ignore[assignment]
     try:
@@ -270,6 +302,8 @@ def guard_os_exit() -> Iterator[None]:
 
 
 def _guarded_exit(status: int) -> None:
+    if os.getpid() == _guarded_pid and getattr(_threads, "raise_exit", False):
+        raise OsExitCalled(status)
     if os.getpid() == _guarded_pid:
         code = status if status else 1
         thread = threading.current_thread().name

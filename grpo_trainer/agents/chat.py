@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .records import EpisodeRecord, TurnRecord
+from .records import EpisodeRequests, TurnRecord
 
 
 class BadMessages(ValueError):
@@ -69,7 +69,7 @@ def render(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool, t
 
 def chat_prompt(
     tokenizer,
-    record: EpisodeRecord,
+    record: EpisodeRequests,
     messages: list[dict[str, Any]],
     content_ids: Callable[[TurnRecord], list[int]],
     tools: Any = None,

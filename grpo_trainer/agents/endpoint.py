@@ -30,7 +30,7 @@ Batching: requests wait in one queue; the batcher takes what arrived within `lim
 (sooner once every open episode has a request waiting, or `sampler.max_batch` are), and samples them in one call
 of the engine, on one worker thread, while the server keeps accepting.
 
-Records: `close_episode(session_id)` returns the episode's `EpisodeRecord` (records.py), every request token for
+Records: `close_episode(session_id)` returns the episode's `EpisodeRequests` (records.py), every request token for
 token with the sampler's log-probs; `counters()` gives the endpoint's totals (`agent/rerendered_turns`, ...).
 
 Not done here: the producers (verifiers environments, `environment.agent`), the vLLM engines (sampler.py), tool-call
@@ -55,7 +55,7 @@ from aiohttp import web
 
 from ..seeds import mix_seed
 from .chat import BadMessages, chat_prompt, normalize_messages
-from .records import EpisodeRecord, TurnRecord
+from .records import EpisodeRequests, TurnRecord
 from .sampler import TokenRequest, TokenResult, TokenSampler
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class EpisodeHandle:
     session_id: str
     base_url: str  # OpenAI-style: ".../v1" (the token route is at the same host, /inference/v1/generate)
     api_key: str = field(repr=False)  # the episode's own key: never printed
+    model: str = "policy"  # the model name the endpoint serves (`model` in requests; GET /v1/models)
 
 
 class HTTPError(Exception):
@@ -87,11 +88,15 @@ class HTTPError(Exception):
 
 @dataclass
 class _Episode:
-    record: EpisodeRecord
+    record: EpisodeRequests
     reserved: int = 0  # max_tokens of this episode's requests in flight
     in_flight: int = 0
     closed: bool = False
     idle: asyncio.Event | None = None  # set when nothing is in flight (made on the server's loop)
+    # Time with at least one of its requests admitted and not yet answered (waiting for a batch, or sampled):
+    # what environment.episode_timeout does not count (producer.py).
+    sampler_seconds: float = 0.0
+    sampler_since: float | None = None  # when the current stretch of requests in flight began
 
 
 # The request's episode (None: the run's key without a session), set by the guard.
@@ -175,19 +180,29 @@ class TokenEndpoint:
         `budget` the completion tokens it may sample in all. Returns its session id, its own key and the URL."""
         session_id = session_id or f"episode-{step}-{index}-{uuid.uuid4().hex[:8]}"
         key = secrets.token_urlsafe(32)
-        record = EpisodeRecord(session_id=session_id, step=step, index=index, budget=budget, api_key=key)
+        record = EpisodeRequests(session_id=session_id, step=step, index=index, budget=budget, api_key=key)
         with self._lock:
             if session_id in self._episodes:
                 raise ValueError(f"episode {session_id!r} is already open")
             self._episodes[session_id] = _Episode(record)
             self._by_key[key] = session_id
-        return EpisodeHandle(session_id, self.base_url, key)
+        return EpisodeHandle(session_id, self.base_url, key, self.model_name)
 
-    def close_episode(self, session_id: str) -> EpisodeRecord:
+    def close_episode(self, session_id: str) -> EpisodeRequests:
         """Refuse the episode's further requests, wait for those in flight, and return its record (final)."""
         if self._loop is None or self._thread is None:
             raise RuntimeError("the endpoint is not started")
         return asyncio.run_coroutine_threadsafe(self._close_episode(session_id), self._loop).result()
+
+    def sampler_seconds(self, session_id: str) -> float:
+        """Seconds the episode has had requests in the endpoint (waiting for a batch or being sampled), the stretch
+        going on now included; 0.0 for an episode no longer open. Any thread."""
+        with self._lock:
+            episode = self._episodes.get(session_id)
+            if episode is None:
+                return 0.0
+            since = episode.sampler_since
+            return episode.sampler_seconds + (time.perf_counter() - since if since is not None else 0.0)
 
     def counters(self) -> dict[str, int]:
         """Totals since start: agent/requests, agent/batches, agent/rerendered_turns, agent/refused/<code>, ..."""
@@ -232,7 +247,7 @@ class TokenEndpoint:
         self._pending.clear()
         await self._runner.cleanup()
 
-    async def _close_episode(self, session_id: str) -> EpisodeRecord:
+    async def _close_episode(self, session_id: str) -> EpisodeRequests:
         with self._lock:
             episode = self._episodes.get(session_id)
             if episode is None:
@@ -246,6 +261,7 @@ class TokenEndpoint:
         with self._lock:
             del self._episodes[session_id]
             self._by_key.pop(episode.record.api_key, None)
+            episode.record.sampler_seconds = episode.sampler_seconds
         return episode.record
 
     def _count(self, name: str, by: int = 1) -> None:
@@ -488,7 +504,10 @@ class TokenEndpoint:
         seed = mix_seed(self.seed, record.step, record.index, turn)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         episode.reserved += cap
-        episode.in_flight += 1
+        with self._lock:
+            if episode.in_flight == 0:
+                episode.sampler_since = time.perf_counter()
+            episode.in_flight += 1
         self._admitted += 1
         self._pending.append((TokenRequest(prompt, cap, seed, tuple(stops)), record.session_id, future))
         assert self._wakeup is not None
@@ -497,7 +516,11 @@ class TokenEndpoint:
             result = await future
         finally:
             episode.reserved -= cap
-            episode.in_flight -= 1
+            with self._lock:
+                episode.in_flight -= 1
+                if episode.in_flight == 0 and episode.sampler_since is not None:
+                    episode.sampler_seconds += time.perf_counter() - episode.sampler_since
+                    episode.sampler_since = None
             self._admitted -= 1
             if episode.in_flight == 0 and episode.idle is not None:
                 episode.idle.set()

@@ -5,7 +5,7 @@ it makes is a `TurnRecord`: the prompt ids the policy was run on, the completion
 log-prob of each, the finish reason, and the earlier turn it continues (`parent`), if any. A turn continues an
 earlier one when its prompt starts with that turn's prompt + completion (the token route: what the agent sent; the
 chat route: the endpoint splices the sampled ids back in, chat.py). Turns form a tree; each root-to-leaf path is
-one training sample (`EpisodeRecord.branches`): the leaf's prompt + completion, the sampled tokens of every turn on
+one training sample (`EpisodeRequests.branches`): the leaf's prompt + completion, the sampled tokens of every turn on
 the path in the loss mask, everything else (the first prompt, what the agent or its tools added between turns)
 masked out. A turn whose conversation was re-rendered differently from what was sampled starts a new root: it is
 trained on as sampled, in a sample of its own, never spliced into the earlier one (docs/agents.md).
@@ -47,10 +47,11 @@ class Branch:
     completion_mask: list[int]  # 1 on sampled tokens, 0 on tokens the policy did not sample
     logprobs: list[float]  # the sampler's log-probs on sampled tokens, 0.0 elsewhere
     turns: list[int]  # the turns on the path, root first
+    truncated: bool = False  # its last turn was cut by its length limit (finish reason "length")
 
 
 @dataclass
-class EpisodeRecord:
+class EpisodeRequests:
     """Everything one episode asked of the endpoint. Read by the producers once the episode is closed."""
 
     session_id: str
@@ -62,6 +63,7 @@ class EpisodeRecord:
     rerendered_turns: int = 0  # agent/rerendered_turns
     refused: dict[str, int] = field(default_factory=dict)  # refused requests by reason (error code)
     next_turn: int = 0  # requests admitted so far (a refused one takes no turn)
+    sampler_seconds: float = 0.0  # time with a request of the episode in the endpoint (set when it is closed)
 
     @property
     def tokens_used(self) -> int:
@@ -107,6 +109,7 @@ class EpisodeRecord:
                     completion_mask=mask[cut:],
                     logprobs=logprobs[cut:],
                     turns=[t.turn for t in path],
+                    truncated=leaf.finish_reason == "length",
                 )
             )
         return out
