@@ -40,27 +40,11 @@ import importlib.util
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-try:  # the agent producer's seam (grpo_trainer/agents/producer.py), once merged
-    from .producer import EpisodeHandle, Played  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - until then, its shape
-    from .endpoint import EpisodeHandle
-
-    @dataclass
-    class Played:  # type: ignore[no-redef]
-        reward: float | None
-        branches: list | None = None
-        messages: list | None = None
-        ok: bool = True
-        error: str | None = None
-        stop_condition: str | None = None
-        counters: dict[str, float] = field(default_factory=dict)
-
-
+from .producer import EpisodeHandle, Played, PlayerEnvironment
 from .records import Branch
 
 MODULE_PREFIX = "grpo_trainer_vf_"  # the name an environment module is registered under (verifiers' plugin ids)
@@ -70,7 +54,7 @@ class VerifiersEnvError(ValueError):
     """An environment that cannot be trained here: said in one line."""
 
 
-def import_environment(spec: str) -> ModuleType:
+def import_environment(spec: str) -> tuple[ModuleType, str]:
     """The module `spec` names (an importable module or a `.py` file), registered in `sys.modules` under a plain
     name verifiers' loader can import (it takes plugin ids without dots)."""
     path = Path(spec)
@@ -87,7 +71,7 @@ def import_environment(spec: str) -> ModuleType:
     alias = MODULE_PREFIX + re.sub(r"[^a-z0-9_]", "_", spec.lower())
     alias = f"{alias}_{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
     sys.modules[alias] = module
-    return module, alias  # type: ignore[return-value]
+    return module, alias
 
 
 def load_environment(spec: str, *, max_turns: int | None = None):
@@ -111,7 +95,7 @@ def load_environment(spec: str, *, max_turns: int | None = None):
                 "'subprocess' runtime is supported here (nothing is fetched or run remotely)"
             )
     for role, harness in config.agent_harnesses().items():
-        cls = harness_class(harness.id if harness.id != alias else alias)
+        cls = harness_class(harness.id)
         if cls.__module__.startswith("verifiers.v1.harnesses."):
             raise VerifiersEnvError(
                 f"environment.verifiers {spec!r}: role {role!r} uses verifiers' harness {harness.id!r}, which "
@@ -129,7 +113,7 @@ def taskset_rows(env, limit: int | None = None) -> list[dict[str, Any]]:
     """The taskset's tasks as dataset rows (`task.data` without verifiers' bookkeeping)."""
     rows = []
     for task in env.taskset if limit is None else env.taskset.take(limit):
-        rows.append(task.data.model_dump(mode="json", exclude_none=True, exclude={"idx"}))
+        rows.append(task.data.model_dump(mode="json", exclude_defaults=True, exclude={"idx"}))
     return rows
 
 
@@ -147,6 +131,10 @@ def branch_sample(token_ids: list[int], sampled_mask: list[bool], logprobs: list
     )
 
 
+COUNTERS = ("errors", "turns", "tokens", "branches")
+STOP_CONDITIONS = ("user_closed", "agent_completed", "empty_action", "error", "max_turns", "none")
+
+
 class VerifiersPlayer:
     """Plays a verifiers environment's episodes against the token endpoint (the agent producer's `Player`)."""
 
@@ -161,6 +149,7 @@ class VerifiersPlayer:
         renderer: Any = None,
     ):
         self.spec = spec
+        self.name = f"environment.verifiers {spec}"
         self.env = load_environment(spec, max_turns=max_turns)
         self.model_name = model_name
         self.max_tokens = max_tokens
@@ -170,6 +159,13 @@ class VerifiersPlayer:
         task_cls = type(self.env.taskset).task_type()
         self._task_cls = task_cls
         self._data_cls = task_cls.data_type()
+        probe = task_cls(self._data_cls.model_construct(), self.env.taskset.config.task)
+        signals = [f"reward/{fn.__name__}" for fn in probe.hooks("reward")]
+        signals += [f"metric/{fn.__name__}" for fn in probe.hooks("metric")]
+        # Declared for the engine (summed over the batch, logged as environment/agent/<name>).
+        self.counter_names = tuple(
+            f"verifiers/{n}" for n in (*COUNTERS, *(f"stop/{c}" for c in STOP_CONDITIONS), *signals)
+        )
         self._serving: contextlib.AbstractAsyncContextManager | None = None
         self._users = 0
         self._gate = asyncio.Lock()
@@ -193,7 +189,7 @@ class VerifiersPlayer:
             renderer=self.renderer,
         )
         sampling = Sampling(max_tokens=self.max_tokens)
-        return ModelContext(model=self.model_name, client=client, sampling=sampling)
+        return ModelContext(model=episode.model or self.model_name, client=client, sampling=sampling)
 
     async def _enter(self) -> None:
         """`env.serving()` is held while any episode plays: opened by the first, closed by the last (so each
@@ -223,6 +219,27 @@ class VerifiersPlayer:
 
     def close(self) -> None:
         self._tokenizer_dir.cleanup()
+
+
+def taskset_gives_rows(cfg) -> bool:
+    """Whether the run's prompts are the taskset's: `data.source` not given explicitly (left out of the config,
+    so at its default `builtin:arithmetic`). Writing `data: {source: builtin:arithmetic}` counts as given."""
+    return "source" not in cfg.data.model_fields_set
+
+
+def build(cfg) -> PlayerEnvironment:
+    """environments.KINDS["verifiers"]: the configured environment as the agent engine's player. The taskset's
+    rows are the run's prompts unless `data.source` was given explicitly (producer-side: `taskset_rows`)."""
+    from ..models import load_tokenizer
+
+    env_cfg = cfg.environment
+    player = VerifiersPlayer(
+        env_cfg.verifiers,
+        load_tokenizer(cfg.model),
+        max_tokens=cfg.rollout.max_completion_length,
+        max_turns=env_cfg.max_turns,
+    )
+    return PlayerEnvironment(player)
 
 
 def played(episode) -> Played:
@@ -258,5 +275,9 @@ def played(episode) -> Played:
             error = "the environment ran no trainable agent"
         return Played(None, branches, None, False, error.splitlines()[0][:500], stop_condition, counters)
     reward = sum(t.reward for t in traces) / len(traces)
-    messages = [m.model_dump(mode="json", exclude_none=True) for m in traces[-1].branches[-1].messages] if traces[-1].branches else None
+    messages = (
+        [m.model_dump(mode="json", exclude_none=True) for m in traces[-1].branches[-1].messages]
+        if traces[-1].branches
+        else None
+    )
     return Played(reward, branches, messages, True, None, stop_condition, counters)
