@@ -17,7 +17,7 @@ from typing import Any
 from .config import DataConfig, EnvironmentConfig, RewardConfig
 from .data import PromptSet, build_prompt_set, format_prompt, is_conversational, load_records
 from .environments import Environment, EpisodeSpec, environment_seed
-from .environments.scoring import REWARD_NAME, apply_on_error, environment_reward
+from .environments.scoring import REWARD_NAME, apply_on_error, environment_reward, named_environment_reward
 from .errors import ConfigError, DataError
 from .rewards import STANDARD_ARGS, Reward, RewardBatch, compute_rewards, load_rewards
 from .rollout import Rollout
@@ -131,6 +131,8 @@ def load_task(
                     f"rewards: the name {REWARD_NAME!r} is the environment's own reward; give yours an alias"
                 )
             reward_fns.append(environment_reward(environment_config.reward_weight))
+        for name, weight in (getattr(environment, "reward_names", None) or {}).items():  # an agent's named rewards
+            reward_fns.append(named_environment_reward(name, weight))
         if not reward_fns:
             raise ConfigError(
                 f"rewards: none configured, and {environment.name} has no get_reward(): nothing scores the episodes"

@@ -6,9 +6,12 @@ settings (temperature, top-p, ...), which is how the endpoint overrides what an 
 tokens are a function of its prompt and its `seed` alone (the endpoint derives the seed from the run's seed, the
 step, the episode and the request's position in it), so how requests were batched changes nothing but the time.
 
-`HFTokenSampler` serves the hf engine (`HFEngine.sample_rows`: one decode, each row its own stream). The vLLM
-engines are not served yet: vllm_colocate would take each request as a `SamplingParams(seed=...)` of one
-`generate` call, vllm_server would forward to the servers' own token route (docs/agents.md).
+`HFTokenSampler` serves the hf engine (`HFEngine.sample_rows`: one decode, each row its own stream).
+`EngineTokenSampler` serves any engine whose `generate` reports sampler log-probs (vllm_colocate, vllm_server):
+the requests of a batch with the same `max_tokens` go in one `generate(prompts, 1, seeds=..., max_tokens=...)`, each
+prompt drawn from its own seed (the engines' rule), and a request's own stop tokens cut its completion after the
+first one (its tokens up to there are what a request stopping there would have drawn: each is drawn from the
+request's own seeded stream).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..rollout import RolloutEngine
     from ..rollout.hf import HFEngine
 
 
@@ -76,3 +80,32 @@ class HFTokenSampler:
             TokenResult(ids, logprobs, reason)
             for ids, logprobs, reason in zip(out.completion_ids, out.logprobs, out.finish_reasons)
         ]
+
+
+class EngineTokenSampler:
+    """Any engine behind the endpoint, through its `generate` (see the module docstring). The engine must report
+    sampler log-probs (`Rollout.sampling_logprobs`): the endpoint answers with them, and they are trained with."""
+
+    def __init__(self, engine: RolloutEngine, eos_token_ids: list[int], max_model_len: int, max_batch: int = 64):
+        self.engine = engine
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+
+    def sample(self, requests: list[TokenRequest]) -> list[TokenResult]:
+        out: list[TokenResult | None] = [None] * len(requests)
+        for limit in sorted({r.max_tokens for r in requests}):
+            rows = [k for k, r in enumerate(requests) if r.max_tokens == limit]
+            rollout = self.engine.generate(
+                [requests[k].prompt_ids for k in rows], 1, seeds=[requests[k].seed for k in rows], max_tokens=limit
+            )
+            if rollout.sampling_logprobs is None:
+                raise RuntimeError(f"{type(self.engine).__name__} reports no sampler log-probs: it cannot serve agents")
+            for k, ids, logprobs in zip(rows, rollout.completion_ids, rollout.sampling_logprobs):
+                stops = self.eos_token_ids | set(requests[k].stop_token_ids)
+                end = next((n + 1 for n, t in enumerate(ids) if t in stops), None)
+                if end is not None:
+                    out[k] = TokenResult(list(ids[:end]), list(logprobs[:end]), "stop")
+                else:
+                    out[k] = TokenResult(list(ids), list(logprobs), "length")
+        return [r for r in out if r is not None]

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import CHANGES_MEANING, _Section
 
-ENVIRONMENT_KINDS = ("factory", "openenv", "url")  # environments.KINDS: the keys that choose an environment
+ENVIRONMENT_KINDS = ("factory", "openenv", "url", "agent")  # environments.KINDS: the keys that choose an environment
 ON_ERROR = Literal["zero", "none", "skip_group"]
 
 
@@ -39,6 +39,22 @@ class EnvironmentConfig(_Section):
         None,
         description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
         "over its /ws protocol. One of factory/openenv/url.",
+    )
+    agent: str | None = Field(
+        None,
+        description="An agent program that calls the policy through an OpenAI-compatible endpoint, "
+        "`my_agent.py:solve` or `package.module:solve`: `async def solve(row, *, base_url, api_key, model, seed)` (or a "
+        "plain def, run in a thread) returning the episode's reward (a number, None, or a dict of named rewards: see "
+        "reward_weights); its requests are the episode, trained token for token (docs/agents.md). One of "
+        "factory/openenv/url/agent.",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    reward_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="environment.agent: the named rewards its solve function returns as a dict, with their weights; "
+        "each is a reward `environment/<name>` (an unnamed key fails the episode). Empty: it returns one number, the "
+        "`environment` reward.",
+        json_schema_extra=CHANGES_MEANING,
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -116,7 +132,7 @@ class EnvironmentConfig(_Section):
 
     @property
     def kind(self) -> str | None:
-        """Which key chose the environment (factory, openenv or url), None without one."""
+        """Which key chose the environment (factory, openenv, url or agent), None without one."""
         chosen = self._chosen()
         return chosen[0] if chosen else None
 
@@ -156,11 +172,13 @@ class EnvironmentConfig(_Section):
     def _one_kind(self):
         chosen = self._chosen()
         if len(chosen) > 1:
-            raise ValueError(f"set one of factory, openenv or url, not {' and '.join(chosen)}")
+            raise ValueError(f"set one of factory, openenv, url or agent, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):
             raise ValueError(
                 "environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one"
             )
+        if self.reward_weights and self.kind != "agent":
+            raise ValueError("environment.reward_weights: the named rewards of environment.agent; set it")
         if self.action is not None and self.kind != "openenv":
             raise ValueError("environment.action: the Action class of environment.openenv; set it")
         return self

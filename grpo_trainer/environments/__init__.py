@@ -57,6 +57,7 @@ KINDS: dict[str, str] = {
     "factory": "grpo_trainer.environments.class_env:build",
     "openenv": "grpo_trainer.environments.openenv:build",
     "url": "grpo_trainer.environments.openenv_ws:build",
+    "agent": "grpo_trainer.agents.solve:build",  # a Player (agents/producer.py), played by agents/engine.py
 }
 TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `environment.tools` alone selects it
 

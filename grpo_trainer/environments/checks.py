@@ -33,6 +33,10 @@ def check_environment(cfg: Config, *, contact_server: bool) -> None:
         from .openenv import build
 
         build(cfg)  # resolves the class and its Action; makes no environment object
+    elif env.kind == "agent":
+        from ..agents.solve import resolve_solve
+
+        resolve_solve(env.agent or "")
     elif env.kind == "url" and contact_server:
         from .openenv_ws import fetch_schema
 

@@ -577,6 +577,12 @@ def with_environment(
     environment.tools alone), the episode loop around it. The environment stays its builder's to close."""
     if environment is None:
         return engine
+    from ..agents.producer import PlayerEnvironment
+
+    if isinstance(environment, PlayerEnvironment):  # an agent program (environment.agent): agents/engine.py
+        from ..agents.engine import agent_engine
+
+        return agent_engine(engine, tokenizer, cfg, sampling.eos_token_ids, environment)
     env = cfg.environment
     if env.kind is None:  # environment.tools alone: the built-in tools environment
         from .tools_env import ToolsEnvironment

@@ -36,6 +36,17 @@ def environment_reward(weight: float) -> Reward:
     return Reward(REWARD_NAME, environment, weight=weight, where="environment")
 
 
+def named_environment_reward(name: str, weight: float) -> Reward:
+    """One of the named rewards an agent's episodes give (environment.reward_weights), `environment/<name>`, read
+    from the episode's record (`rewards`; None where the episode gave none)."""
+    from ..rewards import Reward
+
+    def named(completions: list[Any], episodes: list[EpisodeRecord], **_: Any) -> list[float | None]:
+        return [(getattr(e, "rewards", None) or {}).get(name) for e in episodes]
+
+    return Reward(f"{REWARD_NAME}/{name}", named, weight=weight, where=f"environment.reward_weights.{name}")
+
+
 def apply_on_error(batch: RewardBatch, episodes: list[EpisodeRecord], policy: str) -> None:
     """Score failed episodes by `policy` (zero | none | skip_group), in place."""
     failed = [j for j, e in enumerate(episodes) if e.failed]
