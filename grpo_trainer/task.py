@@ -120,7 +120,11 @@ def load_task(
     (built from `environment_config`, the `environment` section), its tools are shown instead and its own reward,
     if it has one, is one more reward (environments/scoring.py).
     """
-    records = load_records(data, split=split)
+    taskset_rows = getattr(getattr(environment, "player", None), "taskset_rows", None)
+    if taskset_rows is not None and "source" not in data.model_fields_set:  # environment.verifiers: its taskset
+        records = taskset_rows(data.num_samples)
+    else:
+        records = load_records(data, split=split)
     reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)
     on_error = "zero"
     if environment is not None and environment_config is not None and environment_config.kind is not None:

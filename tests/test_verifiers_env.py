@@ -62,7 +62,7 @@ def test_a_group_trains_on_what_the_endpoint_sampled_with_verifiers_reward(polic
     tokenizer, endpoint = policy
     player = VerifiersPlayer(GUESS, tokenizer, max_tokens=8)
     try:
-        row = player.rows(3)[2]
+        row = player.taskset_rows(3)[2]
         assert row == {"prompt": "Guess my number, 1-8", "secret": 3}
         results = play_group(player, endpoint, [row] * 6)
     finally:
@@ -117,7 +117,7 @@ def test_an_environment_that_fails_is_a_failed_episode_not_an_error(policy, tmp_
     path.write_text(FAILING)
     player = VerifiersPlayer(str(path), tokenizer, max_tokens=8)  # its prime runtime is moved to subprocess
     try:
-        ((played, record),) = play_group(player, endpoint, player.rows(), step=1)
+        ((played, record),) = play_group(player, endpoint, player.taskset_rows(), step=1)
     finally:
         player.close()
     assert not played.ok and played.reward is None
@@ -172,7 +172,7 @@ def test_a_harness_that_downloads_or_a_remote_runtime_is_refused_in_one_line(tmp
 def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):
     player = VerifiersPlayer(GUESS, policy[0])
     try:
-        rows = player.rows()
+        rows = player.taskset_rows()
     finally:
         player.close()
     assert len(rows) == 96 and {r["secret"] for r in rows} == set(range(1, 9))

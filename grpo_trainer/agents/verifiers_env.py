@@ -170,7 +170,7 @@ class VerifiersPlayer:
         self._users = 0
         self._gate = asyncio.Lock()
 
-    def rows(self, limit: int | None = None) -> list[dict[str, Any]]:
+    def taskset_rows(self, limit: int | None = None) -> list[dict[str, Any]]:
         return taskset_rows(self.env, limit)
 
     def task(self, row: dict[str, Any]):

@@ -9,7 +9,13 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import CHANGES_MEANING, _Section
 
-ENVIRONMENT_KINDS = ("factory", "openenv", "url", "agent")  # environments.KINDS: the keys that choose an environment
+ENVIRONMENT_KINDS = (
+    "factory",
+    "openenv",
+    "url",
+    "agent",
+    "verifiers",
+)  # environments.KINDS: the keys that choose an environment
 ON_ERROR = Literal["zero", "none", "skip_group"]
 
 
@@ -47,6 +53,14 @@ class EnvironmentConfig(_Section):
         "plain def, run in a thread) returning the episode's reward (a number, None, or a dict of named rewards: see "
         "reward_weights); its requests are the episode, trained token for token (docs/agents.md). One of "
         "factory/openenv/url/agent.",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    verifiers: str | None = Field(
+        None,
+        description="A verifiers 0.4 (v1) environment, `my_env` (an importable module) or `path/to/my_env.py`, "
+        "exporting one Taskset subclass (and optionally an Env and an in-process Harness): G episodes per task, each "
+        "against the run's token endpoint, trained token for token; its taskset gives the prompts unless data.source "
+        "is set explicitly; offline only (docs/agents.md). One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     reward_weights: dict[str, float] = Field(
@@ -172,7 +186,7 @@ class EnvironmentConfig(_Section):
     def _one_kind(self):
         chosen = self._chosen()
         if len(chosen) > 1:
-            raise ValueError(f"set one of factory, openenv, url or agent, not {' and '.join(chosen)}")
+            raise ValueError(f"set one of factory, openenv, url, agent or verifiers, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):
             raise ValueError(
                 "environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one"
