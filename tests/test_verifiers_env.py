@@ -41,8 +41,9 @@ def policy():
     tokenizer, lm = load_tokenizer(model), load_causal_lm(model)
     settings = SamplingSettings(eos_token_ids=[tokenizer.eos_token_id], max_completion_length=BUDGET, temperature=1.0)
     engine = HFEngine(settings, get_model=lambda: lm, pad_token_id=tokenizer.pad_token_id)
-    with TokenEndpoint(HFTokenSampler(engine, max_batch=8), tokenizer, seed=3) as endpoint:
-        yield tokenizer, endpoint
+    sampler = HFTokenSampler(engine, max_batch=8)
+    with TokenEndpoint(sampler, tokenizer, seed=3) as endpoint:
+        yield tokenizer, endpoint, sampler
 
 
 def play_group(player, endpoint, rows, step=0):
@@ -59,7 +60,7 @@ def play_group(player, endpoint, rows, step=0):
 
 
 def test_a_group_trains_on_what_the_endpoint_sampled_with_verifiers_reward(policy):
-    tokenizer, endpoint = policy
+    tokenizer, endpoint, _ = policy
     player = VerifiersPlayer(GUESS, tokenizer, max_tokens=8)
     try:
         row = player.taskset_rows(3)[2]
@@ -91,6 +92,23 @@ def test_a_group_trains_on_what_the_endpoint_sampled_with_verifiers_reward(polic
     assert set(rewards) <= {0.0, 1.0}
 
 
+def test_training_then_evaluation_on_another_loop_and_endpoint_plays_every_episode(policy):
+    """The run's evaluation plays on a loop and an endpoint of its own, after training's: nothing bound to the
+    first loop (verifiers' serving, renderers' lock around its first GET /v1/models) may fail the second."""
+    tokenizer, endpoint, sampler = policy
+    player = VerifiersPlayer(GUESS, tokenizer, max_tokens=8)
+    try:
+        rows = player.taskset_rows(4)
+        trained = play_group(player, endpoint, rows, step=5)
+        with TokenEndpoint(sampler, tokenizer, seed=4) as evaluation:
+            evaluated = play_group(player, evaluation, rows, step=0)
+    finally:
+        player.close()
+    for played, record in trained + evaluated:
+        assert played.ok, played.error
+        assert played.counters["verifiers/tokens"] == record.tokens_used > 0
+
+
 FAILING = """
 import verifiers.v1 as vf
 from grpo_trainer.agents.vf_harness import InProcessChatHarness
@@ -112,7 +130,7 @@ class Broken(vf.Env[BrokenConfig]):
 
 
 def test_an_environment_that_fails_is_a_failed_episode_not_an_error(policy, tmp_path):
-    tokenizer, endpoint = policy
+    tokenizer, endpoint, _ = policy
     path = tmp_path / "broken_env.py"
     path.write_text(FAILING)
     player = VerifiersPlayer(str(path), tokenizer, max_tokens=8)  # its prime runtime is moved to subprocess

@@ -168,7 +168,7 @@ class VerifiersPlayer:
         )
         self._serving: contextlib.AbstractAsyncContextManager | None = None
         self._users = 0
-        self._gate = asyncio.Lock()
+        self._gate: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def taskset_rows(self, limit: int | None = None) -> list[dict[str, Any]]:
         return taskset_rows(self.env, limit)
@@ -191,17 +191,34 @@ class VerifiersPlayer:
         sampling = Sampling(max_tokens=self.max_tokens)
         return ModelContext(model=episode.model or self.model_name, client=client, sampling=sampling)
 
+    def _lock(self) -> asyncio.Lock:
+        """This loop's lock for `_enter`/`_exit`: the run's training and evaluation play on loops of their own
+        (one after the other), and an asyncio lock is bound to the loop it first waited on. The same holds for
+        renderers' module-level lock around its `GET /v1/models` lookup (renderers/client.py, 0.1.12): a new
+        endpoint (evaluation's) looked up on a new loop with episodes waiting on it fails every one of them with
+        "bound to a different event loop", so it is replaced once its loop is not this one."""
+        loop = asyncio.get_running_loop()
+        if self._gate is None or self._gate[0] is not loop:
+            self._gate = (loop, asyncio.Lock())
+            from renderers import client as renderers_client
+
+            bound = getattr(renderers_client, "_max_prompt_len_lock", None)
+            if isinstance(bound, asyncio.Lock) and getattr(bound, "_loop", None) not in (None, loop):
+                renderers_client._max_prompt_len_lock = asyncio.Lock()
+        return self._gate[1]
+
     async def _enter(self) -> None:
         """`env.serving()` is held while any episode plays: opened by the first, closed by the last (so each
-        step's per-episode clients are closed with it)."""
-        async with self._gate:
+        step's per-episode clients are closed with it). Not the engine's once-per-run `serving()`: evaluation
+        plays the same environment object on another loop, and verifiers keeps the serving resources on it."""
+        async with self._lock():
             if self._users == 0:
                 self._serving = self.env.serving()
                 await self._serving.__aenter__()
             self._users += 1
 
     async def _exit(self) -> None:
-        async with self._gate:
+        async with self._lock():
             self._users -= 1
             if self._users == 0 and self._serving is not None:
                 serving, self._serving = self._serving, None
