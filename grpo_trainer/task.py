@@ -120,9 +120,9 @@ def load_task(
     (built from `environment_config`, the `environment` section), its tools are shown instead and its own reward,
     if it has one, is one more reward (environments/scoring.py).
     """
-    taskset_rows = getattr(getattr(environment, "player", None), "taskset_rows", None)
-    if taskset_rows is not None and "source" not in data.model_fields_set:  # environment.verifiers: its taskset
-        records = taskset_rows(data.num_samples)
+    player = getattr(environment, "player", None)
+    if getattr(player, "prompts_from_taskset", False):  # environment.verifiers without data.source: its taskset
+        records = player.taskset_rows(data.num_samples)  # type: ignore[union-attr]
     else:
         records = load_records(data, split=split)
     reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)

@@ -21,6 +21,7 @@ from grpo_trainer.agents.sampler import HFTokenSampler  # noqa: E402
 from grpo_trainer.agents.verifiers_env import (  # noqa: E402
     VerifiersEnvError,
     VerifiersPlayer,
+    build,
     load_environment,
     taskset_gives_rows,
 )
@@ -28,6 +29,7 @@ from grpo_trainer.config import Config, ModelConfig  # noqa: E402
 from grpo_trainer.models import load_causal_lm, load_tokenizer  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.hf import HFEngine  # noqa: E402
+from grpo_trainer.task import load_task  # noqa: E402
 
 pytestmark = pytest.mark.slow  # loads a model, starts servers
 
@@ -188,11 +190,19 @@ def test_a_harness_that_downloads_or_a_remote_runtime_is_refused_in_one_line(tmp
 
 
 def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):
-    player = VerifiersPlayer(GUESS, policy[0])
+    tokenizer = policy[0]
+    cfg = Config.model_validate({"model": {"name_or_path": "builtin:tiny-guess"}, "environment": {"verifiers": GUESS}})
+    environment = build(cfg)
     try:
-        rows = player.taskset_rows()
+        assert environment.player.prompts_from_taskset
+        task = load_task(cfg.data, [], tokenizer, 2048, environment=environment, environment_config=cfg.environment)
+        assert len(task.prompts.records) == 96
+        assert {r["secret"] for r in task.prompts.records} == set(range(1, 9))
+        # evaluation's data is a copy with its own source and count: still the taskset's rows
+        evaluation = cfg.data.model_copy(update={"source": "builtin:arithmetic", "num_samples": 5})
+        task = load_task(evaluation, [], tokenizer, 2048, environment=environment, environment_config=cfg.environment)
+        assert [r["secret"] for r in task.prompts.records] == [1, 2, 3, 4, 5]
     finally:
-        player.close()
-    assert len(rows) == 96 and {r["secret"] for r in rows} == set(range(1, 9))
-    assert taskset_gives_rows(Config())
-    assert not taskset_gives_rows(Config.model_validate({"data": {"source": "builtin:arithmetic"}}))
+        environment.player.close()
+    given = cfg.model_copy(update={"data": Config.model_validate({"data": {"source": "builtin:arithmetic"}}).data})
+    assert taskset_gives_rows(cfg) and not taskset_gives_rows(given)

@@ -166,6 +166,7 @@ class VerifiersPlayer:
         self.counter_names = tuple(
             f"verifiers/{n}" for n in (*COUNTERS, *(f"stop/{c}" for c in STOP_CONDITIONS), *signals)
         )
+        self.prompts_from_taskset = False  # load_task reads taskset_rows() for the run's prompts (build() decides)
         self._serving: contextlib.AbstractAsyncContextManager | None = None
         self._users = 0
         self._gate: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -256,6 +257,7 @@ def build(cfg) -> PlayerEnvironment:
         max_tokens=cfg.rollout.max_completion_length,
         max_turns=env_cfg.max_turns,
     )
+    player.prompts_from_taskset = taskset_gives_rows(cfg)  # decided here: evaluation's DataConfig is a copy
     return PlayerEnvironment(player)
 
 
