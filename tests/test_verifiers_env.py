@@ -187,6 +187,11 @@ def test_a_harness_that_downloads_or_a_remote_runtime_is_refused_in_one_line(tmp
     )
     with pytest.raises(VerifiersEnvError, match="only the local 'subprocess' runtime"):
         load_environment(docker)
+    empty = write_env(tmp_path, "empty_env", "__all__ = []\n")
+    with pytest.raises(VerifiersEnvError, match="exports no Taskset subclass"):
+        load_environment(empty)
+    with pytest.raises(VerifiersEnvError, match="cannot import it"):
+        load_environment("no_such_verifiers_env_module")
 
 
 def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):

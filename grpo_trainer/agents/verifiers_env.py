@@ -44,14 +44,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..errors import ConfigError
 from .producer import EpisodeHandle, Played, PlayerEnvironment
 from .records import Branch
 
 MODULE_PREFIX = "grpo_trainer_vf_"  # the name an environment module is registered under (verifiers' plugin ids)
 
 
-class VerifiersEnvError(ValueError):
-    """An environment that cannot be trained here: said in one line."""
+class VerifiersEnvError(ConfigError):
+    """An environment that cannot be loaded or trained here: said in one line, naming environment.verifiers."""
 
 
 def import_environment(spec: str) -> tuple[ModuleType, str]:
@@ -67,7 +68,10 @@ def import_environment(spec: str) -> tuple[ModuleType, str]:
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(spec)
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as exc:
+            raise VerifiersEnvError(f"environment.verifiers {spec!r}: cannot import it: {exc}") from None
     alias = MODULE_PREFIX + re.sub(r"[^a-z0-9_]", "_", spec.lower())
     alias = f"{alias}_{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
     sys.modules[alias] = module
@@ -82,9 +86,13 @@ def load_environment(spec: str, *, max_turns: int | None = None):
     from verifiers.v1.utils.loaders import environment_class, harness_class
 
     _, alias = import_environment(spec)
-    env_cls = environment_class(alias)
-    config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
-    config = config_cls.model_validate({"taskset": {"id": alias}})
+    try:
+        env_cls = environment_class(alias)
+        config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+        config = config_cls.model_validate({"taskset": {"id": alias}})
+    except (TypeError, ValueError, AttributeError, ImportError) as exc:  # verifiers' loader: no/several Tasksets, ...
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VerifiersEnvError(f"environment.verifiers {spec!r}: {line}") from None
     for role, agent in agent_config_fields(config).items():
         runtime = getattr(agent.runtime, "type", None)
         if runtime == "prime":
