@@ -7,7 +7,9 @@ of the agent producer (`play(row, episode, seed) -> Played`): each call is one v
 goes, through verifiers' interception server and its train client, to the episode's token endpoint
 (`POST /inference/v1/generate`), rendered by a local renderer built from the policy's own tokenizer (saved to a
 folder: `renderer_model_name`). The episode's key rides in the train client's `Authorization` header, so each
-episode samples only into its own record and budget.
+episode samples only into its own record and budget (never in an environment variable, which a subprocess
+harness of another episode would inherit); it is removed from the traces' client configs once the episode ends,
+and is dead then anyway (the endpoint answers a closed episode 410).
 
 What becomes of an episode (`played`):
 - each trainable branch of each trainable trace (`trace.branches`: one per root-to-leaf path) is one sample: the
@@ -241,6 +243,10 @@ class VerifiersPlayer:
             result = await self.env.run_slot(slot, self.context(episode, seed))
         finally:
             await self._exit()
+        for trace in result.traces:  # the episode's key rode in the client config: keep it off what is returned
+            client = trace.agent.config.client
+            if client is not None and "Authorization" in client.headers:
+                client.headers = {k: v for k, v in client.headers.items() if k != "Authorization"}
         return played(result)
 
     def close(self) -> None:
