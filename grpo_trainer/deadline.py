@@ -10,6 +10,8 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
   the call was working on again (an environment object whose call was abandoned is not closed, scored or reused).
 - Daemon threads, never `concurrent.futures` ones: those are joined when the interpreter exits, so one call that
   never returns would hold the trainer's exit forever. A daemon thread cannot.
+- A call's limit may leave out time it spends waiting on the trainer (`Call.excluded`: an agent's requests waiting
+  for the policy's answers, agents/engine.py); the deadline moves on by that time as it grows.
 - Abandoned calls still running are counted (`abandoned`, and `abandoned_total` since the pool started); more of
   one function's than the pool's bound means the function hangs as a rule, not by accident, and the run stops
   with one line naming the function (`CallsHang`, a UserError: exit status 2) instead of piling up threads.
@@ -18,8 +20,10 @@ respond, reward, snapshot, close) and the checks an environment class is read wi
 
 Not covered, because no thread can do it: `os._exit()` (or a crash in C code) in user code ends the whole process
 at once, with no Python code run after it. `guard_os_exit` makes a Python-level `os._exit` during the run say so
-and end the process with a failure status instead of the status the user code passed (0 would read as success);
-a C-level `_exit` or a fatal signal is beyond it: the exit status, or the missing "done" line, is the only trace.
+and end the process with a failure status instead of the status the user code passed (0 would read as success),
+except in threads marked by `raise_on_os_exit` (an agent's: `UserCalls(catch_os_exit=True)`, the agent engine's
+event loop), where it raises `OsExitCalled`, an error of that call like sys.exit; a C-level `_exit` or a fatal
+signal is beyond it: the exit status, or the missing "done" line, is the only trace.
 Process isolation, where a hung call must really be killed, is running an environment as an OpenEnv server, and
 the `python` tool's sandbox.
 
@@ -122,6 +126,7 @@ class UserCalls:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._threads = 0  # workers alive and not abandoned
+        self._outstanding = 0  # calls queued or running, not yet finished or abandoned (of every caller's run)
         self._abandoned: Counter[str] = Counter()  # abandoned calls still running, by function name
         self.abandoned_total = 0  # calls abandoned since the pool started (finished since or not)
 
@@ -143,8 +148,13 @@ class UserCalls:
             if job.call.limit <= 0:  # no time left for it: the call is not made
                 job.finished, job.outcome = True, Outcome(timed_out=job.call.label)
             else:
+                with self._changed:
+                    self._outstanding += 1
                 self._queue.put(job)
-        self._ensure_workers(min(self.workers, sum(not job.finished for job in jobs)))
+        # Enough workers for these calls and those of other threads' runs still going (callers may run at once).
+        with self._changed:
+            outstanding = self._outstanding
+        self._ensure_workers(min(self.workers, outstanding))
         with self._changed:
             while True:
                 now = time.perf_counter()
@@ -186,6 +196,7 @@ class UserCalls:
         its place."""
         job.abandoned = True
         job.finished = True
+        self._outstanding -= 1
         job.outcome = Outcome(timed_out=job.call.label, seconds=job.call.limit)
         self._abandoned[job.call.name or self.name] += 1
         self.abandoned_total += 1
@@ -213,6 +224,8 @@ class UserCalls:
                 self._changed.notify_all()
             outcome = _outcome(job.call.fn)
             with self._changed:
+                if not job.abandoned:
+                    self._outstanding -= 1
                 if job.abandoned:  # too late: the caller went on; this thread was replaced, so it ends
                     name = job.call.name or self.name
                     self._abandoned[name] -= 1

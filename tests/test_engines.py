@@ -16,6 +16,7 @@ import pytest
 from grpo_trainer.rollout import Rollout, RolloutEngine, SamplingSettings
 from grpo_trainer.rollout.engines import CAPABILITIES, ENGINE_NAMES, ENGINES, EngineKind, engine_kind, engines_that
 from grpo_trainer.rollout.hf import HFEngine
+from grpo_trainer.agents.engine import AgentEngine
 from grpo_trainer.environments.episodes import EpisodeEngine
 from grpo_trainer.rollout.vllm_colocate import VLLMColocateEngine
 from grpo_trainer.rollout.vllm_server import VLLMServerEngine
@@ -38,7 +39,7 @@ def test_the_protocol_declares_what_the_loop_asks():
     assert {"generate", "sync_weights", "reconnect", "plan_kernels", "use_kernels", "sleep", "wake_up", "close"} <= set(methods)
 
 
-@pytest.mark.parametrize("cls", [*CLASSES.values(), EpisodeEngine], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*CLASSES.values(), EpisodeEngine, AgentEngine], ids=lambda c: c.__name__)
 def test_every_engine_class_and_the_tools_wrapper_have_every_member_of_the_protocol(cls):
     """Each attribute on the class itself (an engine's capabilities do not depend on the instance), each method
     taking at least the protocol's parameters, by name and in order (the loop passes some by keyword)."""

@@ -335,3 +335,70 @@ def test_multi_turn_rollouts_with_vllm_line_up_the_samplers_logprobs_with_the_tr
         assert all(s == 0.0 for s, m in zip(sampled, mask) if not m)
         model_tokens = [(s, t) for s, t, m in zip(sampled, theirs, mask) if m]
         assert max(abs(s - t) for s, t in model_tokens) < ATOL
+
+
+class TokenRouteAgent:
+    """Two requests on the token route, the second continuing the first's prompt + completion after three tokens
+    of its own (what an agent adds between turns)."""
+
+    name = "test token-route agent"
+
+    async def play(self, row, episode, seed):
+        import asyncio
+        import json
+        import urllib.error
+        import urllib.request
+
+        from grpo_trainer.agents.producer import Played
+
+        def generate(ids):
+            body = json.dumps({"token_ids": ids, "sampling_params": {"max_tokens": 8, "logprobs": 1}}).encode()
+            url = episode.base_url.removesuffix("/v1") + "/inference/v1/generate"
+            request = urllib.request.Request(url, data=body, method="POST", headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {episode.api_key}"})
+            try:
+                with urllib.request.urlopen(request, timeout=300) as response:
+                    return json.loads(response.read())["choices"][0]["token_ids"]
+            except urllib.error.HTTPError as error:
+                raise RuntimeError(error.read().decode()) from None
+
+        first = await asyncio.to_thread(generate, row["ids"])
+        await asyncio.to_thread(generate, row["ids"] + first + [40, 41, 42])
+        return Played(reward=1.0)
+
+
+def test_an_agent_on_vllm_colocate_trains_on_what_vllm_sampled(engine, model_dir):
+    """environment.agent's engine over vllm_colocate (EngineTokenSampler: the engine's generate with seeds): each
+    episode's row carries vLLM's sampler log-probs on the sampled tokens, equal to the trainer's on them; the
+    agent's own tokens masked with log-prob 0."""
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.agents.engine import AgentEngine
+    from grpo_trainer.agents.producer import PlayerEnvironment
+    from grpo_trainer.environments import EpisodeSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    class Borrowed:  # the module's engine, left open for the other tests when the agent engine closes
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def close(self):
+            pass
+
+    agents = AgentEngine(Borrowed(), PlayerEnvironment(TokenRouteAgent()), tokenizer, seed=3, eos_token_ids=[EOS],
+                         max_completion_length=MAX_LEN, max_model_len=256, episode_timeout=300.0, concurrency=8,
+                         vocab_size=load_lm(model_dir).config.vocab_size)
+    try:
+        specs = [EpisodeSpec({"ids": p}, 100 + i, f"p{i}", lambda text: None) for i, p in enumerate(PROMPTS)]
+        out = agents.generate(PROMPTS, 2, episodes=specs)
+    finally:
+        agents.close()
+    assert [e.ended_by for e in out.episodes] == ["environment"] * 8, [e.error for e in out.episodes]
+    rows = [j for j in range(8) if out.turns[j] == 2 and out.episodes[j].branches == 1]
+    assert rows, [(e.turns, e.branches) for e in out.episodes]
+    trainer = trainer_logprobs(load_lm(model_dir), [out.prompt_ids[j] for j in rows],
+                               [out.completion_ids[j] for j in rows], TEMPERATURE)
+    for j, theirs in zip(rows, trainer):
+        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
+        assert mask.count(0) >= 3 and all(s == 0.0 for s, m in zip(sampled, mask) if not m)
+        assert max(abs(s - t) for s, t, m in zip(sampled, theirs, mask) if m) < ATOL

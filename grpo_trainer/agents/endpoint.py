@@ -33,8 +33,9 @@ of the engine, on one worker thread, while the server keeps accepting.
 Records: `close_episode(session_id)` returns the episode's `EpisodeRequests` (records.py), every request token for
 token with the sampler's log-probs; `counters()` gives the endpoint's totals (`agent/rerendered_turns`, ...).
 
-Not done here: the producers (verifiers environments, `environment.agent`), the vLLM engines (sampler.py), tool-call
-parsing on the chat route (tools are rendered into the prompt; replies are plain text), stop strings per request.
+The producers that run programs against it and train on its records: producer.py (the seam), engine.py. Not done
+here: tool-call parsing on the chat route (tools are rendered into the prompt; replies are plain text), stop strings
+per request.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class TokenEndpoint:
         self.seed = seed
         self.model_name = model_name
         self.limits = limits
-        self.vocab_size = len(tokenizer)
+        # Token ids a request may hold: the tokenizer's, or the policy's rows where it has more (a vocabulary padded
+        # to a multiple: the policy can sample those ids, and an agent sends back what it sampled).
+        self.vocab_size = max(len(tokenizer), getattr(sampler, "vocab_size", None) or 0)
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         self.eos_token_ids = {int(t) for t in eos if t is not None}
         self.api_key = secrets.token_urlsafe(32)  # the run's key: hand it to episodes, never log it

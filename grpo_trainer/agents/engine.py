@@ -59,11 +59,12 @@ from ..environments.protocol import (
     reward_number,
 )
 from ..environments.scoring import failure_summary
+from ..errors import UserError
 from ..rollout import Rollout, RolloutEngine
 from ..seeds import mix_seed
 from .endpoint import EpisodeHandle, TokenEndpoint
 from .producer import Played, Player, PlayerEnvironment
-from .records import Branch, EpisodeRequests
+from .records import EpisodeRequests
 from .sampler import EngineTokenSampler, HFTokenSampler, TokenSampler
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("grpo_trainer")
 
+DEFAULT_CONTEXT = 4096  # the context the endpoint assumes for a vLLM engine without rollout.vllm.max_model_len
 LOOP_GRACE = 10.0  # seconds past every running episode's deadline before the players' loop counts as blocked
 ABANDONED_PER_WORKER = 4  # sync solve calls still running past their deadline, per slot, before the run stops
 
@@ -100,6 +102,7 @@ class _Deadline:
     limit: float
     excluded: Callable[[], float]
     calls: UserCalls
+    waiters: concurrent.futures.ThreadPoolExecutor  # threads that wait on `calls` for the loop
 
 
 _DEADLINE: contextvars.ContextVar[_Deadline | None] = contextvars.ContextVar("agent_episode_deadline", default=None)
@@ -117,7 +120,8 @@ async def call_sync(fn: Callable[[], Any]) -> Any:
     if deadline is None:
         return await asyncio.to_thread(fn)
     call = Call(fn, deadline.limit, excluded=deadline.excluded, label="episode")
-    outcome = (await asyncio.to_thread(deadline.calls.run, [call]))[0]
+    loop = asyncio.get_running_loop()
+    outcome = (await loop.run_in_executor(deadline.waiters, deadline.calls.run, [call]))[0]
     if outcome.timed_out is not None:
         raise EpisodeTimeout("the agent ran past environment.episode_timeout")
     if outcome.exception is not None:
@@ -135,6 +139,7 @@ class _Slot:
     seed: int
     handle: EpisodeHandle
     started: float | None = None  # when it got a place among the concurrent plays
+    finished: float | None = None
     outcome: Outcome | None = None
     timed_out: bool = False
 
@@ -145,17 +150,29 @@ class _PlayersLoop:
     def __init__(self, player: Player, concurrency: int):
         self.player = player
         self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(concurrency, "agent-sync"))
+        # asyncio.to_thread in the agents' code: as many threads as plays run at once
+        self.executor = concurrent.futures.ThreadPoolExecutor(concurrency, "agent-to-thread")
+        self.loop.set_default_executor(self.executor)
         self._exit: contextlib.AsyncExitStack | None = None
         self.thread = threading.Thread(target=self._run, name="agent-players", daemon=True)
         self.thread.start()
-        self.submit(self._enter()).result()
+        try:
+            self.submit(self._enter()).result()
+        except Exception as exc:  # the player's own setup: the run cannot play it (one line)
+            self.close(leave=False)
+            raise UserError(f"{player.name}: serving() failed: {one_line(exc)}") from None
         self.semaphore = self.submit(self._semaphore(concurrency)).result()
 
     def _run(self) -> None:
         raise_on_os_exit()  # os._exit in a play ends its episode, not the run
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            if not self.abandoned:
+                self.loop.close()
+
+    abandoned = False  # given up on while blocked: its tasks are left as they are
 
     def submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -178,7 +195,9 @@ class _PlayersLoop:
         if leave and self.thread.is_alive():
             with contextlib.suppress(Exception):
                 self.submit(self._leave()).result(timeout=60)
+        self.abandoned = not leave
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.executor.shutdown(wait=False)
 
 
 class AgentEngine:
@@ -196,6 +215,7 @@ class AgentEngine:
         max_model_len: int | None,
         episode_timeout: float,
         concurrency: int,
+        vocab_size: int | None = None,
     ):
         self.engine = engine
         self.environment = environment
@@ -207,6 +227,7 @@ class AgentEngine:
         self.max_model_len = max_model_len
         self.episode_timeout = episode_timeout
         self.concurrency = concurrency
+        self.vocab_size = vocab_size  # a vLLM engine's policy rows (the hf engine's are read from its model)
         self.counter_names: tuple[str, ...] = tuple(getattr(self.player, "counter_names", ()) or ())
         self.calls = UserCalls(
             self.player.name,
@@ -216,8 +237,13 @@ class AgentEngine:
             what="the agent hangs",
             catch_os_exit=True,
         )
+        self.waiters = concurrent.futures.ThreadPoolExecutor(concurrency, "agent-sync-wait")
+        self.loop_grace = LOOP_GRACE
         self.endpoint: TokenEndpoint | None = None
         self._players: _PlayersLoop | None = None
+        # os._exit raises in the agents' threads while the engine lives (a no-op under the CLI's own guard): an
+        # abandoned sync solve may still call it after its batch
+        self._guard = contextlib.ExitStack()
 
     @property
     def needs_episodes(self) -> bool:
@@ -273,13 +299,17 @@ class AgentEngine:
             self.endpoint.close()
             self.endpoint = None
         self.calls.close()
+        self.waiters.shutdown(wait=False)
+        self._guard.close()
         self.engine.close()
 
     # ------------------------------------------------------------------ serving
     def _sampler(self) -> TokenSampler:
         if hasattr(self.engine, "sample_rows"):  # the hf engine: one decode, each row its own stream
-            return HFTokenSampler(cast(Any, self.engine), self.max_model_len)
-        return EngineTokenSampler(self.engine, self.eos_token_ids, self.max_model_len or 4096)
+            return HFTokenSampler(cast(Any, self.engine), self.max_model_len)  # None: the model's context
+        return EngineTokenSampler(
+            self.engine, self.eos_token_ids, self.max_model_len or DEFAULT_CONTEXT, vocab_size=self.vocab_size
+        )
 
     def _start(self) -> TokenEndpoint:
         if self.endpoint is None:
@@ -287,6 +317,7 @@ class AgentEngine:
                 self._sampler(), self.tokenizer, seed=self.seed, eos_token_ids=self.eos_token_ids
             ).start()
         if self._players is None:
+            self._guard.enter_context(guard_os_exit())
             self._players = _PlayersLoop(self.player, self.concurrency)
         return self.endpoint
 
@@ -314,8 +345,7 @@ class AgentEngine:
                 )
                 slots.append(_Slot(i, j, spec.record, mix_seed(spec.seed, j), handle))
         tick = time.perf_counter()
-        with guard_os_exit():
-            self._play(slots)
+        self._play(slots)
         requests = [endpoint.close_episode(s.handle.session_id) for s in slots]
         rollout = self._rollout(prompt_ids, specs, g, slots, requests)
         rollout.env_seconds = time.perf_counter() - tick
@@ -339,7 +369,7 @@ class AgentEngine:
                     "%s: the players' event loop has been blocked for over %g s past every deadline (sync code in "
                     "an async agent); its %d episodes fail as timeouts and a new loop is started",
                     self.player.name,
-                    LOOP_GRACE,
+                    self.loop_grace,
                     len(pending),
                 )
                 for future in pending:
@@ -350,7 +380,7 @@ class AgentEngine:
                 return
 
     def _blocked(self, slots: list[_Slot]) -> bool:
-        """Whether every slot still running is past its deadline by LOOP_GRACE (the loop would have ended them)."""
+        """Whether every slot still running is past its deadline by `loop_grace` (the loop would have ended them)."""
         assert self.endpoint is not None
         now = time.perf_counter()
         running = [s for s in slots if s.started is not None]
@@ -358,7 +388,7 @@ class AgentEngine:
             return False
         for slot in running:
             used = now - cast(float, slot.started) - self.endpoint.sampler_seconds(slot.handle.session_id)
-            if used < self.episode_timeout + LOOP_GRACE:
+            if used < self.episode_timeout + self.loop_grace:
                 return False
         return True
 
@@ -374,20 +404,23 @@ class AgentEngine:
             def excluded() -> float:
                 return endpoint.sampler_seconds(session)
 
-            _DEADLINE.set(_Deadline(self.episode_timeout, excluded, self.calls))
+            _DEADLINE.set(_Deadline(self.episode_timeout, excluded, self.calls, self.waiters))
             task = asyncio.ensure_future(self._guarded(slot))
-            while True:
-                left = self.episode_timeout - (time.perf_counter() - started - excluded())
-                if left <= 0:
-                    task.cancel()
-                    slot.outcome, slot.timed_out = Outcome(timed_out="episode"), True
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait({task}, timeout=1.0)
-                    return
-                done, _ = await asyncio.wait({task}, timeout=left)
-                if done:
-                    slot.outcome = task.result()
-                    return
+            try:
+                while True:
+                    left = self.episode_timeout - (time.perf_counter() - started - excluded())
+                    if left <= 0:
+                        task.cancel()
+                        slot.outcome, slot.timed_out = Outcome(timed_out="episode"), True
+                        with contextlib.suppress(BaseException):
+                            await asyncio.wait({task}, timeout=1.0)
+                        return
+                    done, _ = await asyncio.wait({task}, timeout=left)
+                    if done:
+                        slot.outcome = task.result()
+                        return
+            finally:
+                slot.finished = time.perf_counter()
 
     async def _guarded(self, slot: _Slot) -> Outcome:
         """The play's outcome: Played, or what it raised (SystemExit and os._exit too), as deadline.Outcome."""
@@ -454,9 +487,7 @@ class AgentEngine:
         rollout.env_counters = cast(dict[str, int], self._counters(records))  # floats too: summed as floats
         return rollout
 
-    def _record(
-        self, slot: _Slot, req: EpisodeRequests, played: Played | None, group: str
-    ) -> AgentEpisodeRecord:
+    def _record(self, slot: _Slot, req: EpisodeRequests, played: Played | None, group: str) -> AgentEpisodeRecord:
         outcome = slot.outcome or Outcome(error="the episode was never played")
         sampler = req.sampler_seconds
         record = AgentEpisodeRecord(
@@ -467,14 +498,16 @@ class AgentEngine:
             refused=dict(req.refused),
             rerendered_turns=req.rerendered_turns,
             sampler_seconds=sampler,
-            agent_seconds=max(0.0, outcome.seconds - sampler) if outcome.seconds else 0.0,
+            agent_seconds=max(0.0, slot.finished - slot.started - sampler) if slot.finished and slot.started else 0.0,
         )
         if slot.timed_out or outcome.timed_out is not None:
             record.ended_by = FAILED_TIMEOUT
-            record.error = f"the agent ran past environment.episode_timeout ({self.episode_timeout:g} s of its own time)"
+            record.error = (
+                f"the agent ran past environment.episode_timeout ({self.episode_timeout:g} s of its own time)"
+            )
             return record
         if played is None:
-            record.ended_by, record.error = FAILED_ERROR, f"the agent raised {outcome.error}"
+            record.ended_by, record.error = FAILED_ERROR, f"the agent: {outcome.error}"  # kinds: the exception's type
             return record
         record.stop_condition = played.stop_condition
         record.counters = dict(played.counters)
@@ -503,7 +536,7 @@ class AgentEngine:
             record.rewards = {k: v for k, v in ((k, reward_number(v)) for k, v in reward.items()) if v is not None}
             return
         if names and reward is not None:
-            raise ValueError("a number, where environment.reward_weights names the rewards: return a dict of them")
+            raise ValueError(f"{reward!r} is not a dict of the rewards environment.reward_weights names")
         record.env_reward = reward_number(reward)
 
     def _messages(self, played: Played | None, req: EpisodeRequests, completion: list[int]) -> list[dict[str, Any]]:
@@ -539,9 +572,17 @@ class AgentEngine:
 
 
 def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: list[int], environment) -> AgentEngine:
-    """`engine` behind the endpoint, played by the run's player (`environment`: a PlayerEnvironment)."""
+    """`engine` behind the endpoint, played by the run's player (`environment`: a PlayerEnvironment). The context the
+    endpoint caps requests by: the model's on the hf engine, rollout.vllm.max_model_len (else DEFAULT_CONTEXT) on a
+    vLLM engine."""
+    from ..errors import ConfigError
+
+    if engine.lockstep is not None:
+        raise ConfigError(
+            f"{environment.name}: the hf engine under FSDP samples in lockstep (every rank the same generate calls), "
+            "and each rank's agents form their own batches: use DDP or DeepSpeed, or a vLLM engine"
+        )
     env = cfg.environment
-    max_prompt = cfg.data.max_prompt_length
     return AgentEngine(
         engine,
         environment,
@@ -549,10 +590,27 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
         seed=cfg.seed,
         eos_token_ids=eos_token_ids,
         max_completion_length=cfg.rollout.max_completion_length,
-        max_model_len=None if max_prompt is None else max_prompt + cfg.rollout.max_completion_length,
+        max_model_len=cfg.rollout.vllm.max_model_len if cfg.rollout.engine != "hf" else None,
+        vocab_size=None if cfg.rollout.engine == "hf" else _vocab_size(cfg),
         episode_timeout=env.episode_timeout if math.isfinite(env.episode_timeout) else math.inf,
         concurrency=env.concurrency,
     )
+
+
+def _vocab_size(cfg: Config) -> int | None:
+    """The policy's vocabulary rows, from its config (None where it cannot be read)."""
+    from ..builtin import resolve_model_path
+
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code
+        )
+    except Exception:  # noqa: BLE001 (then the tokenizer's vocabulary is the bound)
+        return None
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) else None
 
 
 if TYPE_CHECKING:

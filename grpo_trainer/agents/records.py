@@ -5,10 +5,10 @@ it makes is a `TurnRecord`: the prompt ids the policy was run on, the completion
 log-prob of each, the finish reason, and the earlier turn it continues (`parent`), if any. A turn continues an
 earlier one when its prompt starts with that turn's prompt + completion (the token route: what the agent sent; the
 chat route: the endpoint splices the sampled ids back in, chat.py). Turns form a tree; each root-to-leaf path is
-one training sample (`EpisodeRequests.branches`): the leaf's prompt + completion, the sampled tokens of every turn on
-the path in the loss mask, everything else (the first prompt, what the agent or its tools added between turns)
-masked out. A turn whose conversation was re-rendered differently from what was sampled starts a new root: it is
-trained on as sampled, in a sample of its own, never spliced into the earlier one (docs/agents.md).
+one branch (`EpisodeRequests.branches`): the leaf's prompt + completion, the sampled tokens of every turn on the path
+in the loss mask, everything else (the first prompt, what the agent or its tools added between turns) masked out. A
+turn whose conversation was re-rendered differently from what was sampled starts a new root, never spliced into the
+earlier one. An episode trains on its last branch (producer.py, docs/agents.md); the others are counted.
 """
 
 from __future__ import annotations

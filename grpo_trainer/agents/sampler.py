@@ -63,6 +63,7 @@ class HFTokenSampler:
         self.engine = engine
         self.max_model_len = max_model_len or context_length(engine.get_model()) or 2048
         self.max_batch = max_batch
+        self.vocab_size = engine.get_model().get_input_embeddings().num_embeddings  # ids the policy can sample
         self._planned = False
 
     def sample(self, requests: list[TokenRequest]) -> list[TokenResult]:
@@ -86,11 +87,19 @@ class EngineTokenSampler:
     """Any engine behind the endpoint, through its `generate` (see the module docstring). The engine must report
     sampler log-probs (`Rollout.sampling_logprobs`): the endpoint answers with them, and they are trained with."""
 
-    def __init__(self, engine: RolloutEngine, eos_token_ids: list[int], max_model_len: int, max_batch: int = 64):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        max_batch: int = 64,
+        vocab_size: int | None = None,
+    ):
         self.engine = engine
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_batch = max_batch
+        self.vocab_size = vocab_size  # the policy's rows, where it has more than the tokenizer's (None: unknown)
 
     def sample(self, requests: list[TokenRequest]) -> list[TokenResult]:
         out: list[TokenResult | None] = [None] * len(requests)

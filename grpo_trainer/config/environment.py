@@ -28,12 +28,12 @@ class EnvironmentConfig(_Section):
         description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
         "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
         "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
-        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url.",
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     openenv: str | None = Field(
         None,
-        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url.",
+        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     action: str | None = Field(
@@ -44,7 +44,7 @@ class EnvironmentConfig(_Section):
     url: str | None = Field(
         None,
         description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
-        "over its /ws protocol. One of factory/openenv/url.",
+        "over its /ws protocol. One of factory/openenv/url/agent/verifiers.",
     )
     agent: str | None = Field(
         None,
@@ -52,7 +52,7 @@ class EnvironmentConfig(_Section):
         "`my_agent.py:solve` or `package.module:solve`: `async def solve(row, *, base_url, api_key, model, seed)` (or a "
         "plain def, run in a thread) returning the episode's reward (a number, None, or a dict of named rewards: see "
         "reward_weights); its requests are the episode, trained token for token (docs/agents.md). One of "
-        "factory/openenv/url/agent.",
+        "factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     verifiers: str | None = Field(
@@ -91,9 +91,14 @@ class EnvironmentConfig(_Section):
         300.0,
         gt=0,
         description="Seconds of environment time per episode (the sum of its calls, not wall time: a slow "
-        "sampler never fails an episode); an overrun ends it as a failure.",
+        "sampler never fails an episode); an overrun ends it as a failure. environment.agent: the agent's own time "
+        "(wall time minus the time its requests spent in the sampler).",
     )
-    concurrency: int = Field(64, ge=1, description="Environment calls run at once on each rank (threads).")
+    concurrency: int = Field(
+        64,
+        ge=1,
+        description="Environment calls run at once on each rank (threads); environment.agent: episodes played at once.",
+    )
     on_error: ON_ERROR = Field(
         "zero",
         description="How an episode the environment failed (raised, hung, broke the protocol) is scored: `zero` (every "
