@@ -26,6 +26,8 @@ from grpo_trainer.agents.verifiers_env import (  # noqa: E402
     taskset_gives_rows,
 )
 from grpo_trainer.config import Config, ModelConfig  # noqa: E402
+from grpo_trainer.environments.checks import check_environment  # noqa: E402
+from grpo_trainer.errors import ConfigError  # noqa: E402
 from grpo_trainer.models import load_causal_lm, load_tokenizer  # noqa: E402
 from grpo_trainer.rollout import SamplingSettings  # noqa: E402
 from grpo_trainer.rollout.hf import HFEngine  # noqa: E402
@@ -192,6 +194,10 @@ def test_a_harness_that_downloads_or_a_remote_runtime_is_refused_in_one_line(tmp
         load_environment(empty)
     with pytest.raises(VerifiersEnvError, match="cannot import it"):
         load_environment("no_such_verifiers_env_module")
+    # what `train` and `validate` check before the model loads: the same line, a ConfigError naming the key
+    cfg = Config.model_validate({"environment": {"verifiers": downloads}})
+    with pytest.raises(ConfigError, match=r"^environment\.verifiers .*downloads its program"):
+        check_environment(cfg, contact_server=False)
 
 
 def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):
