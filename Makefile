@@ -24,6 +24,9 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # is reachable, and otherwise skip and say why.
 OPENENV       ?= .ci/openenv-overlay.txt
 OPENENV_STAMP := $(VENV)/openenv-overlay/.installed
+# verifiers 0.4 (environment.verifiers) comes with the dev extra, so `make test` and `make test VLLM=` install it
+# and its tests run; it shares the venv with vLLM at mcp 2.0.0 / openai 2.54 (.ci/constraints.txt's header says
+# why no overlay). The token endpoint's aiohttp is a dependency of the package, openai one of the dev extra.
 # Test processes in parallel: most tests wait on process start-up and imports, not on the CPU.
 PYTEST_WORKERS ?= 2
 

@@ -120,7 +120,11 @@ def load_task(
     (built from `environment_config`, the `environment` section), its tools are shown instead and its own reward,
     if it has one, is one more reward (environments/scoring.py).
     """
-    records = load_records(data, split=split)
+    player = getattr(environment, "player", None)
+    if getattr(player, "prompts_from_taskset", False):  # environment.verifiers without data.source: its taskset
+        records = player.taskset_rows(data.num_samples)  # type: ignore[union-attr]
+    else:
+        records = load_records(data, split=split)
     reward_fns = load_rewards(rewards, policy_dtype=policy_dtype)
     on_error = "zero"
     if environment is not None and environment_config is not None and environment_config.kind is not None:

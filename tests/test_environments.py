@@ -492,7 +492,7 @@ def test_the_queue_gives_each_group_its_environment_seed_whatever_seed_per_promp
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"environment": {"factory": "a.py:B", "url": "openenv+ws://h:1"}}, "environment: set one of factory, openenv, url or agent"),
+    ({"environment": {"factory": "a.py:B", "url": "openenv+ws://h:1"}}, "environment: set one of factory, openenv, url, agent or verifiers"),
     ({"environment": {"url": "http://h:1"}}, "environment.url: expected openenv+ws://HOST:PORT"),
     ({"environment": {"url": "openenv+ws://h:1", "kwargs": {"a": 1}}}, "environment.kwargs"),
     ({"environment": {"factory": "a.py:B", "on_error": "ignore"}}, "environment.on_error"),

@@ -9,7 +9,13 @@ from pydantic import Field, field_validator, model_validator
 
 from .base import CHANGES_MEANING, _Section
 
-ENVIRONMENT_KINDS = ("factory", "openenv", "url", "agent")  # environments.KINDS: the keys that choose an environment
+ENVIRONMENT_KINDS = (
+    "factory",
+    "openenv",
+    "url",
+    "agent",
+    "verifiers",
+)  # environments.KINDS: the keys that choose an environment
 ON_ERROR = Literal["zero", "none", "skip_group"]
 
 
@@ -22,12 +28,12 @@ class EnvironmentConfig(_Section):
         description="A class (or zero-argument callable) in TRL's convention, `my_env.py:GuessNumber` or "
         "`package.module:Class`: `reset(**row)` starts an episode (may return text appended to the prompt), public "
         "methods with type hints and an Args: docstring are the model's tools, optional `step(reply) -> (feedback, "
-        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url/agent.",
+        "done)` answers plain replies, optional `get_reward()` scores the episode. One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     openenv: str | None = Field(
         None,
-        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url/agent.",
+        description="An OpenEnv `Environment` subclass (`my_env.py:GuessEnv`), run in this process. One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     action: str | None = Field(
@@ -38,7 +44,7 @@ class EnvironmentConfig(_Section):
     url: str | None = Field(
         None,
         description="A running OpenEnv server, `openenv+ws://HOST:PORT` (`openenv+wss://` for TLS), spoken to "
-        "over its /ws protocol. One of factory/openenv/url/agent.",
+        "over its /ws protocol. One of factory/openenv/url/agent/verifiers.",
     )
     agent: str | None = Field(
         None,
@@ -46,7 +52,15 @@ class EnvironmentConfig(_Section):
         "`my_agent.py:solve` or `package.module:solve`: `async def solve(row, *, base_url, api_key, model, seed)` (or a "
         "plain def, run in a thread) returning the episode's reward (a number, None, or a dict of named rewards: see "
         "reward_weights); its requests are the episode, trained token for token (docs/agents.md). One of "
-        "factory/openenv/url/agent.",
+        "factory/openenv/url/agent/verifiers.",
+        json_schema_extra=CHANGES_MEANING,
+    )
+    verifiers: str | None = Field(
+        None,
+        description="A verifiers 0.4 (v1) environment, `my_env` (an importable module) or `path/to/my_env.py`, "
+        "exporting one Taskset subclass (and optionally an Env and an in-process Harness): G episodes per task, each "
+        "against the run's token endpoint, trained token for token; its taskset gives the prompts unless data.source "
+        "is set explicitly; offline only (docs/agents.md). One of factory/openenv/url/agent/verifiers.",
         json_schema_extra=CHANGES_MEANING,
     )
     reward_weights: dict[str, float] = Field(
@@ -177,7 +191,7 @@ class EnvironmentConfig(_Section):
     def _one_kind(self):
         chosen = self._chosen()
         if len(chosen) > 1:
-            raise ValueError(f"set one of factory, openenv, url or agent, not {' and '.join(chosen)}")
+            raise ValueError(f"set one of factory, openenv, url, agent or verifiers, not {' and '.join(chosen)}")
         if self.kwargs and self.kind not in ("factory", "openenv"):
             raise ValueError(
                 "environment.kwargs: constructor arguments for environment.factory or environment.openenv; set one"

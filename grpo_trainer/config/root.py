@@ -123,7 +123,7 @@ class Config(_Section):
                 "episode's environment code would run in the queue's background thread across weight pushes, and a "
                 "resume could not re-run those episodes exactly (use max_staleness 0; docs/environments.md)"
             )
-        if not self.data.use_chat_template and env.kind != "agent":  # an agent writes its own prompts
+        if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
                 f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template"
             )

@@ -58,6 +58,7 @@ KINDS: dict[str, str] = {
     "openenv": "grpo_trainer.environments.openenv:build",
     "url": "grpo_trainer.environments.openenv_ws:build",
     "agent": "grpo_trainer.agents.solve:build",  # a Player (agents/producer.py), played by agents/engine.py
+    "verifiers": "grpo_trainer.agents.verifiers_env:build",  # a Player too: a verifiers 0.4 environment
 }
 TOOLS = "grpo_trainer.environments.tools_env:build"  # the built-in one: `environment.tools` alone selects it
 

@@ -37,6 +37,10 @@ def check_environment(cfg: Config, *, contact_server: bool) -> None:
         from ..agents.solve import resolve_solve
 
         resolve_solve(env.agent or "")
+    elif env.kind == "verifiers":
+        from ..agents.verifiers_env import load_environment
+
+        load_environment(env.verifiers or "")  # imports it, refuses a downloading harness or a remote runtime
     elif env.kind == "url" and contact_server:
         from .openenv_ws import fetch_schema
 
