@@ -5,6 +5,10 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
 
 - `--logprobs-mode processed_logprobs`: the sampled tokens' log-probs under the temperature they were drawn
   with (the engine refuses a server without it).
+- `--enable-scale-out`: vLLM's own token route, `POST /inference/v1/generate` (token ids in, token ids and
+  log-probs out: what verifiers' train client calls, docs/agents.md), which vLLM 0.32 otherwise registers as a
+  stub answering 403 (vllm/entrypoints/scale_out/factories.py); it also registers `/render`, `/derender` and
+  `/inference/v1/abort_requests`, nothing that samples or changes weights.
 - `--dtype`: the trainer's (`rollout.vllm.dtype`, `auto` = `model.dtype`); vLLM's own `auto` would run a
   float32 checkpoint in bfloat16.
 - the weight push of `rollout.vllm_server.weight_sync`: `--weight-transfer-config '{"backend": "gloo"}'`
@@ -53,6 +57,7 @@ OWN_FLAGS = {
     "--port": "serve's --port",
     "--dtype": "rollout.vllm.dtype",
     "--logprobs-mode": None,  # the engine's: no setting changes it
+    "--enable-scale-out": None,  # the token route agents call: no setting changes it
     "--seed": "seed",
     "--tensor-parallel-size": "serve's --tensor-parallel-size (or rollout.vllm.tensor_parallel_size)",
     "--max-model-len": "rollout.vllm.max_model_len",
@@ -88,6 +93,7 @@ def serve_command(
         "--port", str(port if port is not None else url.port or DEFAULT_PORTS[url.scheme]),  # where the trainer connects
         "--dtype", cfg.model.dtype if engine.dtype == "auto" else engine.dtype,
         "--logprobs-mode", "processed_logprobs",
+        "--enable-scale-out",
         "--seed", str(cfg.seed),
         "--tensor-parallel-size", str(tensor_parallel_size if tensor_parallel_size is not None else engine.tensor_parallel_size),
     ]  # fmt: skip

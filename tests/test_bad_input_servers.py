@@ -150,6 +150,8 @@ def test_serve_refuses_a_port_or_tensor_parallel_size_out_of_range_naming_the_op
     (["--port", "9000"], "set serve's --port instead"),
     (["--no-enforce-eager"], "would override --enforce-eager, which serve sets from the config: set rollout.vllm.enforce_eager"),
     (["--weight-transfer-config", '{"backend": "nccl"}'], "set rollout.vllm_server.weight_sync instead"),
+    (["--no-enable-scale-out"], "would override --enable-scale-out, which the vllm_server engine needs; leave it out"),
+    (["--enable_scale_out=false"], "would override --enable-scale-out, which the vllm_server engine needs"),
 ])
 def test_serve_refuses_vllm_arguments_that_would_override_its_own_flags(extra, says, tiny_model_path, cpu_vllm):
     cfg = load_config(CONFIG, ["rollout.engine=vllm_server"])
@@ -167,7 +169,7 @@ def test_serve_dry_run_prints_the_command_where_vllm_is_not_installed(monkeypatc
     assert cli.main([*args, "--dry-run", "--port", "8200", "--tensor-parallel-size", "2"]) == 0
     out, err = capsys.readouterr()
     assert "--host 0.0.0.0 --port 8200" in out and "--tensor-parallel-size 2" in out
-    assert "--logprobs-mode processed_logprobs" in out and "--kv-cache-memory-bytes" not in out
+    assert "--logprobs-mode processed_logprobs --enable-scale-out" in out and "--kv-cache-memory-bytes" not in out
     assert "vLLM is not installed here" in err and "--kv-cache-memory-bytes 1073741824" in err
     assert cli.main(args) == 2  # starting it here cannot work: one line, no traceback
     assert capsys.readouterr().err.strip() == ("error: serve: vLLM is not installed here: pip install 'grpo-trainer[vllm]' "

@@ -100,7 +100,7 @@ def test_serve_starts_vllm_with_exactly_the_flags_the_engine_needs(tiny_model_pa
     line = dry_run("rollout.vllm_server.base_url=http://127.0.0.1:8123", "seed=7")
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 ")
     for flag in ("-m vllm.entrypoints.openai.api_server", f"--model {tiny_model_path}", "--host 127.0.0.1",
-                 "--port 8123", "--dtype float32", "--logprobs-mode processed_logprobs", "--seed 7",
+                 "--port 8123", "--dtype float32", "--logprobs-mode processed_logprobs", "--enable-scale-out", "--seed 7",
                  """--weight-transfer-config '{"backend": "gloo"}'""", "--tensor-parallel-size 1"):
         assert flag in line, (flag, line)
     assert "--worker-extension-cls" not in line
