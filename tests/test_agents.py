@@ -90,6 +90,7 @@ class TwoTurns:
     `fork`, it starts a second conversation first: two branches, the last trained."""
 
     name = "test two turns"
+    stop_conditions = ("done",)
 
     def __init__(self, fork: bool = False):
         self.fork = fork
@@ -135,6 +136,8 @@ def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_its_last_branch
                 torch.tensor(logprobs)[sampled], trainer[0, : len(mask)][sampled], atol=2e-5, rtol=2e-5
             )
         assert rollout.env_counters["agent/untrained_branches"] == 0
+        stops = {k: v for k, v in rollout.env_counters.items() if k.startswith("agent/stop/")}
+        assert stops == {"agent/stop/done": 4.0, "agent/stop/none": 0.0, "agent/stop/other": 0.0}
     finally:
         engine.close()
     engine = agent_engine(policy, TwoTurns(fork=True))
@@ -407,6 +410,43 @@ def test_the_openai_sdk_example_trains_and_a_resumed_run_is_the_same_run(tmp_pat
         assert r["environment/errors"] == 0 and r["environment/turns_per_episode"] == 1
         assert 0 <= r["rewards/environment/mean"] <= 1
         assert r["sampling/logp_diff_max"] < 1e-4
+
+
+def test_stop_conditions_are_counted_per_declared_name_the_same_names_every_batch():
+    """A player's declared `stop_conditions` are logged per name (environment/agent/stop/<name>) at every batch, 0
+    where none stopped so, with `none` (no stop condition, or failed first) and `other` (undeclared): every rank
+    sums the same names. A player that declares none gets no stop counts."""
+    from grpo_trainer.rollout import Rollout
+
+    class Quiet:
+        name = "test quiet"
+
+        async def play(self, row, episode, seed) -> Played:
+            return Played(reward=None)
+
+    class Engine:
+        def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+            return Rollout([], [])
+
+        def close(self):
+            pass
+
+    class Declares(Quiet):
+        stop_conditions = ("won", "gave_up")
+
+    def counters(player, stops):
+        engine = AgentEngine(Engine(), PlayerEnvironment(player), None, seed=0, eos_token_ids=[2],
+                             max_completion_length=8, max_model_len=64, episode_timeout=5.0, concurrency=2)
+        try:
+            records = [AgentEpisodeRecord(ENDED_BY_ENVIRONMENT, stop_condition=s) for s in stops]
+            return {k: v for k, v in engine._counters(records).items() if k.startswith("agent/stop/")}
+        finally:
+            engine.close()
+
+    assert counters(Declares(), ["won", "won", None, "timeout", "won"]) == {
+        "agent/stop/won": 3.0, "agent/stop/gave_up": 0.0, "agent/stop/none": 1.0, "agent/stop/other": 1.0}
+    assert set(counters(Declares(), [])) == {f"agent/stop/{n}" for n in ("won", "gave_up", "none", "other")}
+    assert counters(Quiet(), ["won"]) == {}
 
 
 def test_any_engine_that_reports_sampler_logprobs_serves_the_endpoint():

@@ -75,7 +75,7 @@ def test_a_group_trains_on_what_the_endpoint_sampled_with_verifiers_reward(polic
     rewards = []
     for played, record in results:
         assert played.ok and played.error is None, played.error
-        assert played.stop_condition == "user_closed"
+        assert played.stop_condition == "user_closed" and "user_closed" in player.stop_conditions
         (branch,) = played.branches  # one conversation, extended turn by turn: one sample
         (recorded,) = record.branches()
         assert branch.prompt_ids == recorded.prompt_ids
@@ -145,6 +145,7 @@ def test_an_environment_that_fails_is_a_failed_episode_not_an_error(policy, tmp_
     assert not played.ok and played.reward is None
     assert "the game engine crashed" in played.error and "\n" not in played.error
     assert played.counters["verifiers/errors"] >= 1
+    assert played.stop_condition in player.stop_conditions  # verifiers' `error`: counted under its own name
     assert len(record.turns) == 1  # it sampled before it failed
 
 

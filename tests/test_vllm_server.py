@@ -37,7 +37,7 @@ from grpo_trainer.rollout.vllm_server import Server, ServerError, VLLMServerEngi
 from grpo_trainer.rollout.weight_sync import MergedWeights  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     assert_episodes_line_up,
-    EOS, MAX_LEN, PROMPTS, ROOT, TEMPERATURE, ServerProcess, assert_close, build_model, check_rollout, free_port,
+    ATOL, EOS, MAX_LEN, PROMPTS, ROOT, TEMPERATURE, ServerProcess, assert_close, build_model, check_rollout, free_port,
     load_lm, max_diff, perturb, sampling_changed, trainer_logprobs,
 )
 
@@ -279,6 +279,47 @@ def test_an_environment_on_vllm_server_lines_up_the_servers_logprobs_with_the_tr
     engine.sync_weights(lm)  # earlier tests pushed other weights
     assert_episodes_line_up(engine, model_dir, lm, group=8)
     engine.close()
+
+
+def test_serve_opens_vllms_own_token_route(servers):
+    """`serve` passes --enable-scale-out: the server answers vLLM's token route (`POST /inference/v1/generate`, what
+    verifiers' train client calls) with token ids and one log-prob per token, not vLLM 0.32's 403 stub."""
+    body = {"token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 6, "temperature": TEMPERATURE, "logprobs": 1,
+                                                         "seed": 3, "skip_special_tokens": False}}
+    answer = Server(servers["a"].url, 30).request("POST", "/inference/v1/generate", body)
+    (choice,) = answer["choices"]
+    ids, content = choice["token_ids"], choice["logprobs"]["content"]
+    assert 1 <= len(ids) <= 6 and choice["finish_reason"] in ("stop", "length")
+    assert [c["token_id"] for c in content] == ids and all(c["logprob"] <= 0 for c in content)
+
+
+@pytest.mark.slow
+def test_an_agent_on_vllm_server_trains_on_what_the_server_sampled(servers, model_dir, tmp_path):
+    """environment.agent (the OpenAI-SDK example, configs/agent_cpu.yaml) on the vllm_server engine, 2 steps from the
+    CLI: the run's endpoint samples through the server (EngineTokenSampler: the engine's generate, its seeds and
+    sampler log-probs); every sampled token is trained (one turn, one branch: no untrained tokens), and the
+    sampler/trainer gap (sampling/logp_diff_*) is what any vLLM sample has (docs/vllm.md), also after a push."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import run_cli, small_run_overrides
+
+    reward = tmp_path / "parity.py"  # the random model never boxes the answer: a reward that varies, so it trains
+    reward.write_text("def parity(completion_ids, **kwargs):\n    return [float(len(c) % 2) for c in completion_ids]\n")
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/agent_cpu.yaml", *small_run_overrides(out, 2), f"model.name_or_path={model_dir}",
+                      "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={servers['a'].url}",
+                      "rollout.vllm_server.weight_sync=gloo", "rollout.vllm.max_model_len=256",
+                      f"rewards=[{{name: '{reward}:parity'}}]", "checkpoint.save_final_model=false"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["environment/agent/episodes"] == r["environment/agent/requests"] == 16
+        assert r["environment/errors"] == 0 and r["environment/agent/refused"] == 0
+        assert r["environment/agent/untrained_tokens"] == 0
+        assert r["environment/agent/completion_tokens"] == pytest.approx(16 * r["completions/mean_length"])
+        assert r["completions/trained_fraction"] > 0  # the gap below is measured on trained tokens
+        assert r["sampling/logp_diff_max"] < ATOL, r  # float32 on both sides (tests/vllm_helpers.py)
+    print("sampling/logp_diff_max per step:", [r["sampling/logp_diff_max"] for r in records])
 
 
 @pytest.mark.slow

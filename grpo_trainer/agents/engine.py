@@ -235,6 +235,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         self.concurrency = concurrency
         self.vocab_size = vocab_size  # a vLLM engine's policy rows (the hf engine's are read from its model)
         self.counter_names: tuple[str, ...] = tuple(getattr(self.player, "counter_names", ()) or ())
+        self.stop_names = stop_names(self.player)
         self.calls = UserCalls(
             self.player.name,
             concurrency,
@@ -535,7 +536,27 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         }
         for name in self.counter_names:
             totals[f"agent/{name}"] = float(sum(r.counters.get(name, 0.0) for r in records))
+        if self.stop_names:
+            for name in self.stop_names:
+                totals[f"agent/stop/{name}"] = 0.0
+            for r in records:
+                name = r.stop_condition or NO_STOP
+                totals[f"agent/stop/{name if name in self.stop_names else OTHER_STOP}"] += 1.0
         return totals
+
+
+NO_STOP = "none"  # the player named no stop condition (an episode that failed before it returned, too)
+OTHER_STOP = "other"  # a stop condition the player did not declare
+
+
+def stop_names(player: Player) -> tuple[str, ...]:
+    """The stop conditions counted per name (`environment/agent/stop/<name>`): the player's declared
+    `stop_conditions`, then `none` and `other`; () for a player that declares none (nothing counted). Declared, not
+    collected from the episodes, so that every rank logs the same names at every step (they are summed over ranks)."""
+    declared = getattr(player, "stop_conditions", None)
+    if declared is None:
+        return ()
+    return tuple(dict.fromkeys([*declared, NO_STOP, OTHER_STOP]))
 
 
 def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: list[int], environment) -> AgentEngine:

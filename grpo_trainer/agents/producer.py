@@ -16,6 +16,10 @@ Optional members, read with getattr (a player may leave them out):
   first play, and left when the run ends (a server the player's episodes share, verifiers' `env.serving()`).
 - `counter_names: tuple[str, ...]`: the names of `Played.counters` summed over the batch and logged (as
   `environment/agent/<name>`); other names are dropped. Declared, so every rank logs the same names.
+- `stop_conditions: tuple[str, ...]`: the values `Played.stop_condition` may take, each episode counted under its
+  own (`environment/agent/stop/<name>`, summed over the batch and the ranks), with `none` (no stop condition given,
+  or the episode failed before it returned) and `other` (a value not declared). Declared, so every rank logs the
+  same names; a player that declares none gets no stop counts.
 - `reward_names: dict[str, float]`: the named rewards `Played.reward` may hold as a dict, with their weights
   (`environment.reward_weights` for environment.agent); each becomes a reward `environment/<name>`.
 
@@ -58,7 +62,8 @@ class Played:
     endpoint's own record of the episode's requests). `messages`: the episode's conversation as the reward functions
     receive it (`completions`; None: the endpoint's record of the last chat request and its reply, else the decoded
     completion as one assistant message). `ok=False` (with a one-line `error`): the episode failed, scored by
-    environment.on_error. `stop_condition`: why it ended, in the player's words (kept on the episode's record).
+    environment.on_error. `stop_condition`: why it ended, in the player's words (kept on the episode's record;
+    counted per name where the player declares `stop_conditions`).
     `counters`: numbers summed over the batch (only the names in the player's `counter_names` are logged)."""
 
     reward: float | dict[str, float] | None

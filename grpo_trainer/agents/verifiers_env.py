@@ -19,8 +19,9 @@ What becomes of an episode (`played`):
   `trace.metrics` is logged as `verifiers/reward/<name>`, `verifiers/metric/<name>`;
 - an episode that is not ok (`episode.ok`, `trace.ok`: verifiers never raises for them) is `Played(ok=False,
   error=...)`, which the producer scores by `environment.on_error`;
-- counters: `verifiers/stop/<stop_condition>`, `verifiers/errors`, `verifiers/branches`, `verifiers/turns`,
-  `verifiers/tokens` (completion tokens sampled).
+- counters: `verifiers/errors`, `verifiers/branches`, `verifiers/turns`, `verifiers/tokens` (completion tokens
+  sampled); the last trainable trace's `stop_condition` is the episode's, counted by the engine per name
+  (`environment/agent/stop/<name>`, the names verifiers can stop with declared in `stop_conditions`).
 
 Offline only: every agent role runs in the `subprocess` runtime (a role left at verifiers' default, the remote
 `prime` sandbox, is moved to it; any other runtime is refused), and a harness of verifiers' own
@@ -142,7 +143,26 @@ def branch_sample(token_ids: list[int], sampled_mask: list[bool], logprobs: list
 
 
 COUNTERS = ("errors", "turns", "tokens", "branches")
-STOP_CONDITIONS = ("user_closed", "agent_completed", "empty_action", "error", "max_turns", "none")
+# verifiers 0.4's stop conditions (trace.stop_condition): what its agents and harnesses stop a trace with, the
+# framework limits, `<stage>_timeout` for its stage deadlines (rollout.py) and `<boundary>_error` for its typed
+# errors (errors.py, `stop_condition`); any other counts as `other` (engine.py, stop_names).
+STOP_CONDITIONS = (
+    "user_closed", "agent_completed", "empty_action", "max_turns", "max_input_tokens", "max_output_tokens",
+    "max_total_tokens", "compaction_failed", "error",
+    *(f"{stage}_timeout" for stage in ("setup", "agent", "finalize", "scoring")),
+)  # fmt: skip
+
+
+def stop_conditions() -> tuple[str, ...]:
+    """STOP_CONDITIONS and one `<boundary>_error` per typed error of the installed verifiers."""
+    from verifiers.v1.errors import RolloutError, stop_condition
+
+    errors, todo = [], list(RolloutError.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        errors.append(stop_condition(cls.__new__(cls)))
+        todo += cls.__subclasses__()
+    return tuple(dict.fromkeys([*STOP_CONDITIONS, *sorted(errors)]))
 
 
 class VerifiersPlayer:
@@ -172,10 +192,10 @@ class VerifiersPlayer:
         probe = task_cls(self._data_cls.model_construct(), self.env.taskset.config.task)
         signals = [f"reward/{fn.__name__}" for fn in probe.hooks("reward")]
         signals += [f"metric/{fn.__name__}" for fn in probe.hooks("metric")]
-        # Declared for the engine (summed over the batch, logged as environment/agent/<name>).
-        self.counter_names = tuple(
-            f"verifiers/{n}" for n in (*COUNTERS, *(f"stop/{c}" for c in STOP_CONDITIONS), *signals)
-        )
+        # Declared for the engine (summed over the batch, logged as environment/agent/<name>, and the last
+        # trainable trace's stop condition as environment/agent/stop/<name>).
+        self.counter_names = tuple(f"verifiers/{n}" for n in (*COUNTERS, *signals))
+        self.stop_conditions = stop_conditions()
         self.prompts_from_taskset = False  # load_task reads taskset_rows() for the run's prompts (build() decides)
         self._serving: contextlib.AbstractAsyncContextManager | None = None
         self._users = 0
@@ -283,8 +303,6 @@ def played(episode) -> Played:
     for trace in traces:
         counters["verifiers/turns"] = counters.get("verifiers/turns", 0.0) + trace.num_turns
         counters["verifiers/tokens"] = counters.get("verifiers/tokens", 0.0) + trace.num_output_tokens
-        stop = f"verifiers/stop/{trace.stop_condition or 'none'}"
-        counters[stop] = counters.get(stop, 0.0) + 1
         for name, reward in trace.rewards.items():
             if reward is not None:
                 counters[f"verifiers/reward/{name}"] = reward.score
