@@ -378,27 +378,44 @@ def test_environment_agent_is_checked_before_the_model_loads(tmp_path):
 # ------------------------------------------------------------------------------------------ the example, trained
 
 
-def train_agent(out, steps: int, resume: str = "never"):
-    from helpers import run_cli, small_run_overrides
+def train_agent(out, steps: int, resume: str = "never", launcher=None):
+    from helpers import launch_failure, run_cli, small_run_overrides
 
     overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
     result = run_cli(
-        ["train", "configs/agent_cpu.yaml", *overrides, "checkpoint.save_every=1", f"checkpoint.resume={resume}"]
+        ["train", "configs/agent_cpu.yaml", *overrides, "checkpoint.save_every=1", f"checkpoint.resume={resume}"],
+        launcher=launcher,
+        env={"ACCELERATE_USE_CPU": "1"} if launcher else None,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, launch_failure(result)
     return result
 
 
+# Metrics two DDP ranks must log as one process does at the first step (same weights, every request seeded from
+# (run seed, group, slot, turn), never the rank): the episodes, what was sampled, and the rewards.
+SAME_ON_TWO_RANKS = (
+    "rewards/environment/mean",
+    "environment/agent/episodes",
+    "environment/agent/requests",
+    "environment/agent/completion_tokens",
+    "completions/mean_length",
+    "environment/errors",
+)
+
+
 @pytest.mark.slow
-def test_the_openai_sdk_example_trains_and_a_resumed_run_is_the_same_run(tmp_path):
+def test_the_openai_sdk_example_trains_resumes_exactly_and_two_ranks_agree_with_one(tmp_path):
     """configs/agent_cpu.yaml (configs/agents/openai_agent.py: the `openai` SDK against the run's endpoint) from the
     CLI: 2 steps straight and 1 + 1 resumed give bit-identical weights and metrics (every request seeded from
     (run seed, group, slot, turn)); the agent's reward is the `environment` reward; what was trained is what was
-    sampled (the sampler/trainer log-prob gap is float rounding)."""
+    sampled (the sampler/trainer log-prob gap is float rounding). On two DDP ranks (cpu_ddp.yaml), each rank plays
+    its own prompts' episodes against its own endpoint (a loopback port of its process: the other rank's episodes
+    cannot reach it), so all 16 requests served with no error means both endpoints served; step 1 logs what one
+    process logs, and after the DDP update each rank's endpoint still samples what its trainer scores."""
     from grpo_trainer.metrics import read_metrics
-    from helpers import assert_same_run
+    from helpers import ROOT, accelerate_launch, assert_same_run, free_port
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
     train_agent(straight, 2)
     train_agent(resumed, 1)
     assert "resumed from" in train_agent(resumed, 2, resume="auto").stderr
@@ -409,6 +426,15 @@ def test_the_openai_sdk_example_trains_and_a_resumed_run_is_the_same_run(tmp_pat
         assert r["environment/agent/episodes"] == 16 and r["environment/agent/requests"] == 16
         assert r["environment/errors"] == 0 and r["environment/turns_per_episode"] == 1
         assert 0 <= r["rewards/environment/mean"] <= 1
+        assert r["sampling/logp_diff_max"] < 1e-4
+    launcher = accelerate_launch(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml", "--main_process_port", str(free_port()))
+    assert "world_size=2" in train_agent(ranks, 2, launcher=launcher).stderr
+    two = read_metrics(ranks)
+    assert [r["step"] for r in two] == [1, 2]
+    for key in SAME_ON_TWO_RANKS:
+        assert two[0][key] == pytest.approx(records[0][key], abs=1e-6), key
+    for r in two:
+        assert r["environment/agent/requests"] == 16 and r["environment/errors"] == 0
         assert r["sampling/logp_diff_max"] < 1e-4
 
 

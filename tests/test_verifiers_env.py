@@ -218,3 +218,25 @@ def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):
         environment.player.close()
     given = cfg.model_copy(update={"data": Config.model_validate({"data": {"source": "builtin:arithmetic"}}).data})
     assert taskset_gives_rows(cfg) and not taskset_gives_rows(given)
+
+
+def test_a_verifiers_environment_trains_from_the_cli(tmp_path):
+    """configs/verifiers_guess_cpu.yaml from the CLI, shrunk to one step of 2 prompts x 4 episodes: the episodes are
+    played through the run's endpoint, verifiers' reward is the `environment` reward, its signals and stop
+    conditions are logged, and what was trained is what the endpoint sampled (the hf engine's gap: float rounding)."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import run_cli
+
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/verifiers_guess_cpu.yaml", f"output_dir={out}", "train.max_steps=1",
+                      "train.prompts_per_step=2", "rollout.num_generations=4", "train.micro_batch_size=8",
+                      "eval.every=0", "checkpoint.save_final_model=false", "logging.progress_bar=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (r,) = read_metrics(out)
+    assert r["environment/agent/episodes"] == 8 and r["environment/errors"] == 0
+    assert 8 <= r["environment/agent/requests"] <= 32  # 1-4 guesses a game
+    assert r["environment/agent/verifiers/turns"] == r["environment/agent/requests"]
+    assert r["environment/agent/verifiers/reward/won"] == 8 * r["rewards/environment/mean"]
+    stops = {k.removeprefix("environment/agent/stop/"): v for k, v in r.items() if k.startswith("environment/agent/stop/")}
+    assert sum(stops.values()) == 8 and stops["user_closed"] > 0 and stops["none"] == stops["other"] == 0, stops
+    assert r["sampling/logp_diff_max"] < 1e-4

@@ -302,8 +302,9 @@ def test_an_agent_on_vllm_server_trains_on_what_the_server_sampled(servers, mode
     from grpo_trainer.metrics import read_metrics
     from helpers import run_cli, small_run_overrides
 
-    reward = tmp_path / "parity.py"  # the random model never boxes the answer: a reward that varies, so it trains
-    reward.write_text("def parity(completion_ids, **kwargs):\n    return [float(len(c) % 2) for c in completion_ids]\n")
+    # The random model never boxes the answer (nor ends before 16 tokens): a reward that varies, so that it trains.
+    reward = tmp_path / "parity.py"
+    reward.write_text("def parity(completion_ids, **kwargs):\n    return [float(sum(c) % 2) for c in completion_ids]\n")
     out = tmp_path / "run"
     result = run_cli(["train", "configs/agent_cpu.yaml", *small_run_overrides(out, 2), f"model.name_or_path={model_dir}",
                       "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={servers['a'].url}",
