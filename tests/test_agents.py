@@ -369,7 +369,7 @@ def test_environment_agent_is_checked_before_the_model_loads(tmp_path):
     )
     with pytest.raises(Exception, match="rollout.max_staleness 1 with environment.agent is not supported"):
         load_config("configs/agent_cpu.yaml", ["rollout.max_staleness=1", "rollout.engine=vllm_server"])
-    with pytest.raises(Exception, match="set one of factory, openenv, url or agent"):
+    with pytest.raises(Exception, match="set one of factory, openenv, url, agent or verifiers"):
         load_config("configs/agent_cpu.yaml", ["environment.factory=configs/guess_number_env.py:GuessNumber"])
     with pytest.raises(Exception, match="environment.reward_weights"):
         load_config("configs/demo_cpu.yaml", ["environment.reward_weights={a: 1.0}"])
