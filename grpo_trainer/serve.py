@@ -7,8 +7,8 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
   with (the engine refuses a server without it).
 - `--enable-scale-out`: vLLM's own token route, `POST /inference/v1/generate` (token ids in, token ids and
   log-probs out: what verifiers' train client calls, docs/agents.md), which vLLM 0.32 otherwise registers as a
-  stub answering 403 (vllm/entrypoints/scale_out/factories.py); it also registers `/render`, `/derender` and
-  `/inference/v1/abort_requests`, nothing that samples or changes weights.
+  stub answering 403 (vllm/entrypoints/scale_out/factories.py). The flag also opens `/render` and `/derender`
+  (tokenizing only) and `/inference/v1/abort_requests` (cancels requests by id); none of them touches weights.
 - `--dtype`: the trainer's (`rollout.vllm.dtype`, `auto` = `model.dtype`); vLLM's own `auto` would run a
   float32 checkpoint in bfloat16.
 - the weight push of `rollout.vllm_server.weight_sync`: `--weight-transfer-config '{"backend": "gloo"}'`
