@@ -567,7 +567,7 @@ def save_step(parts: Resumable, state: TrainState, history: str) -> None:
         "sampler": parts.sampler.state_dict(),
         "world_size": parts.world,
         "config": parts.cfg.model_dump(mode="json"),
-        "cpu_paths": cpu_paths.record(),
+        "cpu_paths": cpu_paths.in_use(),
     }
     if parts.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
         trainer_state["rollout_queue"] = parts.rollouts.state_dict()

@@ -211,7 +211,9 @@ class RolloutQueue:
         batch = self.pending[0]
         mine = self.geometry.my_prompts(batch.prompts)
         rollout = (
-            self._sample_now(mine, step, 0, current=step - 1) if batch.future is None else self._settled(batch, step)
+            self._sample_now(mine, step, 0, current=step - 1)
+            if batch.future is None
+            else self._queued_result(batch, step)
         )
         self.pending.popleft()
         if self.max_staleness:
@@ -346,7 +348,7 @@ class RolloutQueue:
                 return rollout
         raise self._too_many_losses(step)
 
-    def _settled(self, batch: _Batch, step: int) -> Rollout:
+    def _queued_result(self, batch: _Batch, step: int) -> Rollout:
         """The queued rollout of `batch`, once every rank's is in (recovering from a lost server on the way)."""
         for _ in range(MAX_RECOVERIES + 1):
             assert batch.future is not None  # queued by _refill (again, after a recovery)

@@ -357,7 +357,7 @@ def record_decode_kernels(output_dir: Path, plan: Mapping[str, str], device_type
 
     from .rollout.kernels import machine_fingerprint
 
-    record = {"machine": machine_fingerprint(device_type), "choices": dict(plan), "cpu_paths": cpu_paths.record()}
+    record = {"machine": machine_fingerprint(device_type), "choices": dict(plan), "cpu_paths": cpu_paths.in_use()}
     (output_dir / "decode_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 

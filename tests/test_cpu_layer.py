@@ -120,7 +120,7 @@ def test_checking_leaves_the_global_random_stream_alone():
     torch.manual_seed(7)
     torch.rand(3)
     state = torch.get_rng_state()
-    assert paths.record() == dict.fromkeys(paths.FAST_PATHS, "fast")
+    assert paths.in_use() == dict.fromkeys(paths.FAST_PATHS, "fast")
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -130,7 +130,7 @@ def test_a_check_asked_first_inside_a_no_grad_pass_still_passes(context):
     (update.add_logprobs): a check that differentiates must not fail there and turn its path off."""
     paths.why_not.cache_clear()
     with context():
-        assert paths.record() == dict.fromkeys(paths.FAST_PATHS, "fast")
+        assert paths.in_use() == dict.fromkeys(paths.FAST_PATHS, "fast")
     paths.why_not.cache_clear()
 
 
@@ -144,7 +144,7 @@ def test_a_check_asked_first_inside_a_checkpointed_forward_leaves_its_recomputat
     x = torch.ones(3, requires_grad=True)
 
     def chunk(t):
-        assert paths.record() == dict.fromkeys(paths.FAST_PATHS, "fast")
+        assert paths.in_use() == dict.fromkeys(paths.FAST_PATHS, "fast")
         return (t * t).sum()
 
     checkpoint(chunk, x, use_reentrant=False).backward()
@@ -162,16 +162,16 @@ def test_a_failing_check_turns_its_fast_path_off_with_one_warning(monkeypatch, c
         assert paths.usable("adamw")
     lines = [r.getMessage() for r in caplog.records if "CPU fast path off" in r.getMessage()]
     assert len(lines) == 1 and "the twister moved" in lines[0] and "numpy and native" in lines[0], lines
-    assert paths.record() == {**dict.fromkeys(paths.FAST_PATHS, "fast"), "draw": "plain"}
+    assert paths.in_use() == {**dict.fromkeys(paths.FAST_PATHS, "fast"), "draw": "plain"}
 
 
 def test_the_environment_turns_fast_paths_off_by_name(monkeypatch):
     monkeypatch.setenv(paths.PLAIN_ENV, "adamw, onednn_linear")
-    assert paths.record() == {**dict.fromkeys(paths.FAST_PATHS, "fast"), "adamw": "plain", "onednn_linear": "plain"}
+    assert paths.in_use() == {**dict.fromkeys(paths.FAST_PATHS, "fast"), "adamw": "plain", "onednn_linear": "plain"}
     assert paths.why_not("adamw") == f"{paths.PLAIN_ENV} names it"
     monkeypatch.setenv(paths.PLAIN_ENV, "all")
     paths.why_not.cache_clear()
-    assert set(paths.record().values()) == {"plain"}
+    assert set(paths.in_use().values()) == {"plain"}
     monkeypatch.setenv(paths.PLAIN_ENV, "adamw,fast_everything")
     paths.why_not.cache_clear()
     with pytest.raises(ConfigError, match="GRPO_TRAINER_CPU_PLAIN: fast_everything is not a CPU fast path; choose from draw, adamw"):

@@ -95,7 +95,7 @@ def usable(name: str) -> bool:
     return why_not(name) is None
 
 
-def record() -> dict[str, str]:
+def in_use() -> dict[str, str]:
     """What a run records: "fast" or "plain" per fast path."""
     return {name: "fast" if usable(name) else "plain" for name in FAST_PATHS}
 
@@ -103,7 +103,7 @@ def record() -> dict[str, str]:
 def compare(recorded: dict[str, str] | None) -> list[str]:
     """A resume's lines (also logged as warnings) for each fast path the run recorded that runs differently here."""
     lines = []
-    for name, now in record().items():
+    for name, now in in_use().items():
         then = (recorded or {}).get(name)
         if then is not None and then != now:
             lines.append(

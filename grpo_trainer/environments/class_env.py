@@ -45,7 +45,7 @@ UNCUT = 2**62  # ToolBox output limit: none
 RESERVED = ("reset", "step", "get_reward", "reward", "close")  # the convention's own methods: never tools
 
 
-def _settled(value: Any) -> Any:
+def _awaited(value: Any) -> Any:
     """An `async def` method's result, awaited (we are in a worker thread with no running loop)."""
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
@@ -53,7 +53,7 @@ def _settled(value: Any) -> Any:
 def _sync(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)  # keeps the signature: ToolBox checks a call's arguments against it
     def run(*args, **kwargs):
-        return _settled(method(*args, **kwargs))
+        return _awaited(method(*args, **kwargs))
 
     return run
 
@@ -118,7 +118,7 @@ class ClassEpisode:
             kwargs["seed"] = spec.seed
         if "episode_id" in inspect.signature(reset).parameters:
             kwargs["episode_id"] = f"{spec.episode_id}-g{j}"
-        text = _settled(reset(**kwargs))
+        text = _awaited(reset(**kwargs))
         if text is not None and not isinstance(text, str):
             raise ProtocolBreach(
                 f"{self.label}.reset returned {_shown(text)}; expected a str (appended to the prompt) or None"
@@ -137,7 +137,7 @@ class ClassEpisode:
         step = getattr(self.obj, "step", None)
         if step is None:
             return Reply([])  # TRL: a turn without a tool call ends the episode
-        answer = _settled(step(text))
+        answer = _awaited(step(text))
         done = flag(answer[1]) if isinstance(answer, tuple) and len(answer) == 2 else None
         if done is None or not isinstance(answer[0], str):
             raise ProtocolBreach(f"{self.label}.step returned {_shown(answer)}; expected (feedback: str, done: bool)")
@@ -147,7 +147,7 @@ class ClassEpisode:
         scorer = self.env.scorer
         if scorer is None:
             return None
-        value = _settled(getattr(self.obj, scorer)())
+        value = _awaited(getattr(self.obj, scorer)())
         try:
             return reward_number(value)
         except ValueError:
@@ -161,7 +161,7 @@ class ClassEpisode:
     def close(self) -> None:
         close = getattr(self.obj, "close", None)
         if close is not None:
-            _settled(close())
+            _awaited(close())
 
 
 class ClassEnvironment:
@@ -209,7 +209,7 @@ class ClassEnvironment:
         self.has_reward = self.scorer is not None
         close = getattr(sample, "close", None)
         if callable(close):
-            self._sample_call(calls, lambda: _settled(close()), f"{type(sample).__name__}.close()", step_timeout)
+            self._sample_call(calls, lambda: _awaited(close()), f"{type(sample).__name__}.close()", step_timeout)
         calls.close()
 
     def _sample_call(
