@@ -83,8 +83,21 @@ def test_a_config_rebuilt_within_a_run_keeps_auto():
     assert cfg.dump_unresolved()["loss"]["tis_cap"] == "auto"
     rebuilt = with_absolute_paths(cfg)
     assert rebuilt.loss.tis_cap == 2.0 and rebuilt.loss.tis_cap_by_default and rebuilt.loss == cfg.loss
+    from grpo_trainer.api import config_data
+
+    assert config_from_dict(config_data(cfg)).loss.tis_cap_by_default  # a Config given to grpo_trainer.train()
     explicit = load_config(None, ["rollout.engine=vllm_server", "loss.tis_cap=2"])
     assert explicit.dump_unresolved()["loss"]["tis_cap"] == 2.0 and not with_absolute_paths(explicit).loss.tis_cap_by_default
+
+
+def test_a_loss_section_given_as_an_object_resolves_per_config_and_is_not_changed():
+    """An hf config's resolved section (null, by default) passed to a vLLM config becomes 2 there, and stays null
+    in the hf config (the section is copied, never changed in place)."""
+    from grpo_trainer.config import Config
+
+    hf = load_config(None)
+    vllm = Config.model_validate({**hf.model_dump(), "loss": hf.loss, "rollout": {"engine": "vllm_server"}})
+    assert (vllm.loss.tis_cap, hf.loss.tis_cap) == (2.0, None) and vllm.loss.tis_cap_by_default
 
 
 # ----------------------------------------------------------------------------- the numbers it logs

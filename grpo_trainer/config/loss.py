@@ -168,10 +168,9 @@ class LossConfig(_Section):
         checkpoint recorded instead (checkpoint.keep_recorded_correction)."""
         return "tis_cap" not in self.model_fields_set
 
-    def resolved_tis_cap(self, sampler_logprobs_differ: bool) -> float | None:
+    @staticmethod
+    def auto_tis_cap(sampler_logprobs_differ: bool) -> float | None:
         """What `auto` stands for on an engine whose log-probs do (vLLM) or do not (hf) differ from the trainer's."""
-        if self.tis_cap != "auto":
-            return self.tis_cap
         return DEFAULT_TIS_CAP if sampler_logprobs_differ else None
 
     @property

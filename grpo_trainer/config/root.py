@@ -75,9 +75,14 @@ class Config(_Section):
         from ..rollout.engines import engine_kind
 
         loss = self.loss
-        if loss.tis_cap == "auto":
-            loss.__dict__["tis_cap"] = loss.resolved_tis_cap(engine_kind(self.rollout.engine).sampler_logprobs_differ)
-            loss.model_fields_set.discard("tis_cap")  # set, not assigned: the resolution is no choice of the user
+        if not (loss.tis_cap_by_default or loss.tis_cap == "auto"):
+            return self
+        value = loss.auto_tis_cap(engine_kind(self.rollout.engine).sampler_logprobs_differ)
+        if loss.tis_cap != value:
+            loss = loss.model_copy()  # a section given as an object may be another config's: never changed in place
+            loss.__dict__["tis_cap"] = value  # set, not assigned: the resolution is no choice of the user's
+            loss.model_fields_set.discard("tis_cap")  # (an explicit `auto` is the default too)
+            self.__dict__["loss"] = loss
         return self
 
     @model_validator(mode="after")
