@@ -642,11 +642,12 @@ def mismatch_kl(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch
 
         k3 = exp(d) - 1 - d,   d = log pi_trainer(y_t) - log pi_sampler(y_t)
 
-    Schulman's estimator (DESIGN.md's k3 to the reference, with the sampler in the reference's place): >= 0 for
-    every token, 0 where the two agree, and its mean over the sampler's tokens is unbiased for the KL, since
-    E_mu[pi / mu] = 1. prime-rl logs the same quantity as `mismatch_kl` (trainer/rl/loss.py,
+    Schulman's estimator, as `kl_k3` to the reference (exp(ref - logp) - (ref - logp) - 1) with the sampler in the
+    policy's place (it drew the tokens) and the trainer in the reference's: >= 0 for every token, 0 where the two
+    agree, and its mean over the sampler's tokens is unbiased for the KL, since E_mu[pi / mu] = 1. prime-rl logs the same quantity as `mismatch_kl` (trainer/rl/loss.py,
     `compute_importance_ratio_and_mismatch_kl`: ratio - log_ratio - 1, log_ratio = trainer - inference). Not masked:
-    the caller averages it over the tokens that count."""
+    the caller averages it over the tokens that count. expm1, not exp(d) - 1 as `kl_k3`: with engines that agree to
+    d ~ 3e-7 (float32) k3 ~ 5e-14, which float32's exp would round away (its spacing at 1 is 1.2e-7)."""
     d = trainer_logp - sampler_logp
     return torch.expm1(d) - d
 

@@ -113,6 +113,9 @@ def test_mismatch_kl_is_k3_of_the_sampler_against_the_trainer():
     torch.testing.assert_close(k3, torch.tensor([[0.9013877, 0.1931472, 0.0, 0.0945349]]), atol=1e-6, rtol=0)
     d = torch.linspace(-5, 5, 101)
     assert bool((mismatch_kl(d, torch.zeros_like(d)) >= 0).all())
+    # Engines that agree (float32 vLLM: d ~ 3e-7): k3 ~ d^2 / 2 = 4.5e-14, not float32 exp's rounding (~6e-8).
+    tiny = torch.tensor([3e-7])
+    assert float(mismatch_kl(tiny, torch.zeros(1))) == pytest.approx(float(tiny) ** 2 / 2, rel=1e-3)
 
 
 def _term_on(cap: float, mode: str, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor):
