@@ -646,9 +646,10 @@ def mismatch_kl(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch
     policy's place (it drew the tokens) and the trainer in the reference's: >= 0 for every token, 0 where the two
     agree, and its mean over the sampler's tokens is unbiased for the KL, since E_mu[pi / mu] = 1. prime-rl logs the same quantity as `mismatch_kl` (trainer/rl/loss.py,
     `compute_importance_ratio_and_mismatch_kl`: ratio - log_ratio - 1, log_ratio = trainer - inference). Not masked:
-    the caller averages it over the tokens that count. expm1, not exp(d) - 1 as `kl_k3`: with engines that agree to
-    d ~ 3e-7 (float32) k3 ~ 5e-14, which float32's exp would round away (its spacing at 1 is 1.2e-7)."""
-    d = trainer_logp - sampler_logp
+    the caller averages it over the tokens that count. In float64, with expm1 (not exp(d) - 1 as `kl_k3`): with
+    engines that agree to d ~ 3e-7 (float32 vLLM) k3 ~ 4.5e-14, which float32's exp rounds to 0 (its spacing at 1 is
+    1.2e-7) and float32's expm1 still gets 25% wrong. d itself is exact: the difference of two close float32s."""
+    d = (trainer_logp - sampler_logp).double()
     return torch.expm1(d) - d
 
 

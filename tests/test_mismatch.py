@@ -110,12 +110,14 @@ def test_mismatch_kl_is_k3_of_the_sampler_against_the_trainer():
     trainer = torch.tensor([[math.log(3.0), -math.log(2.0), 0.0, math.log(1.5)]]) - 1.0
     sampler = torch.full((1, 4), -1.0)
     k3 = mismatch_kl(trainer, sampler)
-    torch.testing.assert_close(k3, torch.tensor([[0.9013877, 0.1931472, 0.0, 0.0945349]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(k3, torch.tensor([[0.9013877, 0.1931472, 0.0, 0.0945349]], dtype=torch.float64), atol=1e-6, rtol=0)
     d = torch.linspace(-5, 5, 101)
     assert bool((mismatch_kl(d, torch.zeros_like(d)) >= 0).all())
-    # Engines that agree (float32 vLLM: d ~ 3e-7): k3 ~ d^2 / 2 = 4.5e-14, not float32 exp's rounding (~6e-8).
+    # Engines that agree (float32 vLLM: d ~ 3e-7): k3 = d^2 / 2 + d^3 / 6 = 4.5e-14 to 1e-6, where float32's exp
+    # gives 0 and its expm1 5.7e-14.
     tiny = torch.tensor([3e-7])
-    assert float(mismatch_kl(tiny, torch.zeros(1))) == pytest.approx(float(tiny) ** 2 / 2, rel=1e-3)
+    d = float(tiny)
+    assert float(mismatch_kl(tiny, torch.zeros(1))) == pytest.approx(d**2 / 2 + d**3 / 6, rel=1e-6, abs=0)
 
 
 def _term_on(cap: float, mode: str, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor):
