@@ -110,7 +110,7 @@ def config_data(config: str | Path | Mapping[str, Any] | Config | None) -> dict[
     if config is None:
         return {}
     if isinstance(config, Config):
-        return config.model_dump(mode="json")
+        return config.dump_unresolved()
     if isinstance(config, (str, Path)):
         return read_config_file(config)
     if isinstance(config, Mapping):

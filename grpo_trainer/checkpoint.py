@@ -351,13 +351,7 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
         if problem:
             raise CheckpointError(f"checkpoint.resume: {path} is damaged: {problem}; resume from another checkpoint")
         return path, [note for note in [unverified_note(path)] if note]
-    candidates = sorted(complete_checkpoints(output_dir), reverse=True)
-    latest = checkpoint_root(output_dir) / LATEST
-    if latest.is_file():
-        pointed = checkpoint_root(output_dir) / latest.read_text().strip()
-        if pointed in candidates:
-            candidates.remove(pointed)
-            candidates.insert(0, pointed)
+    candidates = _auto_candidates(output_dir)
     notes: list[str] = []
     for candidate in candidates:
         problem = verify(candidate)
@@ -371,6 +365,59 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | 
             + ". Start over with checkpoint.resume=never (or a new output_dir)"
         )
     return None, notes
+
+
+def _auto_candidates(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints `resume: auto` tries, in its order: the one `latest` names, then newest first."""
+    candidates = sorted(complete_checkpoints(output_dir), reverse=True)
+    latest = checkpoint_root(output_dir) / LATEST
+    if latest.is_file():
+        pointed = checkpoint_root(output_dir) / latest.read_text().strip()
+        if pointed in candidates:
+            candidates.remove(pointed)
+            candidates.insert(0, pointed)
+    return candidates
+
+
+def keep_recorded_correction(cfg: Config, is_main_process: bool = True) -> Config:
+    """`cfg` with the rollout correction (`loss.tis_cap`) that the checkpoint a resume continues recorded, where
+    `cfg` leaves it at `auto`: a run keeps the correction it trained with. A checkpoint of a version before `auto`
+    recorded `null` (off) on every engine, and a later default may differ again; a config that sets tis_cap
+    itself is a change like any other (warned about by `check_resume_compatible`). A config saved without the key
+    (a version before the correction existed) trained without one.
+
+    Called before the run is built (its loss terms are fixed then), so it reads the checkpoint `resume` names, or
+    the first that `auto` tries, without verifying it (`restore` does, and falls back to an older checkpoint of
+    the same run, which recorded the same value unless a resume set it)."""
+    from .config import config_from_dict
+
+    loss, resume = cfg.loss, cfg.checkpoint.resume
+    if not loss.tis_cap_by_default or resume == "never":
+        return cfg
+    candidates = _auto_candidates(cfg.output_dir) if resume == "auto" else [Path(resume)]
+    if not candidates or not (candidates[0] / TRAINER_STATE).is_file():
+        return cfg  # nothing to resume (or not a checkpoint: `restore` says so)
+    try:
+        saved = read_trainer_state(candidates[0]).get("config", {}).get("loss", {})
+    except (OSError, ValueError, AttributeError):
+        return cfg  # unreadable: `restore` reports it
+    recorded = saved.get("tis_cap") if isinstance(saved, dict) else None
+    if isinstance(recorded, bool) or not (recorded is None or isinstance(recorded, (int, float))):
+        return cfg  # `auto` written by hand into a checkpoint, or no number: what auto means here
+    if recorded == loss.tis_cap:
+        return cfg
+    if is_main_process:
+        logger.warning(
+            "resuming with loss.tis_cap %s as checkpoint %s recorded (the default `auto` is %s on rollout.engine "
+            "%s): set loss.tis_cap to change it",
+            "null (no rollout correction)" if recorded is None else f"{recorded:g}",
+            candidates[0].name,
+            "null" if loss.tis_cap is None else f"{loss.tis_cap:g}",
+            cfg.rollout.engine,
+        )
+    data = cfg.dump_unresolved()
+    data["loss"]["tis_cap"] = recorded
+    return config_from_dict(data, source=f"the config with {candidates[0].name}'s loss.tis_cap")
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:

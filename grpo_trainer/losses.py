@@ -576,6 +576,10 @@ def aggregate(
 
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# `loss.tis_cap: auto` on an engine whose log-probs differ from the trainer's (vLLM): truncated importance sampling
+# per token at C = 2, as Yao et al. 2025 ran it and TRL's default was until its #4530 (docs/async.md, "The default
+# correction", says why this and not TRL's sequence_mask at 3, prime-rl's masked loss or IcePop).
+DEFAULT_TIS_CAP = 2.0
 
 
 def teacher_advantage(
@@ -631,6 +635,22 @@ def importance_weight(
     else:
         weight = torch.where(outside, torch.zeros_like(ratio), ratio)
     return weight.detach(), outside & (mask > 0)
+
+
+def mismatch_kl(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.Tensor:
+    """The per-token k3 estimate [B, T] of KL(pi_sampler || pi_trainer) for tokens the sampler drew:
+
+        k3 = exp(d) - 1 - d,   d = log pi_trainer(y_t) - log pi_sampler(y_t)
+
+    Schulman's estimator, as `kl_k3` to the reference (exp(ref - logp) - (ref - logp) - 1) with the sampler in the
+    policy's place (it drew the tokens) and the trainer in the reference's: >= 0 for every token, 0 where the two
+    agree, and its mean over the sampler's tokens is unbiased for the KL, since E_mu[pi / mu] = 1. prime-rl logs the same quantity as `mismatch_kl` (trainer/rl/loss.py,
+    `compute_importance_ratio_and_mismatch_kl`: ratio - log_ratio - 1, log_ratio = trainer - inference). Not masked:
+    the caller averages it over the tokens that count. In float64, with expm1 (not exp(d) - 1 as `kl_k3`): with
+    engines that agree to d ~ 3e-7 (float32 vLLM) k3 ~ 4.5e-14, which float32's exp rounds to 0 (its spacing at 1 is
+    1.2e-7) and float32's expm1 still gets 25% wrong. d itself is exact: the difference of two close float32s."""
+    d = (trainer_logp - sampler_logp).double()
+    return torch.expm1(d) - d
 
 
 def off_policy_sequence_mask(

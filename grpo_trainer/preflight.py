@@ -52,9 +52,10 @@ def preflight(cfg: Config) -> list[str]:
         )
     if cfg.rollout.max_staleness and not cfg.loss.correction_on:
         warnings.append(
-            f"rollout.max_staleness {cfg.rollout.max_staleness} without loss.tis_cap: completions sampled by weights up to "
-            f"{cfg.rollout.max_staleness} steps old are trained on as if the current policy had sampled them; set "
-            "loss.tis_cap (e.g. 2) so the importance weight corrects the lag (docs/async.md)"
+            f"rollout.max_staleness {cfg.rollout.max_staleness} without loss.tis_cap (null turns the rollout correction "
+            f"off): completions sampled by weights up to {cfg.rollout.max_staleness} steps old are trained on as if the "
+            "current policy had sampled them; set loss.tis_cap to auto (the default) or a number so the importance "
+            "weight corrects the lag (docs/async.md)"
         )
     if cfg.model.dtype == "bfloat16" and _runs_on_cpu() and not cpu_has_bf16_instructions():
         warnings.append(

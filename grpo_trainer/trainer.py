@@ -51,7 +51,7 @@ import torch
 from . import distributed, output_dir
 from .advantages import batch_advantages
 from .batches import build_train_batch
-from .checkpoint import save_step
+from .checkpoint import keep_recorded_correction, save_step
 from .collect import CollectSettings, Sources, collect
 from .config import Config, with_absolute_paths
 from .deadline import run_inline
@@ -83,6 +83,7 @@ def train(cfg: Config, on_step_end: Callable[[int], None] | None = None) -> Trai
     """Train as `cfg` says. `on_step_end(step)` is called after every step (a profiler's step(), a test's probe)."""
     cfg = with_absolute_paths(cfg)  # once: user code that calls os.chdir cannot split the run's folders
     is_main = distributed.partial_state().is_main_process
+    cfg = keep_recorded_correction(cfg, is_main)  # a resume keeps the loss.tis_cap its checkpoint recorded
     with StopRequests(cfg.checkpoint.save_on_signals) as stop, output_dir.claimed(cfg.output_dir, is_main):
         finished = output_dir.finished_run(cfg, is_main)
         if finished is not None:  # the same command (or notebook cell) run twice: nothing to train

@@ -68,9 +68,14 @@ class UpdateSettings:
     mini_batches: int
     max_grad_norm: float | None
     max_consecutive_nonfinite: int
+    # The engine's log-probs differ from the trainer's (vLLM): the step logs sampling/mismatch_kl where it reports
+    # them. Not on hf, whose endpoint log-probs (agents) are the trainer's own weights': its records stay as they were.
+    log_mismatch: bool = False
 
     @classmethod
     def of(cls, cfg: Config, geometry: Geometry) -> UpdateSettings:
+        from .rollout.engines import engine_kind
+
         train = cfg.train
         return cls(
             LossSettings.of(cfg, geometry),
@@ -78,6 +83,7 @@ class UpdateSettings:
             geometry.mini_batches,
             train.max_grad_norm,
             train.max_consecutive_nonfinite,
+            engine_kind(cfg.rollout.engine).sampler_logprobs_differ,
         )
 
 
@@ -155,6 +161,7 @@ CORE_SUMS = {
     "entropy": Sum.FIRST,  # over trained tokens
     "trained_tokens": Sum.FIRST,
     "logp_gap": Sum.FIRST,  # |trainer - sampler| log-prob over trained tokens (engines that report them)
+    "mismatch_kl": Sum.FIRST,  # k3 of the sampler against pi_old over trained tokens (UpdateSettings.log_mismatch)
 }
 
 
@@ -171,6 +178,7 @@ class StepStats:
     steps: int = 1  # optimizer steps: iterations x mini-batches
     grad_norm: float = math.nan  # of the last optimizer step; the same on every rank
     nonfinite_skipped: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
+    log_mismatch: bool = False  # sampling/mismatch_kl is logged (UpdateSettings.log_mismatch)
 
     @classmethod
     def zeros(
@@ -227,6 +235,8 @@ class StepStats:
         if sampler_logprobs:
             out["sampling/logp_diff_mean"] = float(sums["logp_gap"]) / trained
             out["sampling/logp_diff_max"] = float(self.logp_gap_max)
+            if self.log_mismatch:
+                out["sampling/mismatch_kl"] = float(sums["mismatch_kl"]) / trained
         for term in self.terms:
             out.update(term.metrics(sums, totals))
         return out
@@ -249,6 +259,7 @@ def update(
     steps = iterations * settings.mini_batches  # the logged loss: the mean of the optimizer steps' losses
     terms = tuple(term.for_step(batch, comm, state) for term in terms)
     stats = StepStats.zeros(accelerator.device, batch.trained_completions, terms, iterations, steps)
+    stats.log_mismatch = settings.log_mismatch
     # A term that needs H with its gradient needs it in every pass; otherwise H is a first-pass statistic.
     entropy_grad = any(term.needs_entropy_grad for term in terms)
     nonfinite = state.nonfinite_in_a_row
@@ -287,6 +298,10 @@ def update(
                     gap = (logp.detach() - mb.sampling_logp).abs() * mb.mask
                     parts["logp_gap"] = gap.sum()
                     stats.logp_gap_max = torch.maximum(stats.logp_gap_max, gap.max())
+                    if settings.log_mismatch:  # against pi_old: the policy the correction's ratio compares
+                        old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                        k3 = losses.mismatch_kl(old, mb.sampling_logp)  # [mb, C]; off the mask: anything
+                        parts["mismatch_kl"] = torch.where(mb.mask > 0, k3, torch.zeros_like(k3)).sum()
             stats.add(parts, iteration)
     for term in terms:
         state = term.after_step(stats.sums, comm, state)

@@ -116,10 +116,11 @@ def test_async_settings_are_checked_when_the_config_loads():
     # Legal but rarely meant: the lag left uncorrected is a warning (validate prints it, train logs it).
     from grpo_trainer.preflight import preflight
 
-    uncorrected = load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1"])
+    uncorrected = load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "loss.tis_cap=null"])
     assert any("rollout.max_staleness 1 without loss.tis_cap" in w for w in preflight(uncorrected))
-    assert not any("tis_cap" in w for w in preflight(load_config(None, ["rollout.engine=vllm_server",
-                                                                         "rollout.max_staleness=1", "loss.tis_cap=2"])))
+    for corrected in (["loss.tis_cap=2"], []):  # set, or the default (`auto` is on for vllm_server)
+        assert not any("tis_cap" in w for w in preflight(load_config(None, ["rollout.engine=vllm_server",
+                                                                             "rollout.max_staleness=1", *corrected])))
 
 
 # ----------------------------------------------------------------------------- the schedule

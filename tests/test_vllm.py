@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 if os.environ.get("GRPO_TRAINER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  `make test` installs vLLM's CPU build: its absence is a failure, not a skip
@@ -121,7 +122,8 @@ def test_weight_names_match_checkpoint(model_dir):
 
 
 def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
-    """End to end: completions sampled through vllm_colocate train a model, and vLLM keeps up with its weights."""
+    """End to end: completions sampled through vllm_colocate train a model, and vLLM keeps up with its weights.
+    The rollout correction is the default's (`loss.tis_cap: auto`: 2 on vLLM engines), recorded as such."""
     from grpo_trainer.metrics import read_metrics
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -133,7 +135,7 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     reward.write_text("def parity(completions, completion_ids, **kwargs):\n    return [float(len(c) % 2) for c in completion_ids]\n")
     out = tmp_path / "run"
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), "rollout.engine=vllm_colocate",
-                      f"model.name_or_path={model}", f"rewards=[{{name: '{reward}:parity'}}]", "loss.tis_cap=2.0",
+                      f"model.name_or_path={model}", f"rewards=[{{name: '{reward}:parity'}}]",
                       "train.learning_rate=1e-2", "loss.dynamic_sampling=true"])
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(out)
@@ -147,6 +149,12 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     # auto); in vLLM's own auto dtype (bfloat16 for a float32 checkpoint) the gap was ~5e-3 nats.
     gaps = [r["sampling/logp_diff_mean"] for r in rows]
     assert max(gaps) < 1e-4, gaps  # measured ~3e-7
+    print("sampling/mismatch_kl per step:", [r["sampling/mismatch_kl"] for r in rows])
+    assert all(abs(r["sampling/mismatch_kl"]) < 1e-8 for r in rows)  # k3 ~ d^2 / 2 at d ~ 3e-7
+    # The default correction is on, and with both in float32 it truncates nothing (a ratio above 2 needs a gap of
+    # ln 2 nats); the run records the number `auto` became.
+    assert all(r["sampling/is_truncated_fraction"] == 0 and r["sampling/is_truncated_sequence_fraction"] == 0 for r in rows)
+    assert yaml.safe_load((out / "config.yaml").read_text())["loss"]["tis_cap"] == 2.0
     before, after = load_file(model / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

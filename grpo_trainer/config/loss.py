@@ -18,7 +18,7 @@ from pydantic_core import ErrorDetails
 
 from ..advantages import ESTIMATORS
 from ..errors import UserError
-from ..losses import IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
+from ..losses import DEFAULT_TIS_CAP, IS_MODES, LOSS_VARIANTS, LossOptions, LossVariant, loss_variant
 from .base import CHANGES_MEANING, _asks_a_number, _Section
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -46,10 +46,14 @@ class LossConfig(_Section):
     beta: float = Field(
         0.0, ge=0, description="KL coefficient to the frozen reference (0: no reference model is loaded)."
     )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling: weight tokens by min(pi_old/pi_sampler, cap) when the engine reports log-probs (vLLM).",
+    tis_cap: float | Literal["auto"] | None = Field(
+        "auto",
+        description="The rollout correction (truncated or masked importance sampling): weight tokens by "
+        "min(pi_old/pi_sampler, cap) (`tis_mode`) where the engine reports the sampler's log-probs. `auto`: "
+        f"{DEFAULT_TIS_CAP:g} on engines whose log-probs differ from the trainer's (vllm_colocate, vllm_server), off on hf "
+        "(it samples with the trainer's own weights); a run records the value it resolved to, and a resumed run whose "
+        "config leaves this at auto keeps its checkpoint's. `null` (or `off`): no correction on any engine; a positive number: "
+        'that cap on every engine (docs/async.md, "The default correction").',
     )
     tis_min: float | None = Field(
         None,
@@ -70,7 +74,9 @@ class LossConfig(_Section):
         "token_truncate",
         description="With tis_cap: the ratio pi_old/pi_sampler per token (`token_*`) or its product over the "
         "completion (`sequence_*`), capped at tis_cap (`*_truncate`) or zeroed above it (`*_mask`); TRL's "
-        "vllm_importance_sampling_mode. Logged: sampling/is_truncated_fraction or sampling/is_masked_fraction.",
+        "vllm_importance_sampling_mode. Logged: the fraction of trained tokens touched (capped or zeroed), "
+        "sampling/is_truncated_fraction or sampling/is_masked_fraction, and of trained completions, "
+        "sampling/is_truncated_sequence_fraction or sampling/is_masked_sequence_fraction.",
     )
     advantage: AdvantageEstimator = Field(
         "grpo",
@@ -147,8 +153,25 @@ class LossConfig(_Section):
 
     @property
     def correction_on(self) -> bool:
-        """Rollout correction is configured (tis_cap): it weights the batches whose engine reports sampler log-probs."""
-        return self.tis_cap is not None
+        """Rollout correction is configured (tis_cap, resolved): it weights the batches whose engine reports sampler
+        log-probs. A section on its own leaves `auto` unresolved (the engine is the config's): off until then."""
+        return self.correction_cap is not None
+
+    @property
+    def correction_cap(self) -> float | None:
+        """tis_cap as a number, None where the correction is off (or `auto` is not resolved yet)."""
+        return None if self.tis_cap == "auto" else self.tis_cap
+
+    @property
+    def tis_cap_by_default(self) -> bool:
+        """tis_cap was left at (or set to) `auto` and resolved by the engine (`Config`): a resume keeps the value its
+        checkpoint recorded instead (checkpoint.keep_recorded_correction)."""
+        return "tis_cap" not in self.model_fields_set
+
+    @staticmethod
+    def auto_tis_cap(sampler_logprobs_differ: bool) -> float | None:
+        """What `auto` stands for on an engine whose log-probs do (vLLM) or do not (hf) differ from the trainer's."""
+        return DEFAULT_TIS_CAP if sampler_logprobs_differ else None
 
     @property
     def teacher_on(self) -> bool:
@@ -159,6 +182,27 @@ class LossConfig(_Section):
     def entropy_term(self) -> bool:
         """Whether the loss has an entropy term (its coefficient may still be 0 at times, under adaptive control)."""
         return self.entropy_coef > 0 or self.entropy_target is not None
+
+    @field_validator("tis_cap", mode="before")
+    @classmethod
+    def _tis_cap_off(cls, value: Any) -> Any:
+        """`off` (YAML reads it, and `false`, as False) is `null`; `true` is no number (the base's message); a
+        string other than `auto` is read as a number (PyYAML reads `1e-1` as a string) or refused in one line."""
+        if value is False:
+            return None
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError("expected a positive number, `auto`, or null / off (no correction)") from None
+        return value
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _tis_cap_positive(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and value <= 0:
+            raise ValueError("expected a positive number, `auto`, or null / off (no correction)")
+        return value
 
     @field_validator("type")
     @classmethod

@@ -32,7 +32,7 @@ def with_absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
             return value
         return absolute(value) if (root / value).exists() else value
 
-    data = cfg.model_dump(mode="json")
+    data = cfg.dump_unresolved()  # `auto` stays auto: a resume can still keep its checkpoint's value
     data["output_dir"] = absolute(cfg.output_dir)
     if cfg.checkpoint.resume not in ("auto", "never"):
         data["checkpoint"]["resume"] = absolute(cfg.checkpoint.resume)

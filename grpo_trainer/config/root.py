@@ -68,6 +68,24 @@ class Config(_Section):
         return value
 
     @model_validator(mode="after")
+    def _resolve_correction(self) -> Config:
+        """`loss.tis_cap: auto` becomes the number (or null) the engine's entry asks for, here where the engine is
+        known: every reader sees a resolved value, and a run's saved config records it (an hf run's `null`, as
+        before `auto` existed). Left out of the section's set fields, so `loss.tis_cap_by_default` still tells."""
+        from ..rollout.engines import engine_kind
+
+        loss = self.loss
+        if not (loss.tis_cap_by_default or loss.tis_cap == "auto"):
+            return self
+        value = loss.auto_tis_cap(engine_kind(self.rollout.engine).sampler_logprobs_differ)
+        if loss.tis_cap != value:
+            loss = loss.model_copy()  # a section given as an object may be another config's: never changed in place
+            loss.__dict__["tis_cap"] = value  # set, not assigned: the resolution is no choice of the user's
+            loss.model_fields_set.discard("tis_cap")  # (an explicit `auto` is the default too)
+            self.__dict__["loss"] = loss
+        return self
+
+    @model_validator(mode="after")
     def _check_combinations(self) -> Config:
         if not self.rewards and self.environment.kind is None and not self.loss.teacher_only:
             raise ValueError(
@@ -87,10 +105,11 @@ class Config(_Section):
                 "loss.advantage reinforce_pp divides by the batch std of the group-centred rewards: "
                 f"set loss.scale_rewards to batch (got {self.loss.scale_rewards})"
             )
-        if self.loss.tis_min is not None and (self.loss.tis_cap is None or self.loss.tis_min >= self.loss.tis_cap):
+        cap = self.loss.correction_cap  # resolved above
+        if self.loss.tis_min is not None and (cap is None or self.loss.tis_min >= cap):
             raise ValueError(
                 f"loss.tis_min ({self.loss.tis_min}) is the lower end of [tis_min, tis_cap]: set loss.tis_cap above it "
-                f"(got tis_cap {self.loss.tis_cap})"
+                f"(got tis_cap {cap})"
             )
         self._check_teacher()
         if self.rollout.lora_sync == "adapter":
@@ -163,6 +182,15 @@ class Config(_Section):
         """A frozen reference model is loaded for the KL term: beta > 0, and not LoRA (whose reference is the
         policy with its adapters switched off)."""
         return self.loss.kl_on and self.model.lora is None
+
+    def dump_unresolved(self) -> dict:
+        """The config as a JSON-able dict that validates back to this config, defaults still unresolved where the
+        user left them (`loss.tis_cap: auto`): what a config is rebuilt from within a run (`with_absolute_paths`,
+        a Config given to the Python API). What a run saves is `model_dump`, with the values resolved."""
+        data = self.model_dump(mode="json")
+        if self.loss.tis_cap_by_default:
+            data["loss"]["tis_cap"] = "auto"
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

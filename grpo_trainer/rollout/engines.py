@@ -31,6 +31,9 @@ class EngineKind:
     plans_kernels: bool  # samples with this package's decode loop, whose kernels are planned per machine
     vllm_in_process: bool  # runs vLLM in the trainer's processes: vLLM is needed here, and its CPU build's limits hold
     vllm_servers: bool  # samples on the servers of rollout.vllm_server: `train` waits for them before loading anything
+    # Samples with its own copy of the weights and its own kernels: its log-probs differ from the trainer's, so
+    # `loss.tis_cap: auto` turns the rollout correction on and the mismatch is logged (docs/async.md).
+    sampler_logprobs_differ: bool
 
 
 ENGINES: dict[str, EngineKind] = {
@@ -46,6 +49,7 @@ ENGINES: dict[str, EngineKind] = {
             plans_kernels=True,
             vllm_in_process=False,
             vllm_servers=False,
+            sampler_logprobs_differ=False,
         ),
         EngineKind(
             "vllm_colocate",
@@ -57,6 +61,7 @@ ENGINES: dict[str, EngineKind] = {
             plans_kernels=False,
             vllm_in_process=True,
             vllm_servers=False,
+            sampler_logprobs_differ=True,
         ),
         EngineKind(
             "vllm_server",
@@ -68,6 +73,7 @@ ENGINES: dict[str, EngineKind] = {
             plans_kernels=False,
             vllm_in_process=False,
             vllm_servers=True,
+            sampler_logprobs_differ=True,
         ),
     )
 }

@@ -15,10 +15,13 @@ from .base import LossTerm, StepTotals, Sum, TermInputs, TermModels
 
 class RolloutCorrection(LossTerm):
     """loss.tis_cap: pi_old / pi_sampler per token (or per completion), capped or masked, on the batches whose
-    engine reports sampler log-probs. Logged there: sampling/is_truncated_fraction or sampling/is_masked_fraction."""
+    engine reports sampler log-probs. Logged there: the fraction of trained tokens it touched (capped, or zeroed),
+    sampling/is_truncated_fraction or sampling/is_masked_fraction, and of trained completions with at least one
+    such token, sampling/is_truncated_sequence_fraction or sampling/is_masked_sequence_fraction (in `sequence_*`
+    modes a completion is touched whole, so the two agree up to its length)."""
 
     name = "rollout_correction"
-    sums: ClassVar[Mapping[str, Sum]] = {"is_capped": Sum.FIRST}
+    sums: ClassVar[Mapping[str, Sum]] = {"is_capped": Sum.FIRST, "is_capped_sequences": Sum.FIRST}
     acts_at_zero_advantage = False
     weights_sampler = True
 
@@ -31,7 +34,9 @@ class RolloutCorrection(LossTerm):
 
     @classmethod
     def build(cls, cfg, models: TermModels) -> LossTerm:
-        return cls(cfg.loss.tis_cap, cfg.loss.tis_mode, cfg.loss.tis_min)
+        cap = cfg.loss.correction_cap
+        assert cap is not None  # enabled
+        return cls(cap, cfg.loss.tis_mode, cfg.loss.tis_min)
 
     def weight(self, inputs: TermInputs) -> torch.Tensor | None:
         sampling = inputs.mb.sampling_logp
@@ -40,14 +45,21 @@ class RolloutCorrection(LossTerm):
         weight, capped = losses.importance_weight(
             inputs.old_logp, sampling, inputs.mask, self.cap, self.mode, floor=self.floor
         )
-        inputs.record(is_capped=losses.masked_sum(capped.float(), inputs.mask))
+        inputs.record(
+            is_capped=losses.masked_sum(capped.float(), inputs.mask),
+            is_capped_sequences=capped.any(dim=1).float().sum(),  # [B] -> 0-d; `capped` is 0 off the mask
+        )
         return weight
 
     def metrics(self, sums: Mapping[str, torch.Tensor], totals: StepTotals) -> dict[str, float]:
         if not totals.sampler_logprobs:
             return {}
         kind = "masked" if self.mode.endswith("mask") else "truncated"
-        return {f"sampling/is_{kind}_fraction": float(sums["is_capped"]) / totals.trained_tokens}
+        return {
+            f"sampling/is_{kind}_fraction": float(sums["is_capped"]) / totals.trained_tokens,
+            f"sampling/is_{kind}_sequence_fraction": float(sums["is_capped_sequences"])
+            / max(totals.trained_completions, 1),
+        }
 
 
 class OffPolicyMask(LossTerm):
