@@ -178,9 +178,10 @@ def test_what_a_change_on_resume_means_is_read_from_the_schema_flags():
                       for k in keys if resume_effect(k) == "meaning"} - {"r", "alpha", "dropout", "target_modules"})
     assert meaning == ["data.answer_column", "data.chat_template", "data.num_samples", "data.prompt_column",
                        "data.source", "data.split", "data.subset", "data.system_prompt", "data.use_chat_template",
-                       "environment.action", "environment.action_tool", "environment.factory",
+                       "environment.action", "environment.action_tool", "environment.agent", "environment.factory",
                        "environment.max_turns", "environment.observation_chars", "environment.observation_field",
-                       "environment.on_error", "environment.openenv", "environment.reward_weight", "loss.advantage", "loss.teacher_kl", "loss.teacher_only", "loss.type", "model.dtype",
+                       "environment.on_error", "environment.openenv", "environment.reward_weight", "environment.verifiers",
+                      "loss.advantage", "loss.teacher_kl", "loss.teacher_only", "loss.type", "model.dtype",
                        "model.name_or_path", "rollout.num_generations", "seed", "teacher", "train.mini_batches",
                        "train.prompts_per_step"]
     assert resume_effect("model.lora.r") == resume_effect("model.lora") == "meaning"  # a flagged section, whole
