@@ -268,6 +268,45 @@ def test_an_environment_on_vllm_colocate_lines_up_the_samplers_logprobs_with_the
     assert_episodes_line_up(engine, model_dir, load_lm(model_dir), group=16)
 
 
+# Before the tests that build and close their own vLLM engine in this process: closing one tears down vLLM's
+# process-wide parallel groups, which the module's `engine` needs to sample again.
+def test_an_agent_on_vllm_colocate_trains_on_what_vllm_sampled(engine, model_dir):
+    """environment.agent's engine over vllm_colocate (EngineTokenSampler: the engine's generate with seeds): each
+    episode's row carries vLLM's sampler log-probs on the sampled tokens, equal to the trainer's on them; the
+    agent's own tokens masked with log-prob 0."""
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.agents.engine import AgentEngine
+    from grpo_trainer.agents.producer import PlayerEnvironment
+    from grpo_trainer.environments import EpisodeSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    class Borrowed:  # the module's engine, left open for the other tests when the agent engine closes
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def close(self):
+            pass
+
+    agents = AgentEngine(Borrowed(), PlayerEnvironment(TokenRouteAgent()), tokenizer, seed=3, eos_token_ids=[EOS],
+                         max_completion_length=MAX_LEN, max_model_len=256, episode_timeout=300.0, concurrency=8,
+                         vocab_size=load_lm(model_dir).config.vocab_size)
+    try:
+        specs = [EpisodeSpec({"ids": p}, 100 + i, f"p{i}", lambda text: None) for i, p in enumerate(PROMPTS)]
+        out = agents.generate(PROMPTS, 2, episodes=specs)
+    finally:
+        agents.close()
+    assert [e.ended_by for e in out.episodes] == ["environment"] * 8, [e.error for e in out.episodes]
+    rows = [j for j in range(8) if out.turns[j] == 2 and out.episodes[j].branches == 1]
+    assert rows, [(e.turns, e.branches) for e in out.episodes]
+    trainer = trainer_logprobs(load_lm(model_dir), [out.prompt_ids[j] for j in rows],
+                               [out.completion_ids[j] for j in rows], TEMPERATURE)
+    for j, theirs in zip(rows, trainer):
+        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
+        assert mask.count(0) >= 3 and all(s == 0.0 for s, m in zip(sampled, mask) if not m)
+        assert max(abs(s - t) for s, t, m in zip(sampled, theirs, mask) if m) < ATOL
+
+
 def test_smollm2_trained_and_exported_loads_in_vllm_which_samples_what_transformers_scores(tmp_path):
     """(Last in the file: closing a second in-process vLLM engine tears down vLLM's process-wide parallel
     state, which the module's `engine` needs.) SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention runs): one full-parameter step through
@@ -373,40 +412,3 @@ class TokenRouteAgent:
         first = await asyncio.to_thread(generate, row["ids"])
         await asyncio.to_thread(generate, row["ids"] + first + [40, 41, 42])
         return Played(reward=1.0)
-
-
-def test_an_agent_on_vllm_colocate_trains_on_what_vllm_sampled(engine, model_dir):
-    """environment.agent's engine over vllm_colocate (EngineTokenSampler: the engine's generate with seeds): each
-    episode's row carries vLLM's sampler log-probs on the sampled tokens, equal to the trainer's on them; the
-    agent's own tokens masked with log-prob 0."""
-    from transformers import AutoTokenizer
-
-    from grpo_trainer.agents.engine import AgentEngine
-    from grpo_trainer.agents.producer import PlayerEnvironment
-    from grpo_trainer.environments import EpisodeSpec
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    class Borrowed:  # the module's engine, left open for the other tests when the agent engine closes
-        def __getattr__(self, name):
-            return getattr(engine, name)
-
-        def close(self):
-            pass
-
-    agents = AgentEngine(Borrowed(), PlayerEnvironment(TokenRouteAgent()), tokenizer, seed=3, eos_token_ids=[EOS],
-                         max_completion_length=MAX_LEN, max_model_len=256, episode_timeout=300.0, concurrency=8,
-                         vocab_size=load_lm(model_dir).config.vocab_size)
-    try:
-        specs = [EpisodeSpec({"ids": p}, 100 + i, f"p{i}", lambda text: None) for i, p in enumerate(PROMPTS)]
-        out = agents.generate(PROMPTS, 2, episodes=specs)
-    finally:
-        agents.close()
-    assert [e.ended_by for e in out.episodes] == ["environment"] * 8, [e.error for e in out.episodes]
-    rows = [j for j in range(8) if out.turns[j] == 2 and out.episodes[j].branches == 1]
-    assert rows, [(e.turns, e.branches) for e in out.episodes]
-    trainer = trainer_logprobs(load_lm(model_dir), [out.prompt_ids[j] for j in rows],
-                               [out.completion_ids[j] for j in rows], TEMPERATURE)
-    for j, theirs in zip(rows, trainer):
-        mask, sampled = out.completion_mask[j], out.sampling_logprobs[j]
-        assert mask.count(0) >= 3 and all(s == 0.0 for s, m in zip(sampled, mask) if not m)
-        assert max(abs(s - t) for s, t, m in zip(sampled, theirs, mask) if m) < ATOL
