@@ -65,6 +65,7 @@ import torch
 from .checkpoint import checkpoint_root
 from .errors import TrainingError
 from .rollout import (
+    PushFailed,
     Reconnects,
     Rollout,
     RolloutEngine,
@@ -518,6 +519,11 @@ def push_weights(
         if agreed == OK:
             return
         if agreed == FATAL:
+            if isinstance(error, PushFailed):  # past its deadline, or the probe found other weights on a server
+                raise PushFailed(
+                    f"step {version}: {error}; stopping: the last checkpoint in {checkpoints} is intact (resume with "
+                    "checkpoint.resume=auto)"
+                ) from None
             if error is not None and not isinstance(error, ConnectionError):
                 raise error  # not a server that went away: a bug or a misconfigured server, as is
             raise ServerLostError(
