@@ -56,6 +56,10 @@ against vLLM 0.32 and tested for real against its CPU build.
   group and pushes again (with a ZeRO-3 `gather` it raises `WeightsLost` instead, since a second pass
   needs every rank). A server that restarted between calls is caught by its weight version
   (`GET /weight_info` before sampling and pushing), since a fresh server reports "default".
+- Pushes that fail loudly (push_checks.py): every push's data plane runs within `push_timeout` (default sized from
+  the pushed bytes) and is then checked by a probe (every server's log-probs of 8 fixed tokens against the
+  trainer's, within the dtype's tolerance); either failing raises `PushFailed` (one line: the servers, the method,
+  the version), and the servers are marked "incomplete push".
 - With several trainer ranks only the main process pushes (`is_main_process`); the others only follow
   the version (and take part in the ZeRO-3 gathers). The trainer puts a barrier after `sync_weights`.
 """
