@@ -675,7 +675,7 @@ class VLLMServerEngine(Reconnects):
     def _load_adapter(self, adapter: Adapter, version: Any) -> None:
         self.push_limit = self.settings.push_timeout or default_push_timeout(adapter_bytes(adapter.path))
 
-        def load(server: Server) -> None:
+        def load(server: Server, gave_up: threading.Event) -> None:
             held = server.adapters()
             if adapter.name not in held:  # held already: a push repeated after another server went away
                 server.request(
@@ -684,11 +684,13 @@ class VLLMServerEngine(Reconnects):
             for name in held:  # the previous one, and any a run that died left
                 if name != adapter.name:
                     server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
+            if gave_up.is_set():  # got past its stall after its deadline: the servers are marked, and stay so
+                raise PushFailed(f"adapter push version {version} abandoned past its deadline: not labelled")
             server.request("POST", "/update_weight_version", {"new_version": str(version)})
 
         def load_everywhere(gave_up: threading.Event) -> None:
             with self._paused():
-                each(self.servers, load)
+                each(self.servers, load, gave_up)
 
         self._push_in_time(load_everywhere, version, "adapter")
 
