@@ -29,9 +29,8 @@ PROBE_LENGTH = 8
 # Mean |log p_server - log p_trainer| over the probe's tokens, in nats, by the dtype the weights are in (the
 # looser one when trainer and server differ). float32: both sides compute in float32 and differ by kernel
 # rounding only (measured: ~1e-5 on the tests' model, 3e-5 on SmolLM2-135M; the vLLM tests' atol is 2e-4).
-# 16-bit: every matmul rounds to 8 (bfloat16) or 11 (float16) significant bits, and two implementations disagree
-# by ~1e-2 nats per token on average (docs/vllm.md: 5e-3 measured in bfloat16 on the tests' model); the limits
-# leave a 5-10x margin. Wrong weights (a tensor corrupted, a layer not loaded, the previous model) move the
+# 16-bit: every matmul rounds to 8 (bfloat16) or 11 (float16) significant bits (docs/vllm.md: 5e-3 nats measured
+# with vLLM in bfloat16 on the tests' model: a 20x margin there, less on deeper models; float16 is an estimate). Wrong weights (a tensor corrupted, a layer not loaded, the previous model) move the
 # probe's log-probs by far more (0.1-10 nats in the tests); a single small optimizer step may not, in 16 bits:
 # the weight version, not the probe, says which step a server holds.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.1}
