@@ -108,7 +108,7 @@ class VLLMServerConfig(_Section):
         True,
         description="After each push, prove the new weights are live before sampling on them: every server's "
         "log-probs of a fixed 8-token probe against the trainer's, within push_probe_tolerance; a mismatch stops "
-        "the run in one line. False (explicitly) skips it.",
+        "the run in one line. False (explicitly) skips it; not run under DeepSpeed ZeRO-3 (docs/vllm.md).",
     )
     push_probe_tolerance: float | None = Field(
         None,

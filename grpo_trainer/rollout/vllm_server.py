@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import shutil
 import socket
 import tempfile
@@ -105,6 +106,8 @@ from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
 if TYPE_CHECKING:
     from ..config import VLLMServerConfig
+
+logger = logging.getLogger(__name__)
 
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
 INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
@@ -396,6 +399,7 @@ class VLLMServerEngine(Reconnects):
         )
         self.push_limit: float | None = None  # the last push's deadline, in seconds
         self.probe_seconds = 0.0  # the last push probe's time (every server, and the trainer's forward)
+        self._probe_skipped = False  # said once that ZeRO-3 runs no probe
         self.wait_until_healthy(settings.startup_timeout)
         names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
@@ -614,7 +618,6 @@ class VLLMServerEngine(Reconnects):
                 for _ in source:  # take part in the gathers
                     pass
             self.weight_version = version
-            self._check_live(model, version, gather, self.weight_sync)
             return
         self.push_limit = self.settings.push_timeout or default_push_timeout(pushed_bytes(source.metadata()))
         try:
@@ -728,16 +731,25 @@ class VLLMServerEngine(Reconnects):
                 pass
 
     def _check_live(self, model: torch.nn.Module, version: Any, gather: Gather | None, method: str) -> None:
-        """The probe (push_checks.py): every server's log-probs of the fixed probe against the trainer's, within the
-        dtype's tolerance, else `PushFailed` (that server's version set to "incomplete push"). Under ZeRO-3
-        (`gather`) every rank runs the trainer's forward (a collective); otherwise only the main process does."""
-        if not self.settings.push_probe or (gather is None and not self.is_main_process):
+        """The probe (push_checks.py), main process: every server's log-probs of the fixed probe against the
+        trainer's, within the dtype's tolerance, else `PushFailed` (that server's version set to "incomplete push").
+
+        Not under ZeRO-3 (`gather`): the trainer's forward would be a collective of every rank through DeepSpeed's
+        hooks, and run that way after a piecewise push it aborted a rank (tests/test_async_vllm.py's ZeRO-3 run,
+        SIGABRT); gathering the whole model for it would undo the piecewise push. Said once, in the log."""
+        if not self.settings.push_probe or not self.is_main_process:
+            return
+        if gather is not None:
+            if not self._probe_skipped:
+                self._probe_skipped = True
+                logger.warning(
+                    "rollout.vllm_server.push_probe: not run under DeepSpeed ZeRO-3 (the trainer's forward of the "
+                    "probe would need the whole model gathered); the pushes keep their deadline and weight versions"
+                )
             return
         started = time.perf_counter()
         tokens = probe_tokens(vocab_size(model))
         ours = trainer_logprobs(model, tokens)
-        if not self.is_main_process:
-            return
         name = self.sampled_model()
         answers = each(
             self.servers,
