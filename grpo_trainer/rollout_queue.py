@@ -30,7 +30,8 @@ again: the restart happened at one moment for all ranks, and a batch that ended 
 weights on another rank. A server that does not come back stops the run with `ServerLostError`, one line naming
 the URL; checkpoints are only written at the end of a step, so the last one is intact. A push the engine could
 not finish (a ZeRO-3 gathered push raises `WeightsLost`: a second pass needs every rank) is made again by every
-rank.
+rank. A push past its deadline, or one whose probe finds other weights on a server (`PushFailed`,
+rollout/push_checks.py), stops the run in one line naming the step, before the step's checkpoint is written.
 
 Checkpoints record the prompts drawn but not yet trained (`state_dict`); a resumed run samples them first, with
 the resumed weights, so no prompt is lost and none is trained twice. (Their completions are not saved: a resumed
@@ -65,6 +66,7 @@ import torch
 from .checkpoint import checkpoint_root
 from .errors import TrainingError
 from .rollout import (
+    PushFailed,
     Reconnects,
     Rollout,
     RolloutEngine,
@@ -520,6 +522,11 @@ def push_weights(
         if agreed == OK:
             return
         if agreed == FATAL:
+            if isinstance(error, PushFailed):  # past its deadline, or the probe found other weights on a server
+                raise PushFailed(
+                    f"step {version}: {error}; stopping: the last checkpoint in {checkpoints} is intact (resume with "
+                    "checkpoint.resume=auto)"
+                ) from None
             if error is not None and not isinstance(error, ConnectionError):
                 raise error  # not a server that went away: a bug or a misconfigured server, as is
             raise ServerLostError(

@@ -107,7 +107,8 @@ def run_server(model_path: str, rank: int, reps: int, dtype: str) -> dict[str, d
             started = time.perf_counter()
             wait_healthy(url, server, log, 1800)
             start_s = time.perf_counter() - started
-            settings = VLLMServerConfig(base_url=url, weights_dir=weights, startup_timeout=1800)
+            # The pushes alone: the probe after each (docs/vllm.md, 'Push deadlines') is measured on its own.
+            settings = VLLMServerConfig(base_url=url, weights_dir=weights, startup_timeout=1800, push_probe=False)
             # Merged first in each round: it finds the version it pushed last round (the adapter's push of that round
             # set the same), so it keeps its transfer group (a changed version means a restarted server to it).
             engines = {"merged": VLLMServerEngine(sampling, settings, seed=0),

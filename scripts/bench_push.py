@@ -158,7 +158,8 @@ def main() -> int:
             engines = {
                 kind: VLLMServerEngine(sampling, VLLMServerConfig(base_url=url, weight_sync=kind, startup_timeout=1800,
                                                                   transfer_bucket_mb=args.bucket_mb,
-                                                                  weights_dir=str(Path(tmp) / "weights")), seed=0)
+                                                                  weights_dir=str(Path(tmp) / "weights"),
+                                                                  push_probe=False), seed=0)  # the push alone
                 for kind in ("gloo", "disk")
             }
             for rep in range(args.reps + 1):

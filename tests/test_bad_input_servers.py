@@ -263,7 +263,8 @@ def test_train_against_a_non_vllm_address_stops_in_one_line_before_anything_is_w
 def test_disk_pushes_of_two_runs_on_one_machine_go_to_folders_of_their_own_removed_at_close(answering):
     fake = FakeVLLM()
     server = answering(fake)
-    engines = [VLLMServerEngine(SAMPLING, VLLMServerConfig(base_url=server.url, weight_sync="disk")) for _ in range(2)]
+    settings = VLLMServerConfig(base_url=server.url, weight_sync="disk", push_probe=False)  # no model to score a probe
+    engines = [VLLMServerEngine(SAMPLING, settings) for _ in range(2)]
     models = [nn.Linear(3, 2), nn.Linear(3, 2)]
     for version, (engine, model) in enumerate(zip(engines, models), start=1):
         engine.sync_weights(model, version=version)

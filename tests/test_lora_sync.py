@@ -170,7 +170,8 @@ def no_lora():
 
 def engine_with(url: str, lora_sync_mode: str, weights_dir: Path) -> VLLMServerEngine:
     """A server engine for the server at `url`, built by its own `__init__` (the start-up checks included)."""
-    settings = VLLMServerConfig(base_url=url, weight_sync="disk", weights_dir=str(weights_dir), startup_timeout=10)
+    settings = VLLMServerConfig(base_url=url, weight_sync="disk", weights_dir=str(weights_dir), startup_timeout=10,
+                                push_probe=False)  # the fake holds no model to score the probe with
     return VLLMServerEngine(SAMPLING, settings, lora_sync=lora_sync_mode)
 
 
@@ -231,7 +232,8 @@ def test_the_registry_hands_the_decision_to_the_server_engine(no_lora, tmp_path,
     `auto`, refused here, merged from then on); without it the run pushes merged weights and never asks."""
     model = tiny_peft()
     server = ["rollout.engine=vllm_server", f"rollout.vllm_server.base_url={no_lora.url}",
-              "rollout.vllm_server.weight_sync=disk", "rollout.vllm_server.startup_timeout=10"]
+              "rollout.vllm_server.weight_sync=disk", "rollout.vllm_server.startup_timeout=10",
+              "rollout.vllm_server.push_probe=false"]  # the fake holds no model to score the probe with
 
     def first_push(*overrides):
         no_lora.asked.clear()

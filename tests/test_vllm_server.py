@@ -406,6 +406,82 @@ def test_the_prepared_gpu_push_check_runs_against_a_cpu_server(servers, model_di
     assert "RESULT backend=gloo" in result.stdout
 
 
+# ---------------------------------------------------------------------------- pushes that fail loudly (issue 46)
+
+
+@pytest.mark.slow
+def test_a_gloo_push_that_stalls_stops_within_its_deadline_and_the_server_takes_the_next_push(servers, model_dir,
+                                                                                              monkeypatch):
+    """The data plane hangs (the trainer's broadcast never starts, the server's workers wait for the first bucket):
+    the push stops within rollout.vllm_server.push_timeout in one line naming the server and the method; the
+    server ends the update with what it had, says so ("incomplete push") and takes a new trainer's push."""
+    from grpo_trainer.rollout import PushFailed, gloo_transfer
+    from grpo_trainer.rollout.vllm_server import CLEANUP_S
+
+    a = servers["a"]
+    engine = engine_for(a, weight_sync="gloo")
+    lm = load_lm(model_dir)
+    t0 = time.perf_counter()
+    engine.sync_weights(lm, version="s1")  # the group is set up (with the default deadline); the probe passes
+    print(f"gloo push with its probe: {time.perf_counter() - t0:.2f}s, of which the probe {engine.probe_seconds:.3f}s")
+    release = threading.Event()
+    broadcast = gloo_transfer.GlooTrainerWeightTransferEngine._broadcast
+
+    def stalled(self, source, meta):
+        release.wait(120)
+        return broadcast(self, source, meta)
+
+    monkeypatch.setattr(gloo_transfer.GlooTrainerWeightTransferEngine, "_broadcast", stalled)
+    engine.settings = engine.settings.model_copy(update={"push_timeout": 3.0})
+    perturb(lm, seed=12)
+    started = time.monotonic()
+    with pytest.raises(PushFailed) as failed:
+        engine.sync_weights(lm, version="s2")
+    took = time.monotonic() - started
+    assert str(failed.value) == f"weight push version s2 to {a.url} (gloo) did not complete within 3s " \
+                                "(rollout.vllm_server.push_timeout)"
+    assert 3 <= took < 3 + CLEANUP_S, took
+    assert Server(a.url, 10).weight_version() == "incomplete push"
+    release.set()
+    monkeypatch.undo()
+    engine.close()
+    fresh = engine_for(a, weight_sync="gloo")  # the resumed run's engine
+    fresh.sync_weights(lm, version="s3")  # its probe proves the server holds these weights
+    assert Server(a.url, 10).weight_version() == "s3"
+    fresh.close()
+
+
+@pytest.mark.slow
+def test_a_push_that_delivers_wrong_bytes_is_caught_by_the_probe_before_anything_samples(servers, model_dir,
+                                                                                         monkeypatch):
+    """One tensor altered on the wire (the server loads what it gets, the protocol sees nothing wrong): the probe's
+    log-probs differ from the trainer's, the push stops in one line, and the server is marked so that nothing
+    samples from it until a full push."""
+    from grpo_trainer.rollout import PushFailed, gloo_transfer
+
+    a = servers["a"]
+    engine = engine_for(a, weight_sync="gloo")
+    lm = load_lm(model_dir)
+    checked = gloo_transfer._checked
+
+    def corrupted(source, meta):
+        for name, tensor in checked(source, meta):
+            yield name, (tensor * 1.1 if name == "model.layers.1.mlp.down_proj.weight" else tensor)
+
+    monkeypatch.setattr(gloo_transfer, "_checked", corrupted)
+    with pytest.raises(PushFailed, match=rf"^weight push version w1 to {a.url} \(gloo\): the server does not hold the "
+                                         r"pushed weights: its log-probs of the push probe differ from the trainer's "
+                                         r"by .* nats on average \(max .*; tolerance 0.001, "):
+        engine.sync_weights(lm, version="w1")
+    assert Server(a.url, 10).weight_version() == "incomplete push"
+    with pytest.raises(WeightsLost):
+        engine.generate(PROMPTS, 2)
+    monkeypatch.undo()
+    engine.sync_weights(lm, version="w2")  # the whole push again: the probe passes
+    assert Server(a.url, 10).weight_version() == "w2"
+    engine.close()
+
+
 # ---------------------------------------------------------------------------- faults (last: they kill servers)
 
 

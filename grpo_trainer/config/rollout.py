@@ -96,6 +96,26 @@ class VLLMServerConfig(_Section):
         description="nccl/gloo: weights travel in buckets of this many MiB (a larger tensor alone), so a push "
         "holds at most one bucket besides the model.",
     )
+    push_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds one weight push may take, data plane included (the gloo/nccl broadcast and the servers' "
+        "reload, the disk write and reload, a LoRA adapter's load); a push that does not complete stops the run in "
+        "one line naming the server, the method and the step, the last checkpoint intact. None: sized from the "
+        "pushed bytes, 60 s + bytes / 25 MiB/s (docs/vllm.md, 'Push deadlines').",
+    )
+    push_probe: bool = Field(
+        True,
+        description="After each push, prove the new weights are live before sampling on them: every server's "
+        "log-probs of a fixed 8-token probe against the trainer's, within push_probe_tolerance; a mismatch stops "
+        "the run in one line. False (explicitly) skips it; not run under DeepSpeed ZeRO-3 (docs/vllm.md).",
+    )
+    push_probe_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="The probe's limit on the mean absolute log-prob difference, in nats. None: by the pushed "
+        "weights' dtype: 1e-3 for float32, 0.05 for float16, 0.1 for bfloat16 (docs/vllm.md).",
+    )
 
     @field_validator("urls")
     @classmethod

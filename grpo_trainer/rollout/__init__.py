@@ -152,6 +152,11 @@ class ServerGone(ServerUnreachable):
         self.url = url
 
 
+class PushFailed(UserError, RuntimeError):
+    """A weight push that did not complete within its deadline, or after which a sampler does not hold the pushed
+    weights (push_checks.py): the run stops in one line, before the step's checkpoint is written."""
+
+
 class WeightsLost(RuntimeError):
     """Samplers came back after going away (or restarted) and no longer hold the pushed weights.
 

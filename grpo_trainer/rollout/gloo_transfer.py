@@ -25,8 +25,8 @@ Mirrors vLLM's `nccl_engine.py` piece for piece:
   kernel-format processing (on CPU the packed GEMM weights). Tied embeddings: the loader skips a tied
   `lm_head`, which on CPU keeps a packed copy of the old embeddings; the worker records tied parameters
   at the start of an update and re-ties them at its end (`weight_sync.retie`), as the disk path does.
-- Failure: the group has a timeout; a peer that dies closes its sockets and the other side's broadcast
-  fails at once. A worker whose update breaks off finishes the reload with what it has (no layer is
+- Failure: the group has a timeout (the push's deadline, `rollout.vllm_server.push_timeout`, push_checks.py); a
+  peer that dies closes its sockets and the other side's broadcast fails at once. A worker whose update breaks off finishes the reload with what it has (no layer is
   left on the meta device) and waits for the next full push.
 """
 

@@ -86,6 +86,7 @@ def build_engine(
             seed=seed,
             is_main_process=is_main_process,
             lora_sync=cfg.rollout.lora_sync if adapters else "merged",
+            server_dtype=_torch_dtype(cfg.rollout.vllm.dtype),  # what `serve` starts it with, for the push probe
         )
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
 
@@ -100,3 +101,10 @@ if TYPE_CHECKING:
     _hf: type[RolloutEngine] = HFEngine
     _vllm_colocate: type[RolloutEngine] = VLLMColocateEngine
     _vllm_server: type[RolloutEngine] = VLLMServerEngine
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    """`rollout.vllm.dtype` as a torch dtype (vLLM's names: float32, bfloat16, half, ...); None for `auto` (the
+    trainer's) or a name torch does not know."""
+    dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(name, name), None)
+    return dtype if isinstance(dtype, torch.dtype) else None

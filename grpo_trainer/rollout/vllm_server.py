@@ -56,6 +56,10 @@ against vLLM 0.32 and tested for real against its CPU build.
   group and pushes again (with a ZeRO-3 `gather` it raises `WeightsLost` instead, since a second pass
   needs every rank). A server that restarted between calls is caught by its weight version
   (`GET /weight_info` before sampling and pushing), since a fresh server reports "default".
+- Pushes that fail loudly (push_checks.py): every push's data plane runs within `push_timeout` (default sized from
+  the pushed bytes) and is then checked by a probe (every server's log-probs of 8 fixed tokens against the
+  trainer's, within the dtype's tolerance); either failing raises `PushFailed` (one line: the servers, the method,
+  the version), and the servers are marked "incomplete push".
 - With several trainer ranks only the main process pushes (`is_main_process`); the others only follow
   the version (and take part in the ZeRO-3 gathers). The trainer puts a barrier after `sync_weights`.
 """
@@ -64,15 +68,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,20 +86,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..deadline import Call, UserCalls
 from ..errors import UserError
-from . import Reconnects, Rollout, SamplingSettings, ServerGone, ServerUnreachable, WeightsLost
+from . import PushFailed, Reconnects, Rollout, SamplingSettings, ServerGone, ServerUnreachable, WeightsLost
 from .lora_sync import ADAPTER_PREFIX, Adapter, AdapterFolders, log_fallback
+from .push_checks import (
+    default_push_timeout,
+    mismatch,
+    probe_body,
+    probe_tokens,
+    pushed_bytes,
+    server_logprobs,
+    tolerance,
+    trainer_logprobs,
+    vocab_size,
+)
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights, address_towards, save_weights
 
 if TYPE_CHECKING:
     from ..config import VLLMServerConfig
 
+logger = logging.getLogger(__name__)
+
 FRESH_VERSION = "default"  # what vLLM 0.32 reports as the weight version of a server nothing was pushed to
 INCOMPLETE_VERSION = "incomplete push"  # a server a push failed on: its weights are part old, part new
 LOAD_ADAPTER = "/v1/load_lora_adapter"
 UNLOAD_ADAPTER = "/v1/unload_lora_adapter"
 PROBE_TEMPERATURES = (1.0, 2.0)  # vLLM allows at most 2; the flatter, the likelier the runner-up is finite
+CLEANUP_S = 10.0  # after a push past its deadline: time left to end the servers' open updates before stopping
 
 
 class ServerError(UserError, RuntimeError):
@@ -281,6 +302,7 @@ class AllServers:
         self.servers = servers
         self.offsets = [1 + sum(workers[:k]) for k in range(len(servers))]
         self.version: str | None = None  # the version the current push finishes with
+        self.abandoned = False  # the push ran past its deadline: if it ever gets that far, it must not finish
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         each(
@@ -297,6 +319,8 @@ class AllServers:
         each(self.servers, Server.update_weights, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.abandoned:
+            raise PushFailed("weight push abandoned past its deadline: not finished")
         each(self.servers, Server.finish_weight_update, weight_version or self.version)
 
     def shutdown_weight_transfer_engine(self) -> None:
@@ -341,9 +365,12 @@ class VLLMServerEngine(Reconnects):
         model_name: str | None = None,
         is_main_process: bool = True,
         lora_sync: str = "merged",
+        server_dtype: torch.dtype | None = None,
     ):
         """`settings` is the `rollout.vllm_server` section (defaults: one server on 127.0.0.1:8000); `lora_sync`:
-        `adapter` or `auto` to push LoRA adapters (lora_sync.push_adapters decides; `auto` may still fall back)."""
+        `adapter` or `auto` to push LoRA adapters (lora_sync.push_adapters decides; `auto` may still fall back);
+        `server_dtype`: the servers' weight dtype where it is known to differ from the trainer's (`rollout.vllm.dtype`),
+        for the push probe's tolerance."""
         from ..config import VLLMServerConfig
 
         settings = settings or VLLMServerConfig()
@@ -365,6 +392,14 @@ class VLLMServerEngine(Reconnects):
         self.lora_sync = lora_sync
         self.adapters = None if lora_sync == "merged" else AdapterFolders(Path(settings.weights_dir or "") / "adapters")
         self._adapter: tuple[Any, str | None] = (None, None)  # (weight version, the adapter name sampled from)
+        self.server_dtype = server_dtype
+        # The push's data plane runs in a worker of this pool, within the push's deadline (push_checks.py).
+        self._push_calls = UserCalls(
+            "weight push", workers=1, max_abandoned=1, limit_key="rollout.vllm_server.push_timeout"
+        )
+        self.push_limit: float | None = None  # the last push's deadline, in seconds
+        self.probe_seconds = 0.0  # the last push probe's time (every server, and the trainer's forward)
+        self._probe_skipped = False  # said once that ZeRO-3 runs no probe
         self.wait_until_healthy(settings.startup_timeout)
         names = [server.model() for server in self.servers]
         if len(set(names)) > 1:
@@ -566,13 +601,16 @@ class VLLMServerEngine(Reconnects):
         """Push `model`'s weights (LoRA merged) to every server as `version` (default: a count of pushes).
 
         Call it on every rank; with `gather` (weight_sync.zero3_gather) every rank iterates the weights piece
-        by piece, and the main process sends them."""
+        by piece, and the main process sends them. Each push runs within its deadline and is then checked by the
+        probe (push_checks.py): either failing raises `PushFailed`."""
         self._pushes += 1
         version = self._pushes if version is None else version
         if self.weight_sync == "none":
             return
         if self.adapters is not None:
             self._sync_adapter(model, version, gather)
+            if self.adapters is not None:  # else it fell back to a merged push, which was checked
+                self._check_live(model, version, gather, "adapter")
             return
         source = _Tracked(MergedWeights(model, gather))
         if not self.is_main_process:
@@ -581,8 +619,11 @@ class VLLMServerEngine(Reconnects):
                     pass
             self.weight_version = version
             return
+        self.push_limit = self.settings.push_timeout or default_push_timeout(pushed_bytes(source.metadata()))
         try:
-            self._push(source, version)
+            self._push_in_time(lambda gave_up: self._push(source, version, gave_up), version, self.weight_sync)
+        except PushFailed:
+            raise  # past its deadline: the servers are not gone (waiting for them would outlast it), the push stalled
         except Exception as error:
             gone = [s for s in self.servers if not s.healthy()]
             if not gone and not _lost_connection(error):
@@ -595,8 +636,11 @@ class VLLMServerEngine(Reconnects):
                 raise WeightsLost(
                     [s.url for s in gone] or [s.url for s in self.servers], self.weight_version
                 ) from error
-            self._push(_Tracked(MergedWeights(model, gather)), version)  # the servers (re)join a new transfer group
+            again = _Tracked(MergedWeights(model, gather))
+            # The servers (re)join a new transfer group.
+            self._push_in_time(lambda gave_up: self._push(again, version, gave_up), version, self.weight_sync)
         self.weight_version = version
+        self._check_live(model, version, gather, self.weight_sync)
 
     def _sync_adapter(self, model: torch.nn.Module, version: Any, gather: Gather | None) -> None:
         """Write the adapter as a new version and load it on every server (main process; the others take part in
@@ -621,6 +665,8 @@ class VLLMServerEngine(Reconnects):
             self.adapters, self._pushes = None, self._pushes - 1
             self.sync_weights(model, version)
             return
+        except PushFailed:
+            raise
         except Exception as error:
             gone = [s for s in self.servers if not s.healthy()]
             if not gone and not _lost_connection(error):
@@ -630,7 +676,9 @@ class VLLMServerEngine(Reconnects):
         self.weight_version = version
 
     def _load_adapter(self, adapter: Adapter, version: Any) -> None:
-        def load(server: Server) -> None:
+        self.push_limit = self.settings.push_timeout or default_push_timeout(adapter_bytes(adapter.path))
+
+        def load(server: Server, gave_up: threading.Event) -> None:
             held = server.adapters()
             if adapter.name not in held:  # held already: a push repeated after another server went away
                 server.request(
@@ -639,12 +687,98 @@ class VLLMServerEngine(Reconnects):
             for name in held:  # the previous one, and any a run that died left
                 if name != adapter.name:
                     server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
+            if gave_up.is_set():  # got past its stall after its deadline: the servers are marked, and stay so
+                raise PushFailed(f"adapter push version {version} abandoned past its deadline: not labelled")
             server.request("POST", "/update_weight_version", {"new_version": str(version)})
 
-        with self._paused():
-            each(self.servers, load)
+        def load_everywhere(gave_up: threading.Event) -> None:
+            with self._paused():
+                each(self.servers, load, gave_up)
 
-    def _push(self, source: _Tracked, version: Any) -> None:
+        self._push_in_time(load_everywhere, version, "adapter")
+
+    # ------------------------------------------------------------------ a push's deadline and its probe
+    def _push_in_time(self, push: Callable[[threading.Event], None], version: Any, method: str) -> None:
+        """`push(gave_up)` (a push's data plane, main process) in a worker, within `push_limit` seconds; past it, the push
+        is abandoned: the transfer group is dropped (its sockets close, so the servers' workers stop waiting for
+        the next bucket), each server's open update is ended and marked "incomplete push", and `PushFailed` names
+        the servers, the method and the version. Whatever the push raised in time is raised here, as it is."""
+        limit = self.push_limit or default_push_timeout(0)
+        gave_up = threading.Event()
+        outcome = self._push_calls.run([Call(lambda: push(gave_up), limit, name="weight push")], check=False)[0]
+        if outcome.timed_out is not None:
+            gave_up.set()
+            self._push_calls.run([Call(self._abandon_push, CLEANUP_S, name="weight push clean-up")], check=False)
+            raise PushFailed(
+                f"weight push version {version} to {', '.join(s.url for s in self.servers)} ({method}) did not "
+                f"complete within {limit:g}s (rollout.vllm_server.push_timeout)"
+            )
+        if outcome.exception is not None:
+            raise outcome.exception
+
+    def _abandon_push(self) -> None:
+        transfer, self._transfer = self._transfer, None
+        if self._client is not None:
+            self._client.abandoned = True
+        self._client = None
+        if transfer is not None:
+            transfer.shutdown()  # drops the group: peers blocked in it get an error at once
+        self._end_open_updates(self.servers, timeout=CLEANUP_S / 4)
+        for server in self.servers:
+            try:
+                server.request("POST", "/resume", timeout=CLEANUP_S / 4)
+            except (ServerUnreachable, ServerError):
+                pass
+
+    def _check_live(self, model: torch.nn.Module, version: Any, gather: Gather | None, method: str) -> None:
+        """The probe (push_checks.py), main process: every server's log-probs of the fixed probe against the
+        trainer's, within the dtype's tolerance, else `PushFailed` (that server's version set to "incomplete push").
+
+        Not under ZeRO-3 (`gather`): the trainer's forward would be a collective of every rank through DeepSpeed's
+        hooks, and run that way after a piecewise push it aborted a rank (tests/test_async_vllm.py's ZeRO-3 run,
+        SIGABRT); gathering the whole model for it would undo the piecewise push. Said once, in the log."""
+        if not self.settings.push_probe or not self.is_main_process:
+            return
+        if gather is not None:
+            if not self._probe_skipped:
+                self._probe_skipped = True
+                logger.warning(
+                    "rollout.vllm_server.push_probe: not run under DeepSpeed ZeRO-3 (the trainer's forward of the "
+                    "probe would need the whole model gathered); the pushes keep their deadline and weight versions"
+                )
+            return
+        started = time.perf_counter()
+        tokens = probe_tokens(vocab_size(model))
+        ours = trainer_logprobs(model, tokens)
+        name = self.sampled_model()
+        answers = each(
+            self.servers,
+            lambda server: server.request("POST", "/v1/completions", probe_body(name, tokens), read=("choices", 0)),
+        )
+        limit = self.settings.push_probe_tolerance or tolerance(_weights_dtype(model), self.server_dtype)
+        for server, answer in zip(self.servers, answers):
+            try:
+                theirs = server_logprobs(answer.get("prompt_logprobs") or [None], tokens)
+            except ValueError as e:
+                raise server.not_vllm(
+                    "POST", "/v1/completions", f"no prompt_logprobs for the push probe: {e}"
+                ) from None
+            mean, worst = mismatch(theirs, ours)
+            if mean > limit:
+                try:
+                    server.request("POST", "/update_weight_version", {"new_version": INCOMPLETE_VERSION})
+                except (ServerUnreachable, ServerError):
+                    pass
+                raise PushFailed(
+                    f"weight push version {version} to {server.url} ({method}): the server does not hold the pushed "
+                    f"weights: its log-probs of the push probe differ from the trainer's by {mean:.3g} nats on average "
+                    f"(max {worst:.3g}; tolerance {limit:g}, rollout.vllm_server.push_probe_tolerance)"
+                )
+        self.probe_seconds = time.perf_counter() - started
+
+    def _push(self, source: _Tracked, version: Any, abandoned: threading.Event | None = None) -> None:
+        """One push of `source` as `version` (the main process's part). `abandoned`: set when the caller gave up on
+        it (past its deadline); a push that gets past its stall afterwards stops before it labels the servers."""
         expected = FRESH_VERSION if self.weight_version is None else str(self.weight_version)
         if self._transfer is not None and any(s.weight_version() != expected for s in self.servers):
             self._close_transfer()  # a server restarted: its workers are not in our transfer group any more
@@ -659,6 +793,8 @@ class VLLMServerEngine(Reconnects):
                         {"method": "grpo_reload_weights", "kwargs": {"weights_path": str(folder.resolve())}},
                     ),
                 )
+                if abandoned is not None and abandoned.is_set():
+                    raise PushFailed(f"weight push version {version} abandoned past its deadline: not labelled")
                 each(
                     self.servers,
                     lambda server: server.request("POST", "/update_weight_version", {"new_version": str(version)}),
@@ -676,7 +812,7 @@ class VLLMServerEngine(Reconnects):
                     raise
 
     @staticmethod
-    def _end_open_updates(servers: list[Server]) -> None:
+    def _end_open_updates(servers: list[Server], timeout: float | None = None) -> None:
         """End the weight update a failed push left open on each server, with what it received: vLLM's
         layer-wise reload keeps layers on the meta device until `/finish_weight_update`, and the first request
         after `/resume` would crash the server. What it holds then is part old, part new (a fused layer may
@@ -688,7 +824,7 @@ class VLLMServerEngine(Reconnects):
                 ("/update_weight_version", {"new_version": INCOMPLETE_VERSION}),
             ):
                 try:
-                    server.request("POST", path, body)
+                    server.request("POST", path, body, timeout=timeout)
                 except (ServerUnreachable, ServerError):
                     pass
 
@@ -748,7 +884,8 @@ class VLLMServerEngine(Reconnects):
                 world_size=world_size,
                 rank=0,
                 bucket_bytes=int(settings.transfer_bucket_mb * 2**20),
-                timeout_s=settings.timeout,
+                # A collective blocked on either side fails by itself within the push's deadline.
+                timeout_s=min(settings.timeout, self.push_limit or settings.timeout),
             )
         try:
             self._transfer = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=source)
@@ -783,6 +920,7 @@ class VLLMServerEngine(Reconnects):
             self._close_transfer()
         if self._remove_weights_dir is not None:
             self._remove_weights_dir()
+        self._push_calls.close()
 
 
 def wait_for_servers(servers: list[Server], seconds: float, log=None) -> None:
@@ -806,6 +944,19 @@ def check_servers(settings: VLLMServerConfig, log=None) -> None:
     wait_for_servers(servers, settings.startup_timeout, log)
     for server in servers:
         server.model()
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's (first floating) weights: what a push sends."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return None
+
+
+def adapter_bytes(folder: Path) -> int:
+    """The bytes of an adapter's folder (what a server loads)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def _snippet(raw: bytes, limit: int = 80) -> str:
