@@ -7,7 +7,8 @@
 Colocated: one `VLLMColocateEngine` (vLLM in this process). Each rep calls our `engine.generate(prompts, G,
 seeds)` and, on the very same `vllm.LLM`, `LLM.generate` alone with the `SamplingParams` built from
 vllm_sampling.py's `sampling_fields` / `request_seed` (the ones our engine builds: checked equal, field by field,
-against what our engine passed) and the same token-id prompts, built before its timing starts. One engine for both
+against what our engine passed) and the same token-id prompts, built before its timing starts, under
+`torch.no_grad()` as our engine calls it. One engine for both
 sides: the same weights, KV cache and kernels, so that the difference is our engine's Python.
 
 Server: one server started as a user would (`python -m grpo_trainer serve`, weight_sync none), our
@@ -188,6 +189,7 @@ def median_row(
 
 # ---------------------------------------------------------------------------- colocated
 def measure_colocate(model: str, sampling, prompts: list[list[int]], args) -> dict:
+    import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -232,7 +234,8 @@ def measure_colocate(model: str, sampling, prompts: list[list[int]], args) -> di
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         start = time.perf_counter()
-        out = raw_generate(inputs, params, use_tqdm=False)
+        with torch.no_grad():  # the context our engine's generate runs vLLM in
+            out = raw_generate(inputs, params, use_tqdm=False)
         return time.perf_counter() - start, out, params
 
     def ours(seeds):
@@ -292,14 +295,23 @@ class DirectClient:
         self.pool = ThreadPoolExecutor(max_workers=workers)
 
     def post(self, body: bytes, fresh: bool = False) -> bytes:
-        conn = None if fresh else getattr(self.local, "conn", None)
+        conn, used = (None, 0.0) if fresh else getattr(self.local, "conn", (None, 0.0))
+        if conn is not None and time.monotonic() - used > 2.0:  # the server drops idle ones (uvicorn: after 5 s)
+            conn.close()
+            conn = None
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
-            if not fresh:
-                self.local.conn = conn
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):  # dropped anyway: once more
+            conn.close()
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
         data = resp.read()
+        if not fresh:
+            self.local.conn = (conn, time.monotonic())
         if fresh:
             conn.close()
         if resp.status != 200:
