@@ -6,19 +6,24 @@
 
 Colocated: one `VLLMColocateEngine` (vLLM in this process). Each rep calls our `engine.generate(prompts, G,
 seeds)` and, on the very same `vllm.LLM`, `LLM.generate` alone with the `SamplingParams` built from
-vllm_sampling.py's `sampling_fields` / `request_seed` (the ones our engine builds: checked equal, field by field,
-against what our engine passed) and the same token-id prompts, built before its timing starts, under
-`torch.no_grad()` as our engine calls it. One engine for both
-sides: the same weights, KV cache and kernels, so that the difference is our engine's Python.
+vllm_sampling.py's `sampling_fields` / `request_seed` (the ones our engine builds: checked equal, by their repr,
+to what our engine passed) and the same token-id prompts, built before its timing starts, under `torch.no_grad()` as
+our engine calls it. One engine for both sides: the same weights, KV cache and kernels, so that the difference is
+our engine's Python. vLLM's token budget a step (`max_num_batched_tokens`, both engines) is raised to a whole step's
+prefill: vLLM 0.32's CPU build fails seeded requests whose prefill is chunked (see `batched_tokens`).
 
 Server: one server started as a user would (`python -m grpo_trainer serve`, weight_sync none), our
 `VLLMServerEngine.generate` against a minimal direct client that POSTs the same `/v1/completions` bodies (our
 engine's `_requests`, JSON-encoded before its timing starts) concurrently, one kept-alive connection per thread of a
-pool started once, and stops its clock when the last answer's bytes are in (it parses nothing).
+pool started once, and stops its clock when the last answer's bytes are in (it parses nothing). A third side, the
+same client with a new pool per call and a new connection per request (the shape of our engine's transport, without
+urllib and JSON), tells how much of the gap connections make.
 
 Both sides get the same per-prompt seeds in a rep (a new set each rep), so they sample the same completions (the
 table says how many came out identical); the order alternates (ours first in even reps, vLLM's first in odd ones),
-after one untimed call of each. Overhead = (ours - vLLM's) / vLLM's, on the medians. Our time is split, by wrapping
+after one untimed call of each, `gc.collect()` before each side. Overhead = (ours - vLLM's) / vLLM's, on the medians;
+paired = the median of each rep's own ratio; outside vLLM = our code around vLLM's call (all phases but `wait`) over
+vLLM's median, the figure that holds on a busy machine (end-to-end ratios there move with the load). Our time is split, by wrapping
 the engine's own functions in this script (the engine files are not touched):
 
     build     request building (colocated: SamplingParams + TokensPrompt; server: the JSON bodies' dicts)
