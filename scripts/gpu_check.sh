@@ -18,6 +18,9 @@
 #   vllm_nccl_push    a vLLM server (`grpo_trainer serve`, GPU 1) takes the trainer's weights (GPU 0) over vLLM's NCCL
 #                     backend; its log-probs follow them, the tied head included (gpu_check_push.py); needs 2 GPUs
 #   vllm_gloo_push    the same over our gloo backend (through host memory), server and trainer on GPU 0
+#   vllm_pace         our vLLM engines' rollout (colocated, then a server) against vLLM alone (`LLM.generate`, the
+#                     server's /v1/completions from a bare client) on the same prompts, SamplingParams and seeds
+#                     (vllm_pace.py, issue 47: our overhead <= 10% of vLLM's own time); the tiny head_dim-32 model
 #   vllm_lora_push    LoRA rank 16 pushed as the adapter alone against the merged model, colocated, bf16: seconds
 #                     and bytes per push, and vLLM's generation time with the adapter against without (docs/lora.md)
 set -uo pipefail
@@ -77,6 +80,12 @@ if python3 -c "import vllm" 2>/dev/null; then
   check vllm_gloo_push 420 python3 scripts/gpu_check_push.py --backend gloo --json "$out/gpu_check_gloo_push.json"
 else
   skip vllm_gloo_push "vllm is not installed (pip install 'grpo-trainer[vllm]')"
+fi
+if python3 -c "import vllm" 2>/dev/null; then
+  check vllm_pace 300 python3 scripts/vllm_pace.py --gpu-memory-utilization 0.3 --max-tokens 64 --reps 5 \
+    --json "$out/gpu_check_vllm_pace.json"
+else
+  skip vllm_pace "vllm is not installed (pip install 'grpo-trainer[vllm]')"
 fi
 if python3 -c "import vllm" 2>/dev/null; then
   check vllm_lora_push 420 python3 scripts/bench_lora_push.py --model random-qwen2.5-0.5b --dtype bfloat16 --reps 3 \

@@ -27,7 +27,7 @@ def commands(tmp_path_factory) -> dict[str, list[str]]:
     lines = result.stdout.splitlines()
     listed = {line.split()[1].rstrip(":") for line in lines if line.startswith(("CHECK ", "SKIP "))}
     assert listed == {"hf_bf16", "hf_bf16_packed", "hf_compiled", "vllm_sleep", "deepspeed_bf16", "fsdp", "vllm_tp2",
-                      "vllm_nccl_push", "vllm_gloo_push", "vllm_lora_push", "async_k1"}
+                      "vllm_nccl_push", "vllm_gloo_push", "vllm_lora_push", "vllm_pace", "async_k1"}
     return {line.split()[1]: shlex.split(line)[2:] for line in lines if line.startswith("CHECK ")}
 
 
@@ -53,6 +53,13 @@ def test_the_lora_push_check_parses(commands):
     if command is not None:  # listed as a SKIP where vLLM is not installed
         assert command[:2] == ["python3", "scripts/bench_lora_push.py"]
         load_script("bench_lora_push").build_parser().parse_args(command[2:])
+
+
+def test_the_vllm_pace_check_parses(commands):
+    command = commands.get("vllm_pace")
+    if command is not None:  # listed as a SKIP where vLLM is not installed
+        assert command[:2] == ["python3", "scripts/vllm_pace.py"]
+        load_script("vllm_pace").build_parser().parse_args(command[2:])
 
 
 def test_every_launch_check_names_a_shipped_file_and_a_valid_training_config(commands):

@@ -406,6 +406,22 @@ def test_the_prepared_gpu_push_check_runs_against_a_cpu_server(servers, model_di
     assert "RESULT backend=gloo" in result.stdout
 
 
+@pytest.mark.slow
+def test_the_pace_script_times_our_server_engine_against_a_bare_client(servers, model_dir, tmp_path):
+    """scripts/vllm_pace.py's server half (the vllm_pace row of gpu_check.sh) in its smallest shape, pointed at server
+    a: both sides sent the same bodies and got the same completions, and our time is split into its phases. (Its
+    colocated half builds an in-process vLLM, tens of seconds here: run by gpu_check.sh and by hand, not here.)"""
+    out = tmp_path / "pace.json"
+    result = subprocess.run([sys.executable, "scripts/vllm_pace.py", "--engines", "server", "--server-url",
+                             servers["a"].url, "--model", str(model_dir), "--prompts", "2", "--g", "2", "--max-tokens",
+                             "4", "--reps", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["engine"] == "server" and row["same_completions"] == 1.0 and row["vllm_s"] > 0
+    assert row["phases_s"]["wait"] > 0 and row["completion_tokens"] > 0
+    assert "VERDICT: " in result.stdout and "RESULT server_overhead=" in result.stdout
+
+
 # ---------------------------------------------------------------------------- pushes that fail loudly (issue 46)
 
 
