@@ -74,8 +74,6 @@ class UpdateSettings:
 
     @classmethod
     def of(cls, cfg: Config, geometry: Geometry) -> UpdateSettings:
-        from .rollout.engines import engine_kind
-
         train = cfg.train
         return cls(
             LossSettings.of(cfg, geometry),
@@ -83,7 +81,7 @@ class UpdateSettings:
             geometry.mini_batches,
             train.max_grad_norm,
             train.max_consecutive_nonfinite,
-            engine_kind(cfg.rollout.engine).sampler_logprobs_differ,
+            cfg.rollout.sampler_logprobs_differ,
         )
 
 

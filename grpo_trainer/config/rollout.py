@@ -224,6 +224,12 @@ class RolloutConfig(_Section):
         "timing/server_idle.",
     )
 
+    @property
+    def sampler_logprobs_differ(self) -> bool:
+        """The engine's sampler log-probs differ from the trainer's (vLLM): what `loss.tis_cap: auto` and the
+        mismatch metrics go by (rollout/engines.py declares it per engine)."""
+        return ENGINES[self.engine].sampler_logprobs_differ
+
     @field_validator("stop")
     @classmethod
     def _stop_strings_not_empty(cls, stop: list[str]) -> list[str]:

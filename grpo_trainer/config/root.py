@@ -72,12 +72,11 @@ class Config(_Section):
         """`loss.tis_cap: auto` becomes the number (or null) the engine's entry asks for, here where the engine is
         known: every reader sees a resolved value, and a run's saved config records it (an hf run's `null`, as
         before `auto` existed). Left out of the section's set fields, so `loss.tis_cap_by_default` still tells."""
-        from ..rollout.engines import engine_kind
 
         loss = self.loss
         if not (loss.tis_cap_by_default or loss.tis_cap == "auto"):
             return self
-        value = loss.auto_tis_cap(engine_kind(self.rollout.engine).sampler_logprobs_differ)
+        value = loss.auto_tis_cap(self.rollout.sampler_logprobs_differ)
         if loss.tis_cap != value:
             loss = loss.model_copy()  # a section given as an object may be another config's: never changed in place
             loss.__dict__["tis_cap"] = value  # set, not assigned: the resolution is no choice of the user's
