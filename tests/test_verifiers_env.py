@@ -201,6 +201,23 @@ def test_a_harness_that_downloads_or_a_remote_runtime_is_refused_in_one_line(tmp
         check_environment(cfg, contact_server=False)
 
 
+def test_a_module_that_hangs_or_raises_while_loading_is_refused_in_one_line(tmp_path):
+    """Importing the module and building its Env are user code: run under the deadline utility, so a module that
+    hangs stops the run within environment.step_timeout, and one that raises or exits is one line."""
+    import time
+
+    hangs = write_env(tmp_path, "hangs_env", "import time\ntime.sleep(30)\n")
+    tick = time.perf_counter()
+    with pytest.raises(VerifiersEnvError, match=r"longer than 1s \(environment.step_timeout\)") as refused:
+        load_environment(hangs, limit=1.0)
+    assert time.perf_counter() - tick < 25  # a bound on hanging (its sleep is 30 s), not a speed
+    assert "\n" not in str(refused.value)
+    for name, body in (("raises_env", "raise RuntimeError('broken')\n"), ("exits_env", "import sys\nsys.exit(3)\n")):
+        with pytest.raises(VerifiersEnvError, match="loading it raised") as refused:
+            load_environment(write_env(tmp_path, name, body), limit=10.0)
+        assert "\n" not in str(refused.value)
+
+
 def test_the_taskset_gives_the_rows_unless_data_is_given_explicitly(policy):
     tokenizer = policy[0]
     cfg = Config.model_validate({"model": {"name_or_path": "builtin:tiny-guess"}, "environment": {"verifiers": GUESS}})

@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import math
 import re
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..deadline import UserCalls
 from ..errors import ConfigError
 from .producer import EpisodeHandle, Played, PlayerEnvironment
 from .records import Branch
@@ -81,8 +83,28 @@ def import_environment(spec: str) -> tuple[ModuleType, str]:
     return module, alias
 
 
-def load_environment(spec: str, *, max_turns: int | None = None):
-    """The verifiers `Env` of `spec`, every role on the subprocess runtime; refuses what would download."""
+def load_environment(spec: str, *, max_turns: int | None = None, limit: float = math.inf):
+    """The verifiers `Env` of `spec`, every role on the subprocess runtime; refuses what would download.
+
+    Importing the module and building its Env run user code: they run under the deadline utility, within `limit`
+    (environment.step_timeout), so a module that hangs or exits stops the run in one line instead of hanging it."""
+    calls = UserCalls(f"environment.verifiers {spec}", 1, 1, "environment.step_timeout", stop=VerifiersEnvError)
+    try:
+        outcome = calls.call(lambda: _load_environment(spec, max_turns), limit, label="loading")
+    finally:
+        calls.close()
+    if isinstance(outcome.exception, VerifiersEnvError):
+        raise outcome.exception
+    if outcome.timed_out is not None:
+        raise VerifiersEnvError(
+            f"environment.verifiers {spec!r}: loading it took longer than {limit:g}s (environment.step_timeout)"
+        )
+    if not outcome.ok:
+        raise VerifiersEnvError(f"environment.verifiers {spec!r}: loading it raised {outcome.error}")
+    return outcome.value
+
+
+def _load_environment(spec: str, max_turns: int | None):
     import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.generic import concrete_type
@@ -177,10 +199,11 @@ class VerifiersPlayer:
         max_tokens: int | None = None,
         max_turns: int | None = None,
         renderer: Any = None,
+        load_limit: float = math.inf,
     ):
         self.spec = spec
         self.name = f"environment.verifiers {spec}"
-        self.env = load_environment(spec, max_turns=max_turns)
+        self.env = load_environment(spec, max_turns=max_turns, limit=load_limit)
         self.model_name = model_name
         self.max_tokens = max_tokens
         self.renderer = renderer  # a renderers.RendererConfig; None: the default renderer (the chat template)
@@ -290,6 +313,7 @@ def build(cfg) -> PlayerEnvironment:
         load_tokenizer(cfg.model),
         max_tokens=cfg.rollout.max_completion_length,
         max_turns=env_cfg.max_turns,
+        load_limit=env_cfg.step_timeout,
     )
     player.prompts_from_taskset = taskset_gives_rows(cfg)  # decided here: evaluation's DataConfig is a copy
     return PlayerEnvironment(player)

@@ -40,7 +40,9 @@ def check_environment(cfg: Config, *, contact_server: bool) -> None:
     elif env.kind == "verifiers":
         from ..agents.verifiers_env import load_environment
 
-        load_environment(env.verifiers or "")  # imports it, refuses a downloading harness or a remote runtime
+        load_environment(
+            env.verifiers or "", limit=env.step_timeout
+        )  # imports it, refuses a downloading harness or a remote runtime
     elif env.kind == "url" and contact_server:
         from .openenv_ws import fetch_schema
 
