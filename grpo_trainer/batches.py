@@ -70,13 +70,16 @@ class MicroBatch:
 @dataclass
 class TrainBatch:
     micro_batches: list[MicroBatch]
-    lengths: torch.Tensor  # [local_n] completion lengths on this rank
+    lengths: torch.Tensor  # [rows] model-written tokens of each row on this rank (its completions first)
     trained_completions: int  # completions on this rank that go through the passes
     local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
     total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
     mini_batch_totals: list[float] = field(
         default_factory=list
     )  # per mini-batch, its tokens summed over ranks (likewise)
+    # Per mini-batch, its rows summed over ranks (likewise): the sequence-level normalisers' count. The completions
+    # of the mini-batch, plus the further branches of its episodes where an agent's episode branched.
+    mini_batch_rows: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # what the log-prob phase measured (entropy selection)
     # Micro-batches of each mini-batch, the same on every rank: the accumulation steps of its optimizer step.
     window_sizes: list[int] = field(default_factory=list)
@@ -113,12 +116,13 @@ def build_train_batch(
     mini_batches: int = 1,
     comm=None,
 ) -> TrainBatch:
-    """This rank's samples; advantages [local_n], one per completion, G per group.
+    """This rank's samples; advantages [rows], one per row (`TrainingSamples.per_row`), G completions per group.
 
-    A collective (every rank calls it, with its `comm`; None: one process): the normalisers' token totals
+    A collective (every rank calls it, with its `comm`; None: one process): the normalisers' token and row totals
     and each mini-batch's micro-batch count are agreed over all ranks."""
     comm = comm or _OneRank()
     local_n = len(samples.completion_ids)
+    groups = [c // group_size for c in samples.row_completions]  # the group (this rank's prompt) of each row
     lengths = torch.tensor(samples.model_tokens(), dtype=torch.float32)  # tool output (multi-turn) is not counted
     keep = torch.ones(local_n)
     if mask_truncated:
@@ -128,21 +132,26 @@ def build_train_batch(
     if skip_zero_advantage:
         trainable = [j for j in range(local_n) if advantages[j] != 0 and keep[j] > 0 and lengths[j] > 0]
         row_weight = torch.zeros(local_n).index_fill_(0, torch.tensor(trainable, dtype=torch.long), 1.0)
-    windows = mini_batch_rows(local_n, group_size, mini_batches)
+    windows = mini_batch_rows(groups, mini_batches)
     wanted = set(range(local_n) if trainable is None else trainable)
     if micro_batch_tokens is None:
         if micro_batch_size is None:
             raise ValueError("build_train_batch: give micro_batch_size or micro_batch_tokens")
-        plans = [_micro_batches_of(rows, micro_batch_size, trainable, lengths) for rows in windows]
+        completions = samples.completions
+        plans = [
+            _micro_batches_of(rows, micro_batch_size, trainable, lengths, sum(j < completions for j in rows))
+            for rows in windows
+        ]
         needed = [len(plan) if wanted.intersection(rows) else 0 for rows, plan in zip(windows, plans)]
     else:
-        cost = tokens_of(samples.prompt_ids, [len(c) for c in samples.completion_ids], group_size, packing)
-        plans = [
-            pieces_within([j for j in rows if j in wanted], group_size, cost, micro_batch_tokens) for rows in windows
-        ]
+        cost = tokens_of(samples.prompt_ids, [len(c) for c in samples.completion_ids], groups, packing)
+        plans = [pieces_within([j for j in rows if j in wanted], groups, cost, micro_batch_tokens) for rows in windows]
         needed = [len(first_fit_decreasing(pieces, cost, micro_batch_tokens)) for pieces in plans]
     mini_batch_tokens = [float((lengths * keep)[rows].sum()) for rows in windows]
-    mini_batch_totals = [float(t) for t in comm.sum(torch.tensor(mini_batch_tokens))]
+    # Tokens and rows per mini-batch in one sum over ranks (rows differ between ranks where episodes branched).
+    summed = comm.sum(torch.tensor(mini_batch_tokens + [float(len(rows)) for rows in windows]))
+    mini_batch_totals = [float(t) for t in summed[: len(windows)]]
+    mini_batch_counts = [int(n) for n in summed[len(windows) :]]
     agreed = [int(n) for n in comm.max(torch.tensor(needed, dtype=torch.long))]
 
     micro_batches = []
@@ -164,6 +173,7 @@ def build_train_batch(
         local_tokens=float((lengths * keep).sum()),
         total_tokens=float(sum(mini_batch_totals)),
         mini_batch_totals=mini_batch_totals,
+        mini_batch_rows=mini_batch_counts,
         window_sizes=[len([mb for mb in micro_batches if mb.mini_batch == k]) for k in range(len(windows))],
         idle=[count == 0 for count in agreed],
     )
@@ -198,24 +208,28 @@ def _micro_batch(
     )
 
 
-def mini_batch_rows(local_n: int, group_size: int, mini_batches: int) -> list[list[int]]:
-    """The completions (row indices) of each mini-batch: whole groups, this rank's prompt p in mini-batch p mod M
-    (the same as the global prompt position mod M, since M divides every rank's prompt count)."""
-    if mini_batches == 1:
-        return [list(range(local_n))]
-    return [[j for j in range(local_n) if (j // group_size) % mini_batches == k] for k in range(mini_batches)]
+def mini_batch_rows(groups: list[int], mini_batches: int) -> list[list[int]]:
+    """The rows (indices) of each mini-batch, given each row's group (this rank's prompt): whole groups, this rank's
+    prompt p in mini-batch p mod M (the same as the global prompt position mod M, since M divides every rank's
+    prompt count); within one, group by group, a group's branch rows (after all completions) beside its completions."""
+    order = sorted(range(len(groups)), key=lambda j: (groups[j], j))
+    return [[j for j in order if groups[j] % mini_batches == k] for k in range(mini_batches)]
 
 
 def _micro_batches_of(
-    rows: list[int], micro: int, trainable: list[int] | None, lengths: torch.Tensor
+    rows: list[int], micro: int, trainable: list[int] | None, lengths: torch.Tensor, completions: int
 ) -> list[list[int]]:
-    """`micro_batch_rows` within one mini-batch's rows, mapped back to row indices."""
+    """`micro_batch_rows` within one mini-batch's rows (`completions` of them completions, the rest further
+    branches), mapped back to row indices."""
     wanted = None if trainable is None else set(trainable)
     chosen = None if wanted is None else [i for i, j in enumerate(rows) if j in wanted]
-    return [[rows[i] for i in chunk] for chunk in micro_batch_rows(len(rows), micro, chosen, lengths[rows])]
+    count = math.ceil(completions / micro)
+    return [[rows[i] for i in chunk] for chunk in micro_batch_rows(len(rows), micro, chosen, lengths[rows], count)]
 
 
-def micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, lengths: torch.Tensor) -> list[list[int]]:
+def micro_batch_rows(
+    local_n: int, micro: int, trainable: list[int] | None, lengths: torch.Tensor, count: int | None = None
+) -> list[list[int]]:
     """The completions (row indices) each micro-batch trains on, `micro` per micro-batch (`train.micro_batch_size`).
 
     All rows, `micro` at a time, unless `trainable` lists the rows worth a pass. Then those rows are
@@ -224,10 +238,17 @@ def micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, leng
     calls. A micro-batch left with nothing gets the shortest other row: its advantage is 0 (or its
     tokens masked), and the caller masks all its tokens, so it adds nothing to the gradient or the
     metrics: only the backward call itself is kept.
+
+    `count`: the number of micro-batches, when the rows are more than the completions it was counted from (an
+    agent's episodes that branched add rows, not backward calls: the accumulation steps stay what the geometry
+    says, on every rank, and the micro-batches grow past `micro` instead; `train.micro_batch_tokens` bounds their
+    tokens where that matters).
     """
-    n_micro = math.ceil(local_n / micro)
+    n_micro = math.ceil(local_n / micro) if count is None else count
     if trainable is None:
-        return [list(range(start, min(start + micro, local_n))) for start in range(0, local_n, micro)]
+        if local_n <= n_micro * micro:
+            return [list(range(start, min(start + micro, local_n))) for start in range(0, local_n, micro)]
+        trainable = list(range(local_n))
     sizes = [len(trainable) // n_micro + (1 if i < len(trainable) % n_micro else 0) for i in range(n_micro)]
     chunks, start = [], 0
     for size in sizes:
@@ -245,35 +266,40 @@ def micro_batch_rows(local_n: int, micro: int, trainable: list[int] | None, leng
 Cost = Callable[[list[int]], int]  # rows -> tokens the model computes for them as one micro-batch
 
 
-def tokens_of(prompt_ids: list[list[int]], completion_lengths: list[int], group_size: int, packing: bool) -> Cost:
+def tokens_of(prompt_ids: list[list[int]], completion_lengths: list[int], groups: list[int], packing: bool) -> Cost:
     """What a micro-batch of these rows costs in tokens through the model, in the layout it will have:
-    packed, each group's prompt once and its completions back to back in rows (`models.packed_tokens`); padded,
-    each prompt once padded to the longest, each completion padded to the longest."""
+    packed, each distinct prompt once and its completions back to back in rows (`models.packed_tokens`); padded,
+    each distinct prompt once padded to the longest, each completion padded to the longest. A group's rows share
+    one prompt unless an environment extended them differently or an agent's branch began elsewhere: prompts are
+    told apart within a group (`groups`: each row's), as the layouts tell them apart."""
+    distinct: dict[tuple[int, tuple[int, ...]], int] = {}
+    prompt_of = [distinct.setdefault((g, tuple(p)), len(distinct)) for g, p in zip(groups, prompt_ids)]
 
     def packed(rows: list[int]) -> int:
-        groups: dict[int, list[int]] = {}
+        pieces: dict[int, list[int]] = {}
         for j in rows:
-            groups.setdefault(j // group_size, []).append(j)
+            pieces.setdefault(prompt_of[j], []).append(j)
         return packed_tokens(
-            [piece_tokens(len(prompt_ids[g[0]]), [completion_lengths[j] for j in g]) for g in groups.values()]
+            [piece_tokens(len(prompt_ids[p[0]]), [completion_lengths[j] for j in p]) for p in pieces.values()]
         )
 
     def padded(rows: list[int]) -> int:
         if not rows:
             return 0
-        prompts = {j // group_size: len(prompt_ids[j]) for j in rows}
+        prompts = {prompt_of[j]: len(prompt_ids[j]) for j in rows}
         return len(prompts) * max(prompts.values()) + len(rows) * max(completion_lengths[j] for j in rows)
 
     return packed if packing else padded
 
 
-def pieces_within(rows: list[int], group_size: int, cost: Cost, budget: int) -> list[list[int]]:
-    """The rows as pieces that each fit `budget`: whole groups, or a group over it cut, in order, into parts that
-    fit (each part then carries the prompt). A completion that does not fit with its prompt alone is an error."""
+def pieces_within(rows: list[int], groups: list[int], cost: Cost, budget: int) -> list[list[int]]:
+    """The rows as pieces that each fit `budget`: whole groups (`groups`: each row's), or a group over it cut, in
+    order, into parts that fit (each part then carries the prompt). A completion that does not fit with its prompt
+    alone is an error."""
     pieces: list[list[int]] = []
-    for g in dict.fromkeys(j // group_size for j in rows):
+    for g in dict.fromkeys(groups[j] for j in rows):
         piece: list[int] = []
-        for j in (j for j in rows if j // group_size == g):
+        for j in (j for j in rows if groups[j] == g):
             if cost([j]) > budget:
                 raise ConfigError(
                     f"train.micro_batch_tokens ({budget}) cannot hold one completion with its prompt ({cost([j])} tokens): "

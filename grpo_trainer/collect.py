@@ -186,22 +186,41 @@ def training_samples(
     task: Task, indices: list[int], rollout: Rollout, rewards: torch.Tensor, per_function: torch.Tensor
 ) -> TrainingSamples:
     """This rank's completions of prompts `indices` as training reads them, with the rewards of the whole batch.
-    The prompt tokens have one source: the environment's extended prompt where it has one, else the task's."""
+    The prompt tokens have one source: the environment's extended prompt where it has one, else the task's. An
+    episode's further branches (`Rollout.branches`, agents) follow the completions as rows of their own."""
     g = len(rollout.completion_ids) // len(indices) if indices else 0
     prompt_ids = rollout.prompt_ids
     if prompt_ids is None:
         prompt_ids = task.prompt_ids([i for i in indices for _ in range(g)])
+    loss_mask = rollout.completion_mask or [[1] * len(c) for c in rollout.completion_ids]
+    prompt_ids, completion_ids, loss_mask = list(prompt_ids), list(rollout.completion_ids), list(loss_mask)
+    truncated = list(rollout.truncated)
+    logprobs = None if rollout.sampling_logprobs is None else list(rollout.sampling_logprobs)
+    versions = None if rollout.weight_versions is None else list(rollout.weight_versions)
+    branch_of: list[int] = []
+    for j, branches in enumerate(rollout.branches or ()):
+        for branch in branches:
+            prompt_ids.append(list(branch.prompt_ids))
+            completion_ids.append(list(branch.completion_ids))
+            loss_mask.append(list(branch.completion_mask))
+            truncated.append(branch.truncated)
+            if logprobs is not None:
+                logprobs.append(list(branch.logprobs))
+            if versions is not None:
+                versions.append(versions[j])
+            branch_of.append(j)
     return TrainingSamples(
         prompt_indices=list(indices),
         prompt_ids=prompt_ids,
-        completion_ids=rollout.completion_ids,
-        loss_mask=rollout.completion_mask or [[1] * len(c) for c in rollout.completion_ids],
-        truncated=rollout.truncated,
-        sampler_logprobs=rollout.sampling_logprobs,
-        weight_versions=rollout.weight_versions,
+        completion_ids=completion_ids,
+        loss_mask=loss_mask,
+        truncated=truncated,
+        sampler_logprobs=logprobs,
+        weight_versions=versions,
         rewards=rewards,
         per_function=per_function,
         prompts_extended=rollout.prompt_ids is not None,
+        branch_of=branch_of,
     )
 
 

@@ -32,17 +32,18 @@ def step_record(
     reward_stats: dict,
     batch,
     stats,
-    total_completions: int,
     learning_rate: float,
     extra: dict,
 ) -> dict:
     """Every metric of the step (a collective: every rank gathers); `stats` already reduced over ranks, `extra`
-    (eval, timing) appended last."""
+    (eval, timing) appended last. The completions/ lengths are the completions' (what the rewards judged), not
+    their episodes' further branches; the trained fraction counts every row."""
     samples = scored.samples
-    all_lengths = comm.gather(batch.lengths)
-    all_truncated = comm.gather(torch.tensor(samples.truncated, dtype=torch.float32))
+    mine = samples.completions
+    all_lengths = comm.gather(batch.lengths[:mine])
+    all_truncated = comm.gather(torch.tensor(samples.truncated[:mine], dtype=torch.float32))
     step_metrics = stats.metrics(
-        batch.total_tokens, total_completions, sampler_logprobs=samples.sampler_logprobs is not None
+        batch.total_tokens, sum(batch.mini_batch_rows), sampler_logprobs=samples.sampler_logprobs is not None
     )
     return {
         "step": step,

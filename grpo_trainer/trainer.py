@@ -9,7 +9,7 @@ One step, as named phases (each a function with a typed input and output):
                                   (samples.py: TrainingSamples, EpisodeStats, the metrics) are all the phases
                                   below read of what produced the samples
                     engine sleeps (Sleeps)         a sampler that can frees its memory for the update
-    2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [local_n]
+    2. advantages   (advantages.py) group-relative, over the whole batch (all ranks) -> [rows]
     3. batches      (batches.py)  this rank's completions as micro-batches (CPU): padded or
                                   packed, fixed size or a token budget               -> TrainBatch
     4. log-probs    (update.py)   old (num_iterations or mini_batches > 1), entropy selection
@@ -152,7 +152,7 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
     run.rollouts.before_update()  # a sampler that Sleeps frees its memory for the update
     all_advantages, reward_stats = step_advantages(run, samples)
     reward_stats.update(scored.sampling_stats)  # under dynamic sampling: statistics of everything sampled
-    advantages = geometry.my_completions(all_advantages)  # [local_n]
+    advantages = samples.per_row(geometry.my_completions(all_advantages))  # [rows]: completions, then branches
     with timer.phase("timing/logprobs"):
         batch = build_train_batch(
             samples,
@@ -181,7 +181,6 @@ def train_step(run: Run, state: TrainState, step: int) -> tuple[dict, TrainState
         reward_stats,
         batch,
         stats.reduced(run.comm),
-        geometry.total_completions,
         run.scheduler.get_last_lr()[0],
         {**eval_metrics, **timer.seconds, **run.rollouts.step_metrics()},
     )

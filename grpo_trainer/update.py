@@ -42,12 +42,12 @@ class Learner:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """What a micro-batch's loss reads besides its tensors: the loss type, and the counts its normaliser needs."""
+    """What a micro-batch's loss reads besides its tensors: the loss type, and the counts its normaliser needs
+    (those that depend on the step, its rows and tokens per mini-batch over all ranks, are the `TrainBatch`'s)."""
 
     variant: losses.LossVariant
     options: losses.LossOptions
     max_completion_length: int
-    completions_per_mini_batch: int  # over all ranks
     world: int
 
     @classmethod
@@ -56,7 +56,6 @@ class LossSettings:
             cfg.loss.variant,
             cfg.loss.options,
             cfg.rollout.max_completion_length,
-            geometry.total_completions // geometry.mini_batches,
             geometry.world,
         )
 
@@ -209,7 +208,7 @@ class StepStats:
         summed = comm.sum(torch.stack([self.sums[n] for n in names]))
         return replace(self, sums=dict(zip(names, summed)), logp_gap_max=comm.max(self.logp_gap_max.reshape(1))[0])
 
-    def metrics(self, total_tokens: float, total_completions: int, sampler_logprobs: bool) -> dict:
+    def metrics(self, total_tokens: float, total_rows: int, sampler_logprobs: bool) -> dict:
         """The logged means; `sampler_logprobs` when the engine reported the sampler's log-probs this step."""
         sums = self.sums
         totals = StepTotals(
@@ -225,7 +224,7 @@ class StepStats:
             "grad_norm": float(self.grad_norm),
             "nonfinite_skipped": self.nonfinite_skipped,
             "entropy": float(sums["entropy"]) / trained,  # over the completions that were trained on
-            "completions/trained_fraction": totals.trained_completions / total_completions,
+            "completions/trained_fraction": totals.trained_completions / total_rows,
             "clip_ratio/low_mean": float(sums["clip_low"]) / tokens,
             "clip_ratio/high_mean": float(sums["clip_high"]) / tokens,
             "clip_ratio/region_mean": float(sums["clip_region"]) / tokens,
@@ -383,7 +382,7 @@ def micro_batch_loss(
         token_loss,
         mb.mask,
         variant,
-        total_sequences=settings.completions_per_mini_batch,
+        total_sequences=batch.mini_batch_rows[mb.mini_batch],
         total_tokens=batch.mini_batch_totals[mb.mini_batch],
         max_completion_length=settings.max_completion_length,
         total_micro_batches=batch.window_sizes[mb.mini_batch] * settings.world,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import textwrap
@@ -26,6 +27,7 @@ import torch
 from grpo_trainer.agents.engine import AgentEngine, AgentEpisodeRecord
 from grpo_trainer.agents.producer import Played, PlayerEnvironment
 from grpo_trainer.agents.solve import SolvePlayer
+from grpo_trainer.collect import training_samples
 from grpo_trainer.config import ModelConfig
 from grpo_trainer.environments import EpisodeSpec
 from grpo_trainer.environments.protocol import ENDED_BY_ENVIRONMENT, ENDED_BY_LENGTH, FAILED_ERROR, FAILED_TIMEOUT
@@ -109,11 +111,11 @@ class TwoTurns:
 
 
 @pytest.mark.slow
-def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_its_last_branch(policy):
+def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_every_branch(policy):
     """Two chat turns become one row: the first prompt, then the sampled tokens (mask 1, the sampler's log-probs,
     equal to the trainer's recomputed ones to float rounding), with the template's tokens and the agent's second
-    message between them masked (0, log-prob 0). An episode that began with a second conversation keeps G rows: its
-    last branch is trained, the other counted."""
+    message between them masked (0, log-prob 0). An episode that began with a second conversation keeps G
+    completions (its last branch each) and carries its earlier branch along, which collect makes a row of its own."""
     tokenizer, lm, _ = policy
     engine = agent_engine(policy, TwoTurns())
     try:
@@ -135,7 +137,7 @@ def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_its_last_branch
             torch.testing.assert_close(
                 torch.tensor(logprobs)[sampled], trainer[0, : len(mask)][sampled], atol=2e-5, rtol=2e-5
             )
-        assert rollout.env_counters["agent/untrained_branches"] == 0
+        assert rollout.env_counters["agent/branch_rows"] == 0 and rollout.branches == [[]] * 4
         stops = {k: v for k, v in rollout.env_counters.items() if k.startswith("agent/stop/")}
         assert stops == {"agent/stop/done": 4.0, "agent/stop/none": 0.0, "agent/stop/other": 0.0}
     finally:
@@ -145,11 +147,22 @@ def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_its_last_branch
         rollout = play(engine, [{"prompt": "What is 2+3?"}], g=2)
         assert len(rollout.completion_ids) == 2
         assert [r.branches for r in rollout.episodes] == [2, 2]
-        assert rollout.env_counters["agent/untrained_branches"] == 2
-        assert rollout.env_counters["agent/untrained_tokens"] > 0
+        assert rollout.env_counters["agent/branch_rows"] == 2
         assert all(r.turns == 3 for r in rollout.episodes)
-        # the trained branch is the conversation about the row, not the "hi" one
+        # the completion is the conversation about the row; the "hi" one goes with it, sampled tokens and all
         assert all("2+3" in tokenizer.decode(p) for p in rollout.prompt_ids)
+        assert [len(b) for b in rollout.branches] == [1, 1]
+        for j, (first,) in enumerate(rollout.branches):
+            assert "hi" in tokenizer.decode(first.prompt_ids) and "2+3" not in tokenizer.decode(first.prompt_ids)
+            assert sum(first.completion_mask) > 0 and len(first.logprobs) == len(first.completion_ids)
+            record = rollout.episodes[j]
+            assert record.completion_tokens == sum(first.completion_mask) + sum(rollout.completion_mask[j])
+        # collect: 2 completions, then the 2 earlier branches as rows of their own, each with its episode's advantage
+        samples = training_samples(None, [0], rollout, torch.tensor([1.0, 0.0]), torch.zeros(2, 1))
+        assert samples.completions == 2 and samples.branch_of == [0, 1] and len(samples.completion_ids) == 4
+        assert samples.completion_ids[2:] == [b.completion_ids for (b,) in rollout.branches]
+        assert samples.sampler_logprobs[2:] == [b.logprobs for (b,) in rollout.branches]
+        assert samples.per_row(torch.tensor([0.5, -0.5])).tolist() == [0.5, -0.5, 0.5, -0.5]
     finally:
         engine.close()
 
@@ -256,10 +269,12 @@ def test_every_way_an_agent_fails_ends_only_its_episode(policy, tmp_path, caplog
         assert "HTTPError" in errors["budget"] and by_kind["budget"].refused.get("budget_exhausted") == 1
         assert "'high' is not a dict of the rewards environment.reward_weights names" in errors["not_a_number"]
         assert by_kind["flood"].refused.get("too_many_requests", 0) > 0
-        # each request a new conversation: as many branches as turns, the budget spent over them, the last trained
-        budget = by_kind["budget"]
+        # each request a new conversation: as many branches as turns, the budget spent over them, every one trained
+        budget, at = by_kind["budget"], kinds.index("budget")
         assert budget.completion_tokens == BUDGET and budget.branches == budget.turns >= 2
-        assert sum(rollout.completion_mask[kinds.index("budget")]) == BUDGET - budget.untrained_tokens
+        earlier = rollout.branches[at]
+        assert len(earlier) == budget.branches - 1
+        assert sum(rollout.completion_mask[at]) + sum(sum(b.completion_mask) for b in earlier) == BUDGET
         assert rollout.env_counters["agent/refused"] >= 3  # the wrong key is refused before it names an episode
         assert any("of 10 episodes failed" in r.getMessage() for r in caplog.records)
         # the engine goes on: the next batch plays
@@ -436,6 +451,54 @@ def test_the_openai_sdk_example_trains_resumes_exactly_and_two_ranks_agree_with_
     for r in two:
         assert r["environment/agent/requests"] == 16 and r["environment/errors"] == 0
         assert r["sampling/logp_diff_max"] < 1e-4
+
+
+FORKING_AGENT = textwrap.dedent(
+    """
+    from openai import AsyncOpenAI
+
+    async def solve(row, *, base_url, api_key, model, seed):
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            warmup = await client.chat.completions.create(  # a conversation of its own: a second branch
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, seed=seed
+            )
+            reply = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": row["prompt"]}], max_tokens=6, seed=seed
+            )
+        text = (warmup.choices[0].message.content or "") + (reply.choices[0].message.content or "")
+        return float(sum(map(ord, text)) % 2)  # the random model's replies vary: so do the rewards
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_episode_that_branched_trains_every_branch_from_the_cli(tmp_path):
+    """An agent that opens two conversations per episode, 2 steps from the CLI: each episode's earlier branch is a
+    row of its own (environment/agent/branch_rows = 16 a step), trained with its episode's advantage (the loss is over
+    24 rows: completions/trained_fraction counts them), and resuming is still exact (1 + 1 = 2 straight)."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import assert_same_run, run_cli, small_run_overrides
+
+    agent = tmp_path / "forking.py"
+    agent.write_text(FORKING_AGENT)
+
+    def train(out, steps, resume="never"):
+        overrides = [o for o in small_run_overrides(out, steps) if not o.startswith("checkpoint.resume")]
+        result = run_cli(["train", "configs/agent_cpu.yaml", *overrides, f"environment.agent={agent}:solve",
+                          "checkpoint.save_every=1", f"checkpoint.resume={resume}"])
+        assert result.returncode == 0, result.stderr[-4000:]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, 2)
+    train(resumed, 1)
+    train(resumed, 2, resume="auto")
+    assert_same_run(straight, resumed)
+    for r in read_metrics(straight):
+        assert r["environment/agent/episodes"] == 16 and r["environment/agent/requests"] == 32
+        assert r["environment/agent/branches"] == 32 and r["environment/agent/branch_rows"] == 16
+        assert r["environment/errors"] == 0 and math.isfinite(r["loss"])
+        assert 0 < r["completions/trained_fraction"] <= 1
+        assert r["sampling/logp_diff_max"] < 1e-4  # the branch rows' sampler log-probs are the trainer's too
 
 
 def test_stop_conditions_are_counted_per_declared_name_the_same_names_every_batch():

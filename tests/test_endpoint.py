@@ -296,3 +296,77 @@ def test_the_server_closes(policy):
     server.close()  # twice: nothing left to do
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+class RecordingSampler:
+    """Stands in for an engine: answers each request with one token (its seed's), and records every batch."""
+
+    max_model_len, max_batch, vocab_size = 512, 4, None
+
+    def __init__(self):
+        self.batches: list[list[tuple[int, int]]] = []  # per batch: (prompt length, seed) of each request, in order
+
+    def sample(self, requests):
+        from grpo_trainer.agents.sampler import TokenResult
+
+        self.batches.append([(len(r.prompt_ids), r.seed) for r in requests])
+        return [TokenResult([r.seed % 50 + 10], [-1.0], "length") for r in requests]
+
+
+def test_rounds_make_every_batch_the_same_whatever_the_timing(policy):
+    """rounds=True (rollout.seed_per_prompt): 7 episodes of 1-3 sequential turns, 3 playing at a time (one starts as
+    one ends, as the agent engine runs them), each waiting a random 0-60 ms before each request: two runs with
+    different waits form the same batches, request for request in the same order, and no batch mixes rounds
+    (so what each request samples cannot depend on the machine's load). A time window (rounds=False, 20 ms) would
+    batch whatever arrived in time."""
+    import random
+    import time as clock
+
+    tokenizer = policy[0]
+
+    def run(jitter_seed: int) -> list[list[tuple[int, int]]]:
+        sampler, rng = RecordingSampler(), random.Random(jitter_seed)
+        waits = [[rng.uniform(0, 0.06) for _ in range(3)] for _ in range(7)]
+        with TokenEndpoint(sampler, tokenizer, seed=3, rounds=True) as server:
+            handles = [server.open_episode(step=1, index=i, budget=8) for i in range(7)]
+            places, lock, queue = threading.Semaphore(3), threading.Lock(), list(range(7))
+
+            def play(i: int) -> None:
+                try:
+                    tokens = [1] * (i + 2)
+                    for turn in range(1 + i % 3):
+                        clock.sleep(waits[i][turn])
+                        status, reply = generate(server, handles[i].api_key, tokens, max_tokens=1)
+                        assert status == 200, reply
+                        tokens = tokens + reply["choices"][0]["token_ids"] + [2]
+                finally:
+                    with lock:
+                        successor = bool(queue)
+                    server.play_ended(handles[i].session_id, successor)
+                    places.release()
+
+            def lane() -> None:
+                while True:
+                    with lock:
+                        if not queue:
+                            return
+                        i = queue.pop(0)
+                    places.acquire()
+                    server.play_started(handles[i].session_id)
+                    play(i)
+
+            server.expect_players(3)
+            lanes = [threading.Thread(target=lane) for _ in range(3)]
+            for t in lanes:
+                t.start()
+            for t in lanes:
+                t.join()
+            for h in handles:
+                server.close_episode(h.session_id)
+        return sampler.batches
+
+    first, second = run(1), run(2)
+    assert first == second
+    assert sum(map(len, first)) == sum(1 + i % 3 for i in range(7))
+    assert all(len(batch) <= RecordingSampler.max_batch for batch in first)
+    assert len(first[0]) == 3  # the first round: the first request of each of the 3 episodes that started

@@ -139,7 +139,7 @@ def test_the_term_acts_on_the_top_entropy_tokens_when_top_entropy_quantile_selec
     settings = LossSettings.of(cfg, batch_geometry(cfg, 1))
     mb = MicroBatch(sequences={}, mask=torch.tensor([[1.0, 1.0], [1.0, 1.0]]), advantages=torch.zeros(2),
                     entropy_mask=torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
-    batch = TrainBatch([mb], torch.tensor([2.0, 2.0]), 2, 4.0, mini_batch_totals=[4.0], window_sizes=[1])
+    batch = TrainBatch([mb], torch.tensor([2.0, 2.0]), 2, 4.0, mini_batch_totals=[4.0], mini_batch_rows=[2], window_sizes=[1])
     (term,) = build_terms(cfg, TermModels())
     term = term.for_step(batch, ONE_RANK, TrainState.fresh(0.1))
     assert term.tokens == (2.0,) and term.coef == 0.1
@@ -163,7 +163,7 @@ def test_the_entropy_term_does_not_depend_on_micro_batches_or_ranks():
     def shares(comm, rows_per_micro_batch):
         settings = LossSettings.of(cfg, batch_geometry(cfg, 1))
         mbs = [MicroBatch(sequences={}, mask=mask[rows], advantages=torch.zeros(len(rows))) for rows in rows_per_micro_batch]
-        batch = TrainBatch(mbs, torch.zeros(4), 4, 10.0, mini_batch_totals=[10.0], window_sizes=[len(mbs)])
+        batch = TrainBatch(mbs, torch.zeros(4), 4, 10.0, mini_batch_totals=[10.0], mini_batch_rows=[4], window_sizes=[len(mbs)])
         (term,) = build_terms(cfg, TermModels())
         term = term.for_step(batch, comm, TrainState.fresh(0.3))
         return sum(micro_batch_loss(batch, mb, torch.zeros(len(rows), 4), settings, (term,), entropies[rows])[0].item()

@@ -67,7 +67,7 @@ def test_a_loss_type_registered_from_one_module_computes_the_trainers_loss(regis
 
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -7.0]])
     mb = MicroBatch(sequences={}, mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]), advantages=torch.tensor([2.0, -0.25]))
-    batch = TrainBatch([mb], torch.tensor([2.0, 1.0]), 2, 3.0, mini_batch_totals=[3.0], window_sizes=[1])
+    batch = TrainBatch([mb], torch.tensor([2.0, 1.0]), 2, 3.0, mini_batch_totals=[3.0], mini_batch_rows=[2], window_sizes=[1])
     share, parts = micro_batch_loss(batch, mb, logp, LossSettings.of(cfg, batch_geometry(cfg, 1)))
     assert share.item() == pytest.approx(0.6875, abs=1e-7)
     assert parts["clip_region"].item() == 0

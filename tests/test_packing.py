@@ -299,7 +299,7 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
             mini_batches=geometry.mini_batches, comm=comm,
         )
         if budget:
-            cost = tokens_of([samples.prompt_ids[j] for j in mine], [len(samples.completion_ids[j]) for j in mine], G, packing)
+            cost = tokens_of([samples.prompt_ids[j] for j in mine], [len(samples.completion_ids[j]) for j in mine], [j // G for j in range(len(mine))], packing)
             assert all(cost(mb.rows) <= budget for mb in batch.micro_batches)
         # The old policy scores the batch (so ratios are not 1); LoRA's reference is that model's base.
         plain = SimpleNamespace(distributed_type=DistributedType.NO)  # an accelerator that wraps nothing

@@ -186,7 +186,7 @@ def test_step_stats_reduce_over_ranks_sums_and_takes_the_max_gap():
         return stats.reduced(comm)
 
     for reduced in run_ranks(2, rank_stats):
-        metrics = reduced.metrics(total_tokens=40.0, total_completions=8, sampler_logprobs=True)
+        metrics = reduced.metrics(total_tokens=40.0, total_rows=8, sampler_logprobs=True)
         assert metrics["loss"] == 2.0
         assert metrics["clip_ratio/low_mean"] == 2.0 / 40
         assert metrics["entropy"] == 15.0 / 20  # over the tokens trained on, on both ranks

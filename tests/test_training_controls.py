@@ -176,11 +176,11 @@ def test_top_entropy_tokens_are_chosen_over_the_whole_batch_on_any_number_of_ran
 
 def test_mini_batches_hold_whole_groups_and_the_same_completions_on_any_number_of_ranks():
     # 4 prompts x G = 2, M = 2: prompt p goes to mini-batch p mod 2.
-    assert mini_batch_rows(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert mini_batch_rows([j // 2 for j in range(8)], 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     # Two ranks with 2 prompts each: rank 1's rows are global rows 4..7.
-    rank0, rank1 = mini_batch_rows(4, 2, 2), mini_batch_rows(4, 2, 2)
+    rank0, rank1 = mini_batch_rows([0, 0, 1, 1], 2), mini_batch_rows([0, 0, 1, 1], 2)
     assert [rank0[k] + [4 + j for j in rank1[k]] for k in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert mini_batch_rows(8, 2, 1) == [list(range(8))]
+    assert mini_batch_rows([j // 2 for j in range(8)], 1) == [list(range(8))]
 
 
 def mini_batch_run(accelerator_factory, micro: int, overrides=()):

@@ -297,7 +297,7 @@ def test_serve_opens_vllms_own_token_route(servers):
 def test_an_agent_on_vllm_server_trains_on_what_the_server_sampled(servers, model_dir, tmp_path):
     """environment.agent (the OpenAI-SDK example, configs/agent_cpu.yaml) on the vllm_server engine, 2 steps from the
     CLI: the run's endpoint samples through the server (EngineTokenSampler: the engine's generate, its seeds and
-    sampler log-probs); every sampled token is trained (one turn, one branch: no untrained tokens), and the
+    sampler log-probs); every sampled token is trained (one turn, one branch: no rows besides the completions), and the
     sampler/trainer gap (sampling/logp_diff_*) is what any vLLM sample has (docs/vllm.md), also after a push."""
     from grpo_trainer.metrics import read_metrics
     from helpers import run_cli, small_run_overrides
@@ -316,7 +316,7 @@ def test_an_agent_on_vllm_server_trains_on_what_the_server_sampled(servers, mode
     for r in records:
         assert r["environment/agent/episodes"] == r["environment/agent/requests"] == 16
         assert r["environment/errors"] == 0 and r["environment/agent/refused"] == 0
-        assert r["environment/agent/untrained_tokens"] == 0
+        assert r["environment/agent/branch_rows"] == 0
         assert r["environment/agent/completion_tokens"] == pytest.approx(16 * r["completions/mean_length"])
         assert r["completions/trained_fraction"] > 0  # the gap below is measured on trained tokens
         assert r["sampling/logp_diff_max"] < ATOL, r  # float32 on both sides (tests/vllm_helpers.py)

@@ -12,8 +12,8 @@ way, a template that renders earlier turns differently, e.g. without their `<thi
    (its final stop token aside), the prompt is the turn's own prompt + completion, then what the template adds
    after the reply (its end-of-turn tokens), then the rest of `F`. The turn is continued, token for token.
 4. Otherwise, if such a turn was found, the rendering diverges from what was sampled: the request is served on `F`,
-   counted as re-rendered (`agent/rerendered_turns`), and starts a new branch (records.py; an episode trains on its
-   last branch, producer.py). No turn found: a new conversation, served on `F`, a new branch, not counted.
+   counted as re-rendered (`agent/rerendered_turns`), and starts a new branch (records.py; every branch is trained,
+   producer.py). No turn found: a new conversation, served on `F`, a new branch, not counted.
 """
 
 from __future__ import annotations

@@ -30,6 +30,17 @@ Batching: requests wait in one queue; the batcher takes what arrived within `lim
 (sooner once every open episode has a request waiting, or `sampler.max_batch` are), and samples them in one call
 of the engine, on one worker thread, while the server keeps accepting.
 
+With `rounds=True` (the agent engine under rollout.seed_per_prompt) batches are *rounds* instead, so that what each
+request samples depends on nothing but its seed and the episodes' own behaviour: no engine's batched kernels are
+exactly row-invariant (the hf engine's prefill rounds differently for 1 row and 2; vLLM's batches are not
+batch-invariant either), so a time window, which lets the machine's load decide which requests share a batch,
+would let it decide the last bits of their log-probs too, and now and then a token. A round is taken when every
+*playing* episode (`play_started` .. `play_ended`, told by the engine that runs them) has a request waiting and no
+episode is about to start in a finished one's place; its requests are sampled in episode order (step, index),
+`sampler.max_batch` at a time. So a round holds the next request of every episode in play, whatever the timing,
+for agents whose requests within one episode are sequential; an agent that works between its requests holds the
+round up (within environment.episode_timeout, which counts the wait as the endpoint's time, not the agent's).
+
 Records: `close_episode(session_id)` returns the episode's `EpisodeRequests` (records.py), every request token for
 token with the sampler's log-probs; `counters()` gives the endpoint's totals (`agent/rerendered_turns`, ...).
 
@@ -98,6 +109,7 @@ class _Episode:
     # what environment.episode_timeout does not count (producer.py).
     sampler_seconds: float = 0.0
     sampler_since: float | None = None  # when the current stretch of requests in flight began
+    playing: bool = False  # its program is running (rounds: the batcher waits for its next request)
 
 
 # The request's episode (None: the run's key without a session), set by the guard.
@@ -114,8 +126,11 @@ class TokenEndpoint:
         eos_token_ids: list[int] | None = None,
         model_name: str = "policy",
         limits: EndpointLimits = EndpointLimits(),
+        rounds: bool = False,
     ):
         self.sampler = sampler
+        self.rounds = rounds  # batches are rounds of the playing episodes, not time windows (module docstring)
+        self._starting = 0  # rounds: episodes that will start playing in finished ones' places
         self.tokenizer = tokenizer
         self.seed = seed
         self.model_name = model_name
@@ -190,6 +205,34 @@ class TokenEndpoint:
             self._episodes[session_id] = _Episode(record)
             self._by_key[key] = session_id
         return EpisodeHandle(session_id, self.base_url, key, self.model_name)
+
+    def expect_players(self, count: int) -> None:
+        """Rounds: `count` episodes are about to start playing (a batch's first, before any has started), so that no
+        round is taken before each has started and sent its first request. Any thread."""
+        with self._lock:
+            self._starting = count
+        self._wake()
+
+    def play_started(self, session_id: str) -> None:
+        """The episode's program runs from now on (rounds: the batcher waits for its requests). Any thread."""
+        with self._lock:
+            self._episodes[session_id].playing = True
+            self._starting = max(self._starting - 1, 0)
+        self._wake()
+
+    def play_ended(self, session_id: str, successor: bool) -> None:
+        """The episode's program returned (or failed); `successor`: another episode starts in its place, which the
+        next round waits for (told in the same breath, so no round can be taken between the two). Any thread."""
+        with self._lock:
+            episode = self._episodes.get(session_id)
+            if episode is not None:
+                episode.playing = False
+            self._starting += 1 if successor else 0
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._loop is not None and self._wakeup is not None:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     def close_episode(self, session_id: str) -> EpisodeRequests:
         """Refuse the episode's further requests, wait for those in flight, and return its record (final)."""
@@ -553,13 +596,18 @@ class TokenEndpoint:
             self._wakeup.clear()
             if not self._pending:
                 continue
-            deadline = loop.time() + self.limits.batch_window_s
-            while not self._batch_ready() and (wait := deadline - loop.time()) > 0:
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
-                except TimeoutError:
-                    break
+            if self.rounds:
+                if not self._round_ready():
+                    continue  # woken again by the next request, or by an episode that started or ended
+                self._pending.sort(key=self._episode_order)  # stable: an episode's requests in arrival order
+            else:
+                deadline = loop.time() + self.limits.batch_window_s
+                while not self._batch_ready() and (wait := deadline - loop.time()) > 0:
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+                    except TimeoutError:
+                        break
             batch = self._pending[: self.sampler.max_batch]
             del self._pending[: len(batch)]
             self._count("agent/batches")
@@ -576,6 +624,19 @@ class TokenEndpoint:
                         future.set_result(result)
             if self._pending:
                 self._wakeup.set()
+
+    def _round_ready(self) -> bool:
+        """Rounds: every playing episode has a request waiting, and none is about to start."""
+        waiting = {session for _, session, _ in self._pending}
+        with self._lock:
+            if self._starting:
+                return False
+            return all(s in waiting for s, e in self._episodes.items() if e.playing and not e.closed)
+
+    def _episode_order(self, item: tuple[TokenRequest, str, asyncio.Future]) -> tuple[int, int]:
+        with self._lock:
+            episode = self._episodes.get(item[1])
+        return (episode.record.step, episode.record.index) if episode is not None else (-1, -1)
 
     def _batch_ready(self) -> bool:
         """Full, or every open episode has a request waiting (no more can be expected from sequential agents)."""

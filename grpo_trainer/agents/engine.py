@@ -15,10 +15,12 @@ closing reach the wrapped engine, and its capabilities are the wrapped engine's)
 limit, rollout.max_completion_length), played with `play(row, handle, seed)`, then closed. Each request's seed is
 the endpoint's `mix_seed(run seed, group, j, turn)`, the group being the group's environment seed (itself from the
 run seed, step, draw and position in the batch: `EpisodeSpec.seed`): never arrival order or concurrency, so a
-deterministic agent gives the same tokens on a resumed run. The episode becomes one row: its last branch
-(producer.py's rule), prompt = the branch's first prompt, completion = the rest, `completion_mask` 1 on sampled
-tokens, `sampling_logprobs` aligned (0 where masked), an `AgentEpisodeRecord` for the rewards and metrics, the
-episode's messages for the reward functions.
+deterministic agent gives the same tokens on a resumed run. The episode becomes one completion: its last branch
+(the one that ended the episode and that the reward judged), prompt = the branch's first prompt, completion = the
+rest, `completion_mask` 1 on sampled tokens, `sampling_logprobs` aligned (0 where masked), an
+`AgentEpisodeRecord` for the rewards and metrics, the episode's messages for the reward functions. Its earlier
+branches (a re-rendered conversation, a second one) go with it (`Rollout.branches`): each a training row of its own
+with the episode's advantage (samples.TrainingSamples.branch_of), so everything the policy sampled is trained once.
 
 Failure (each ends only its episode, scored by environment.on_error, one log line per kind per batch):
 - `play` raises (sys.exit included), returns something else than `Played`, or says `ok=False`: `error`;
@@ -59,6 +61,7 @@ from ..environments.protocol import (
 from ..environments.scoring import failure_summary
 from ..errors import UserError
 from ..rollout import (
+    Branch,
     EngineWrapper,
     Rollout,
     RolloutEngine,
@@ -94,7 +97,6 @@ class AgentEpisodeRecord(EpisodeRecord):
     refused: dict[str, int] = field(default_factory=dict)  # requests refused, by error code
     completion_tokens: int = 0  # sampled in all its branches
     branches: int = 0
-    untrained_tokens: int = 0  # sampled tokens of the branches not trained (all but the last)
     rerendered_turns: int = 0
     sampler_seconds: float = 0.0  # time its requests spent in the endpoint
     agent_seconds: float = 0.0  # its own time: wall time minus sampler time (what episode_timeout bounds)
@@ -221,6 +223,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         max_model_len: int | None,
         episode_timeout: float,
         concurrency: int,
+        rounds: bool = False,
         vocab_size: int | None = None,
     ):
         super().__init__(engine)
@@ -233,6 +236,8 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         self.max_model_len = max_model_len
         self.episode_timeout = episode_timeout
         self.concurrency = concurrency
+        self.rounds = rounds  # the endpoint batches in rounds (rollout.seed_per_prompt: endpoint.py says why)
+        self._unstarted = 0  # slots of the batch being played that wait for a place (players' loop only)
         self.vocab_size = vocab_size  # a vLLM engine's policy rows (the hf engine's are read from its model)
         self.counter_names: tuple[str, ...] = tuple(getattr(self.player, "counter_names", ()) or ())
         self.stop_names = stop_names(self.player)
@@ -282,7 +287,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
     def _start(self) -> TokenEndpoint:
         if self.endpoint is None:
             self.endpoint = TokenEndpoint(
-                self._sampler(), self.tokenizer, seed=self.seed, eos_token_ids=self.eos_token_ids
+                self._sampler(), self.tokenizer, seed=self.seed, eos_token_ids=self.eos_token_ids, rounds=self.rounds
             ).start()
         if self._players is None:
             self._guard.enter_context(guard_os_exit())
@@ -325,6 +330,8 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         """Every slot played on the players' loop; returns when all have an outcome (or the loop is blocked)."""
         assert self._players is not None and self.endpoint is not None
         players = self._players
+        self._unstarted = len(slots)
+        self.endpoint.expect_players(min(len(slots), self.concurrency))
         futures = {players.submit(self._episode(slot, players.semaphore)): slot for slot in slots}
         pending = set(futures)
         while pending:
@@ -368,6 +375,8 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
             slot.started = time.perf_counter()
             started = slot.started
             session = slot.handle.session_id
+            self._unstarted -= 1
+            endpoint.play_started(session)
 
             def excluded() -> float:
                 return endpoint.sampler_seconds(session)
@@ -389,6 +398,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
                         return
             finally:
                 slot.finished = time.perf_counter()
+                endpoint.play_ended(session, successor=self._unstarted > 0)  # a waiting slot takes its place
 
     async def _guarded(self, slot: _Slot) -> Outcome:
         """The play's outcome: Played, or what it raised (SystemExit and os._exit too), as deadline.Outcome."""
@@ -416,6 +426,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         requests: list[EpisodeRequests],
     ) -> Rollout:
         completion_ids, masks, logprobs, prompts, truncated, messages, records = [], [], [], [], [], [], []
+        earlier: list[list[Branch]] = []  # per episode, its branches before the last: rows of their own
         for slot, req in zip(slots, requests):
             req.api_key = ""  # the episode is closed: its key is worth nothing, and is not carried further
             played = slot.outcome.value if slot.outcome is not None and slot.outcome.ok else None
@@ -423,9 +434,9 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
             record = self._record(slot, req, played, specs[slot.prompt].episode_id)
             record.branches = len(branches)
             record.completion_tokens = sum(sum(b.completion_mask) for b in branches)
+            earlier.append(list(branches[:-1]))
             if branches:
                 last = branches[-1]  # the branch that ended the episode, which the reward judged
-                record.untrained_tokens = record.completion_tokens - sum(last.completion_mask)
                 prompts.append(list(last.prompt_ids))
                 completion_ids.append(list(last.completion_ids))
                 masks.append(list(last.completion_mask))
@@ -451,6 +462,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
             turns=[r.turns for r in records],
             prompt_ids=prompts,
             episodes=records,
+            branches=earlier,
         )
         rollout.env_counters = cast(dict[str, int], self._counters(records))  # floats too: summed as floats
         return rollout
@@ -529,8 +541,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
             "agent/refused": float(sum(sum(r.refused.values()) for r in records)),
             "agent/completion_tokens": float(sum(r.completion_tokens for r in records)),
             "agent/branches": float(sum(r.branches for r in records)),
-            "agent/untrained_branches": float(sum(max(r.branches - 1, 0) for r in records)),
-            "agent/untrained_tokens": float(sum(r.untrained_tokens for r in records)),
+            "agent/branch_rows": float(sum(max(r.branches - 1, 0) for r in records)),  # rows besides the completions
             "agent/rerendered_turns": float(sum(r.rerendered_turns for r in records)),
             "agent/sampler_seconds": float(sum(r.sampler_seconds for r in records)),
         }
@@ -582,6 +593,7 @@ def agent_engine(engine: RolloutEngine, tokenizer, cfg: Config, eos_token_ids: l
         vocab_size=_vocab_size(cfg) if vllm else None,
         episode_timeout=env.episode_timeout if math.isfinite(env.episode_timeout) else math.inf,
         concurrency=env.concurrency,
+        rounds=cfg.rollout.seed_per_prompt,
     )
 
 

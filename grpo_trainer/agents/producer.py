@@ -34,12 +34,13 @@ says so with `Played(ok=False, error=...)`.
 episode's own seed, for the program's randomness: a function of the group's seed and the slot's position in its group.
 The endpoint seeds every request itself, from (run seed, group, slot, turn) (endpoint.py), never from arrival order.
 
-What is trained (engine.py): one row per episode, its `branches` (records.py `Branch`: prompt ids, completion ids,
+What is trained (engine.py): every one of the episode's `branches` (records.py `Branch`: prompt ids, completion ids,
 a loss mask that is 1 on sampled tokens only, the sampler's log-probs aligned with it); None, the usual case,
-means the endpoint's own record of the episode's requests (`EpisodeRequests.branches()`). An episode with several
-branches (a re-rendered turn, or a program that started a second conversation) trains on its LAST branch, the one
-that ended the episode and that the reward judged; the others are counted (`environment/agent/untrained_branches`,
-`untrained_tokens`) and not trained (docs/agents.md says why).
+means the endpoint's own record of the episode's requests (`EpisodeRequests.branches()`). The LAST branch, the one
+that ended the episode and that the reward judged, is the episode's completion (what the reward functions and the
+completions log see); an episode with several branches (a re-rendered turn, or a program that started a second
+conversation) trains each earlier one too, as a sample of its own with the episode's advantage
+(`environment/agent/branch_rows` counts them; docs/agents.md).
 """
 
 from __future__ import annotations

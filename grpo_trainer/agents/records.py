@@ -8,13 +8,17 @@ chat route: the endpoint splices the sampled ids back in, chat.py). Turns form a
 one branch (`EpisodeRequests.branches`): the leaf's prompt + completion, the sampled tokens of every turn on the path
 in the loss mask, everything else (the first prompt, what the agent or its tools added between turns) masked out. A
 turn whose conversation was re-rendered differently from what was sampled starts a new root, never spliced into the
-earlier one. An episode trains on its last branch (producer.py, docs/agents.md); the others are counted.
+earlier one. Every branch is trained, as a sample of its own with the episode's advantage (engine.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..rollout import Branch
+
+__all__ = ["Branch", "EpisodeRequests", "TurnRecord"]
 
 
 @dataclass
@@ -36,18 +40,6 @@ class TurnRecord:
     def tokens(self) -> list[int]:
         """The turn's whole sequence: prompt + completion."""
         return self.prompt_ids + self.completion_ids
-
-
-@dataclass
-class Branch:
-    """One training sample of an episode: a root-to-leaf path of its turns."""
-
-    prompt_ids: list[int]  # the root turn's prompt
-    completion_ids: list[int]  # everything after it: sampled tokens and what came between turns
-    completion_mask: list[int]  # 1 on sampled tokens, 0 on tokens the policy did not sample
-    logprobs: list[float]  # the sampler's log-probs on sampled tokens, 0.0 elsewhere
-    turns: list[int]  # the turns on the path, root first
-    truncated: bool = False  # its last turn was cut by its length limit (finish reason "length")
 
 
 @dataclass

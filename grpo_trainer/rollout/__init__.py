@@ -45,6 +45,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Branch:
+    """One training sample of a multi-turn episode: a root-to-leaf path of its turns (agents/records.py)."""
+
+    prompt_ids: list[int]  # the root turn's prompt
+    completion_ids: list[int]  # everything after it: sampled tokens and what came between turns
+    completion_mask: list[int]  # 1 on sampled tokens, 0 on tokens the policy did not sample
+    logprobs: list[float]  # the sampler's log-probs on sampled tokens, 0.0 elsewhere
+    turns: list[int] = field(default_factory=list)  # the turns on the path, root first
+    truncated: bool = False  # its last turn was cut by its length limit (finish reason "length")
+
+
+@dataclass
 class Rollout:
     """Completions for a list of prompts, grouped: rows i*G .. i*G+G-1 belong to prompt i. What engines and
     environments produce and rewards read; collect turns it into the step's `samples.TrainingSamples` and
@@ -74,6 +86,10 @@ class Rollout:
     # Events of this rank's environment while it sampled these completions, by name (a remote server's
     # capacity_refusals and reconnects; {} for environments that count none): logged as environment/<name>.
     env_counters: dict[str, int] = field(default_factory=dict)
+    # Agents only: per completion, the episode's further samples besides the completion (the branches before its
+    # last, when its conversation branched): each becomes a training row of its own with the completion's advantage
+    # (samples.TrainingSamples.branch_of). None or [] for a completion that is its episode's only sample.
+    branches: list[list[Branch]] | None = None
 
     PER_COMPLETION: ClassVar[tuple[str, ...]] = (
         "completion_ids",
@@ -87,6 +103,7 @@ class Rollout:
         "weight_versions",
         "prompt_ids",
         "episodes",
+        "branches",
     )
 
     def select(self, rows: list[int]) -> Rollout:
