@@ -370,3 +370,23 @@ def test_rounds_make_every_batch_the_same_whatever_the_timing(policy):
     assert sum(map(len, first)) == sum(1 + i % 3 for i in range(7))
     assert all(len(batch) <= RecordingSampler.max_batch for batch in first)
     assert len(first[0]) == 3  # the first round: the first request of each of the 3 episodes that started
+
+
+def test_a_round_missing_an_episode_is_taken_after_the_round_timeout_and_said(policy, caplog):
+    """rounds=True with an episode in play that never asks (an agent stuck in its own work): the others' requests
+    are answered after limits.round_timeout_s, not never; counted (agent/rounds_cut) and logged once."""
+    tokenizer = policy[0]
+    sampler = RecordingSampler()
+    limits = EndpointLimits(round_timeout_s=0.5)
+    with caplog.at_level("WARNING"), TokenEndpoint(sampler, tokenizer, seed=3, rounds=True, limits=limits) as server:
+        asking, stuck = server.open_episode(step=1, index=0, budget=8), server.open_episode(step=1, index=1, budget=8)
+        server.expect_players(2)
+        server.play_started(asking.session_id)
+        server.play_started(stuck.session_id)
+        status, reply = generate(server, asking.api_key, [1, 2, 3], max_tokens=1)
+        assert status == 200, reply
+        assert server.counters().get("agent/rounds_cut") == 1
+        server.play_ended(stuck.session_id, successor=False)
+        assert generate(server, asking.api_key, [1, 2, 3, 4], max_tokens=1)[0] == 200  # a full round: no cut
+        assert server.counters().get("agent/rounds_cut") == 1
+    assert sum("a round was taken after 0.5 s" in r.getMessage() for r in caplog.records) == 1

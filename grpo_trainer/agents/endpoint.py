@@ -39,7 +39,9 @@ would let it decide the last bits of their log-probs too, and now and then a tok
 episode is about to start in a finished one's place; its requests are sampled in episode order (step, index),
 `sampler.max_batch` at a time. So a round holds the next request of every episode in play, whatever the timing,
 for agents whose requests within one episode are sequential; an agent that works between its requests holds the
-round up (within environment.episode_timeout, which counts the wait as the endpoint's time, not the agent's).
+round up (within environment.episode_timeout, which counts the wait as the endpoint's time, not the agent's), for
+at most `limits.round_timeout_s`, after which the round is taken as it is (counted, `agent/rounds_cut`, and logged
+once: from there on batching may depend on timing).
 
 Records: `close_episode(session_id)` returns the episode's `EpisodeRequests` (records.py), every request token for
 token with the sampler's log-probs; `counters()` gives the endpoint's totals (`agent/rerendered_turns`, ...).
@@ -80,6 +82,9 @@ class EndpointLimits:
     max_pending: int = 1024  # requests admitted and not yet answered, all episodes together
     max_in_flight_per_episode: int = 16  # of one episode
     batch_window_s: float = 0.02  # how long the batcher waits for more requests after the first
+    # rounds: how long a round waits for every episode in play after its first request, before it is taken as it is
+    # (logged once: an agent that works this long between requests makes batching depend on timing again)
+    round_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class TokenEndpoint:
         self.sampler = sampler
         self.rounds = rounds  # batches are rounds of the playing episodes, not time windows (module docstring)
         self._starting = 0  # rounds: episodes that will start playing in finished ones' places
+        self._warned_cut = False
         self.tokenizer = tokenizer
         self.seed = seed
         self.model_name = model_name
@@ -299,6 +305,11 @@ class TokenEndpoint:
             if episode is None:
                 raise KeyError(f"no open episode {session_id!r}")
             episode.closed = True
+            # Episodes are closed once their batch is over: no round waits for it, or for another to start (a play
+            # abandoned with its loop may have been left "playing", with requests of others waiting on it).
+            self._starting = 0
+        if self._wakeup is not None:
+            self._wakeup.set()
         while episode.in_flight:
             if episode.idle is None:
                 episode.idle = asyncio.Event()
@@ -596,18 +607,18 @@ class TokenEndpoint:
             self._wakeup.clear()
             if not self._pending:
                 continue
+            ready = self._round_ready if self.rounds else self._batch_ready
+            deadline = loop.time() + (self.limits.round_timeout_s if self.rounds else self.limits.batch_window_s)
+            while not ready() and (wait := deadline - loop.time()) > 0:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+                except TimeoutError:
+                    break
             if self.rounds:
-                if not self._round_ready():
-                    continue  # woken again by the next request, or by an episode that started or ended
+                if not ready():
+                    self._cut_round()
                 self._pending.sort(key=self._episode_order)  # stable: an episode's requests in arrival order
-            else:
-                deadline = loop.time() + self.limits.batch_window_s
-                while not self._batch_ready() and (wait := deadline - loop.time()) > 0:
-                    self._wakeup.clear()
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
-                    except TimeoutError:
-                        break
             batch = self._pending[: self.sampler.max_batch]
             del self._pending[: len(batch)]
             self._count("agent/batches")
@@ -624,6 +635,17 @@ class TokenEndpoint:
                         future.set_result(result)
             if self._pending:
                 self._wakeup.set()
+
+    def _cut_round(self) -> None:
+        self._count("agent/rounds_cut")
+        if not self._warned_cut:
+            self._warned_cut = True
+            logger.warning(
+                "token endpoint: a round was taken after %g s without the next request of every episode in play (an "
+                "agent works that long between its requests, or is stuck): which requests share a batch, and so the "
+                "last bits of their log-probs, may depend on timing from here on (counted: agent/rounds_cut)",
+                self.limits.round_timeout_s,
+            )
 
     def _round_ready(self) -> bool:
         """Rounds: every playing episode has a request waiting, and none is about to start."""
