@@ -15,7 +15,8 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
   (or "nccl"), or for `disk` our worker extension; `VLLM_SERVER_DEV_MODE=1` for the RL endpoints (none for
   `none`).
 - LoRA adapter pushes (`rollout.lora_sync` adapter or auto, with `model.lora`): `--enable-lora`,
-  `--max-lora-rank` (`model.lora.r` rounded up to a value vLLM allows), `--max-loras`, and
+  `--max-lora-rank` (`model.lora.r` rounded up to a value vLLM allows), `--max-loras` (rollout.max_staleness + 2:
+  the adapters in-flight requests may name, lora_sync.adapter_slots), and
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (which vLLM refuses with several API servers: `--api-server-count`
   above 1 after `--` is refused for `adapter`, and leaves LoRA off for `auto`, whose trainer then pushes merged
   weights). A rank above vLLM's largest is refused for `adapter` and leaves LoRA off for `auto`.
@@ -45,7 +46,7 @@ from collections.abc import Sequence
 from .config import Config
 from .errors import ConfigError
 from .rollout.engines import vllm_lora_rank
-from .rollout.lora_sync import SLOTS
+from .rollout.lora_sync import adapter_slots
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # as the colocate engine: plenty for small models, RAM stays free
 DEFAULT_PORTS = {"http": 80, "https": 443}  # where the trainer connects for a URL without a port
@@ -68,7 +69,7 @@ OWN_FLAGS = {
     "--worker-extension-cls": "rollout.vllm_server.weight_sync",
     "--enable-lora": "rollout.lora_sync",
     "--max-lora-rank": "model.lora.r",
-    "--max-loras": None,  # the adapter pushes': the current adapter and the previous
+    "--max-loras": "rollout.max_staleness",  # the adapter pushes': the current one, K older, the next
 }
 FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
 
@@ -119,7 +120,7 @@ def serve_command(
             "--max-lora-rank",
             str(vllm_lora_rank(cfg.model.lora.r)),
             "--max-loras",
-            str(SLOTS),
+            str(adapter_slots(cfg.rollout.max_staleness)),
         ]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     check_extra_args(command, list(vllm_args))

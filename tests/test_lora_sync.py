@@ -123,6 +123,29 @@ def test_adapter_folders_write_each_version_under_a_new_name(tmp_path):
         assert torch.allclose(reloaded(x).logits, model(x).logits, atol=1e-6)
 
 
+def test_the_adapters_kept_loaded_are_the_newest_k_plus_one_of_this_engine():
+    """After loading version 5 with K = 2 (rollout.max_staleness): versions 3 and 4 stay (requests sent under the
+    older weights may name them), 1-2 and another run's go; every rank reads the newest as the current one."""
+    from grpo_trainer.rollout.lora_sync import ADAPTER_PREFIX, Adapter, newest_adapter, stale_adapters
+
+    ours = [f"{ADAPTER_PREFIX}ab12-v{n}" for n in (1, 2, 3, 4, 5)]
+    other = f"{ADAPTER_PREFIX}ff00-v9"
+    held = [other, *ours, "base-model"]
+    loaded = Adapter(ours[-1], 5, Path("unused"))
+    assert stale_adapters(held, loaded, keep=3) == [other, ours[0], ours[1]]
+    assert stale_adapters(held, loaded, keep=1) == [other, *ours[:4]]  # synchronous: only the current stays
+    assert newest_adapter(ours[2:] + ["base-model"]) == ours[-1] and newest_adapter(["base-model"]) is None
+    assert newest_adapter([f"{ADAPTER_PREFIX}ab12-v10", f"{ADAPTER_PREFIX}ab12-v9"]).endswith("-v10")  # numbers
+
+
+def test_adapter_folders_keep_as_many_versions_as_asked(tmp_path):
+    folders = AdapterFolders(tmp_path / "adapters", keep=3)
+    model = tiny_peft()
+    for _ in range(5):
+        folders.write(model)
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [f"v{n}-{folders.token}" for n in (3, 4, 5)]
+
+
 def test_adapter_folders_refuse_a_model_without_lora(tmp_path):
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         AdapterFolders(tmp_path).write(tiny_peft().get_base_model())
@@ -134,6 +157,11 @@ def test_serve_adds_the_lora_flags(monkeypatch):
     command, env = serve_command(config(*server, "rollout.lora_sync=auto", lora="model.lora.r=17"))
     assert " ".join(command).endswith("--enable-lora --max-lora-rank 32 --max-loras 2")
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    # asynchronous rollouts: the K adapters before the current one stay loaded, and the next one is loaded beside them
+    command, _ = serve_command(config(*server, "rollout.lora_sync=auto", "rollout.max_staleness=3", lora="model.lora.r=8"))
+    assert " ".join(command).endswith("--max-loras 5")
+    with pytest.raises(ConfigError, match="--max-loras.*rollout.max_staleness"):
+        serve_command(config(*server, "rollout.lora_sync=auto"), vllm_args=["--max-loras", "8"])
     for merged in (config(*server), config(*server, "rollout.lora_sync=auto", lora="seed=0")):
         command, env = serve_command(merged)
         assert "--enable-lora" not in command and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env

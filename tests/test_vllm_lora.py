@@ -123,8 +123,9 @@ def test_colocated_adapter_pushes(model_dir, monkeypatch):
 def server(tmp_path_factory, model_dir):
     folder = tmp_path_factory.mktemp("vllm_lora_server")
     weights = folder / "weights"
-    proc = ServerProcess(folder / "server.log", model_dir, [
-        f"model.lora.r={RANK}", "rollout.lora_sync=adapter", f"rollout.vllm_server.weights_dir={weights}"])
+    proc = ServerProcess(folder / "server.log", model_dir, [  # max_staleness 1: --max-loras 3
+        f"model.lora.r={RANK}", "rollout.lora_sync=adapter", f"rollout.vllm_server.weights_dir={weights}",
+        "rollout.max_staleness=1"])
     try:
         proc.wait_healthy()
         yield proc, weights
@@ -136,7 +137,7 @@ def test_server_adapter_pushes(server, model_dir, monkeypatch):
     proc, weights = server
     settings = VLLMServerConfig(base_url=proc.url, weights_dir=str(weights), startup_timeout=SERVER_START_S,
                                 reconnect_timeout=SERVER_START_S)
-    engine = VLLMServerEngine(SAMPLING, settings, seed=0, lora_sync="adapter")
+    engine = VLLMServerEngine(SAMPLING, settings, seed=0, lora_sync="adapter", max_staleness=1)
     model = trainer_model(model_dir)
 
     def sample_base():
@@ -146,12 +147,23 @@ def test_server_adapter_pushes(server, model_dir, monkeypatch):
 
     check_pushes(engine, model, sample_base)
     current = engine.adapters.current
-    assert engine.servers[0].adapters() == [current.name]  # the previous one unloaded
+    first = current.name.replace("-v2", "-v1")
+    assert sorted(engine.servers[0].adapters()) == [first, current.name]  # K = 1: the one before stays loaded
     v2 = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
 
     # The server does not read the folder again: replacing the adapter's file in place changes nothing.
     (current.path / "adapter_model.safetensors").write_bytes(b"")
     assert engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS).sampling_logprobs == v2.sampling_logprobs
+
+    # Asynchronous rollouts: a request sent under version 2 that reaches the server after push 3 is still served by
+    # version 2's adapter (not an error for an unloaded adapter), and version 1 is gone.
+    change_adapter(model)
+    engine.sync_weights(model, version=3)
+    assert sorted(engine.servers[0].adapters()) == [current.name, engine.adapters.current.name]
+    with monkeypatch.context() as m:
+        m.setattr(engine, "sampled_model", lambda: current.name)
+        late = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
+    assert late.completion_ids == v2.completion_ids and late.sampling_logprobs == v2.sampling_logprobs
 
     # A server that restarts comes back with the base model: the engine says so, and the next push restores it.
     proc.kill()
@@ -159,7 +171,31 @@ def test_server_adapter_pushes(server, model_dir, monkeypatch):
     proc.wait_healthy()
     with pytest.raises(WeightsLost):
         engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
-    engine.sync_weights(model, version=3)
+    engine.sync_weights(model, version=4)
     again = engine.generate(PROMPTS, G, seeds=SEEDS, max_tokens=TOKENS)
     assert_close(again.sampling_logprobs, trainer_logprobs(model, EXPANDED, again.completion_ids, TEMPERATURE))
     assert engine.servers[0].adapters() == [engine.adapters.current.name] and engine.adapters.current.name != current.name
+
+
+def test_an_asynchronous_lora_run_trains_on_adapters_k_versions_old_from_the_cli(server, model_dir, tmp_path):
+    """rollout.max_staleness 1 with adapter pushes, 3 steps from the CLI against the LoRA server (started with
+    --max-loras 3 for K = 1): every step after the first trains on completions one adapter version old, each push
+    loads a new adapter and leaves the server holding the current one and the one before (requests sampled under the
+    older weights may still name it), and the run ends cleanly."""
+    from grpo_trainer.metrics import read_metrics
+    from grpo_trainer.rollout.vllm_server import Server
+    from helpers import launch_failure, run_cli, small_run_overrides
+
+    proc, weights = server
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 3), f"model.name_or_path={model_dir}",
+                      "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={proc.url}",
+                      f"rollout.vllm_server.weights_dir={weights}", "rollout.vllm_server.weight_sync=gloo",
+                      f"model.lora.r={RANK}", "rollout.lora_sync=adapter", "rollout.max_staleness=1",
+                      "rollout.max_completion_length=8", "checkpoint.save_final_model=false"])
+    assert result.returncode == 0, launch_failure(result)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    held = Server(proc.url, 30).adapters()
+    assert len(held) == 2 and {name.rsplit("-v", 1)[1] for name in held} == {"3", "4"}  # pushes: start + 3 steps

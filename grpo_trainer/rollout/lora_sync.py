@@ -24,9 +24,12 @@ good, with the server's answer as the reason (vllm_server.py).
 Each push writes the adapter as a new version folder (`AdapterFolders`, atomically: written under a temporary
 name, then renamed) and loads it into vLLM under a new name (and colocated, a new integer id): vLLM caches
 adapters by name and id, and a name loaded again with new weights may keep serving the old ones (or, with
-`load_inplace`, re-read the folder on every step, vLLM #33791). The previous adapter is unloaded after the
-new one is loaded. The names carry a random token per engine, so a server that outlives a run (or a resumed
-run) never sees a name twice.
+`load_inplace`, re-read the folder on every step, vLLM #33791). The adapters older than the newest
+`adapter_slots(K) - 1` are unloaded after the new one is loaded (K = rollout.max_staleness): under asynchronous
+rollouts a request sent just before a push may still name an adapter up to K versions old, and vLLM answers a
+request for an unloaded adapter with an error, not a sample. The names carry a random token per engine and end in
+their version (`-v<n>`), so a server that outlives a run (or a resumed run) never sees a name twice, and every rank
+can tell the newest one (`newest_adapter`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,33 @@ logger = logging.getLogger(__name__)
 EMBEDDING_TARGETS = ("embed_tokens", "lm_head")  # PEFT targets vLLM serves only where the model class declares them
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # HF config fields of MoE models
 ADAPTER_PREFIX = "grpo-lora-"  # the names of the adapters this package loads: other adapters on a server are left alone
-SLOTS = 2  # adapters vLLM holds at once: the current one and, until it is unloaded, the previous
+
+
+def adapter_slots(max_staleness: int = 0) -> int:
+    """Adapters vLLM holds at once (`--max-loras`): the current one, the K before it that requests sent under
+    rollout.max_staleness K may still name, and the new one while it is loaded, before the oldest is unloaded."""
+    return max_staleness + 2
+
+
+def newest_adapter(names: list[str]) -> str | None:
+    """The newest of our adapter names (the highest `-v<n>`), None where there is none."""
+    versions = {name: _version(name) for name in names if name.startswith(ADAPTER_PREFIX)}
+    numbered = {name: v for name, v in versions.items() if v is not None}
+    return max(numbered, key=lambda name: numbered[name]) if numbered else None
+
+
+def stale_adapters(held: list[str], loaded: Adapter, keep: int) -> list[str]:
+    """Of the adapters a server holds, those to unload once `loaded` is: every one of ours but `loaded` and the
+    `keep - 1` versions before it of the same engine (requests in flight may name those), and any that another
+    run (another token) left."""
+    own = loaded.name.rsplit("-v", 1)[0] + "-v"
+    kept = {f"{own}{v}" for v in range(loaded.lora_id - keep + 1, loaded.lora_id + 1)}
+    return [name for name in held if name.startswith(ADAPTER_PREFIX) and name not in kept]
+
+
+def _version(name: str) -> int | None:
+    number = name.rsplit("-v", 1)[-1]
+    return int(number) if "-v" in name and number.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -151,11 +180,12 @@ def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class AdapterFolders:
-    """Versions of the trainer's adapter as PEFT folders under `root`, each a new name; the two newest kept (the
-    current one, which a restarted server loads again, and the previous, which vLLM may be reading still)."""
+    """Versions of the trainer's adapter as PEFT folders under `root`, each a new name; the newest `keep` kept (the
+    current one, which a restarted server loads again, and those before it that vLLM may be reading still)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, keep: int = 2):
         self.root = Path(root)
+        self.keep = keep
         self.token = secrets.token_hex(4)  # a name is never reused, even by another run on the same server
         self.count = 0
         self.current: Adapter | None = None
@@ -187,7 +217,7 @@ class AdapterFolders:
             save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
             model.peft_config[model.active_adapter].save_pretrained(str(tmp))
             tmp.rename(adapter.path)  # vLLM never sees a half-written folder
-            self._remove_older_than(adapter.lora_id - 1)
+            self._remove_older_than(adapter.lora_id - self.keep + 1)
         self.current = adapter
         return adapter
 

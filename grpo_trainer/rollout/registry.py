@@ -87,6 +87,7 @@ def build_engine(
             is_main_process=is_main_process,
             lora_sync=cfg.rollout.lora_sync if adapters else "merged",
             server_dtype=_torch_dtype(cfg.rollout.vllm.dtype),  # what `serve` starts it with, for the push probe
+            max_staleness=cfg.rollout.max_staleness,  # adapters in-flight requests may still name stay loaded
         )
     raise NotImplementedError(f"rollout.engine: the engine {name!r} has an entry in engines.py but no builder here")
 

@@ -56,7 +56,7 @@ import torch
 
 from . import Rollout, SamplingSettings, Sleeps
 from .engines import vllm_lora_rank
-from .lora_sync import SLOTS, AdapterFolders
+from .lora_sync import AdapterFolders, adapter_slots
 from .vllm_sampling import cut_completion, request_seed, sampling_fields
 from .weight_sync import Gather, MergedWeights
 
@@ -152,7 +152,7 @@ class VLLMColocateEngine(Sleeps):
             kwargs["enable_sleep_mode"] = True
         self.adapters: AdapterFolders | None = None
         if lora_rank is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=SLOTS)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=adapter_slots())
             self._adapters_dir = tempfile.TemporaryDirectory(prefix="grpo_trainer_lora_")  # removed with the engine
             self.adapters = AdapterFolders(self._adapters_dir.name)
         kwargs.update(extra_llm_kwargs or {})

@@ -39,12 +39,12 @@ against vLLM 0.32 and tested for real against its CPU build.
   - `none`: never pushed (the servers keep the weights they started with).
   - LoRA adapters (`rollout.lora_sync`, lora_sync.py; whatever `weight_sync` says but `none`): the adapter is
     written as a new version folder under `weights_dir`, loaded on every server under a new name
-    (`/v1/load_lora_adapter`), every other adapter of ours unloaded (the previous one, and any a crashed run
-    left); requests then ask for it by name. Needs servers started with `--enable-lora` and
+    (`/v1/load_lora_adapter`), then our adapters older than the K before it unloaded (K = rollout.max_staleness:
+    requests in flight may still name those), and any a crashed run left; requests then ask for it by name. Needs servers started with `--enable-lora` and
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (`serve` adds both). Under `lora_sync: auto`, a first push that a
     server refuses (no LoRA, a folder it cannot read, a rank above its `--max-lora-rank`) switches the run to
     merged pushes, logging the server's answer. Ranks other than the main process read the adapter's name
-    from the first server after each push (`/v1/models`).
+    from the first server after each push (`/v1/models`: the newest, lora_sync.newest_adapter).
   Every push is wrapped in `/pause?mode=wait` (requests in flight finish with the weights they started
   with) and `/resume`, and ends with `/reset_prefix_cache` (cached KV blocks belong to the old weights).
   These endpoints exist only on a server started with `VLLM_SERVER_DEV_MODE=1`: they let any client
@@ -89,7 +89,15 @@ import torch
 from ..deadline import Call, UserCalls
 from ..errors import UserError
 from . import PushFailed, Reconnects, Rollout, SamplingSettings, ServerGone, ServerUnreachable, WeightsLost
-from .lora_sync import ADAPTER_PREFIX, Adapter, AdapterFolders, log_fallback
+from .lora_sync import (
+    ADAPTER_PREFIX,
+    Adapter,
+    AdapterFolders,
+    adapter_slots,
+    log_fallback,
+    newest_adapter,
+    stale_adapters,
+)
 from .push_checks import (
     default_push_timeout,
     mismatch,
@@ -366,11 +374,13 @@ class VLLMServerEngine(Reconnects):
         is_main_process: bool = True,
         lora_sync: str = "merged",
         server_dtype: torch.dtype | None = None,
+        max_staleness: int = 0,
     ):
         """`settings` is the `rollout.vllm_server` section (defaults: one server on 127.0.0.1:8000); `lora_sync`:
         `adapter` or `auto` to push LoRA adapters (lora_sync.push_adapters decides; `auto` may still fall back);
         `server_dtype`: the servers' weight dtype where it is known to differ from the trainer's (`rollout.vllm.dtype`),
-        for the push probe's tolerance."""
+        for the push probe's tolerance; `max_staleness`: rollout.max_staleness, how many adapters before the
+        current one stay loaded for requests in flight."""
         from ..config import VLLMServerConfig
 
         settings = settings or VLLMServerConfig()
@@ -390,7 +400,12 @@ class VLLMServerEngine(Reconnects):
         self._client: AllServers | None = None
         self._transfer: Any = None  # vLLM's trainer-side transfer engine (nccl / gloo), built at the first push
         self.lora_sync = lora_sync
-        self.adapters = None if lora_sync == "merged" else AdapterFolders(Path(settings.weights_dir or "") / "adapters")
+        self.keep_adapters = max_staleness + 1  # loaded after a push: the current adapter and the K before it
+        self.adapters = (
+            None
+            if lora_sync == "merged"
+            else AdapterFolders(Path(settings.weights_dir or "") / "adapters", keep=adapter_slots(max_staleness))
+        )
         self._adapter: tuple[Any, str | None] = (None, None)  # (weight version, the adapter name sampled from)
         self.server_dtype = server_dtype
         # The push's data plane runs in a worker of this pool, within the push's deadline (push_checks.py).
@@ -503,8 +518,7 @@ class VLLMServerEngine(Reconnects):
             return self.adapters.current.name
         version, name = self._adapter
         if version != self.weight_version:  # another rank pushed: the first server says what it loaded
-            adapters = self.servers[0].adapters()
-            name = adapters[0] if len(adapters) == 1 else None
+            name = newest_adapter(self.servers[0].adapters())
             self._adapter = (self.weight_version, name)
         return name or self.model_name
 
@@ -684,9 +698,8 @@ class VLLMServerEngine(Reconnects):
                 server.request(
                     "POST", LOAD_ADAPTER, {"lora_name": adapter.name, "lora_path": str(adapter.path.resolve())}
                 )
-            for name in held:  # the previous one, and any a run that died left
-                if name != adapter.name:
-                    server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
+            for name in stale_adapters(held, adapter, self.keep_adapters):
+                server.request("POST", UNLOAD_ADAPTER, {"lora_name": name})
             if gave_up.is_set():  # got past its stall after its deadline: the servers are marked, and stay so
                 raise PushFailed(f"adapter push version {version} abandoned past its deadline: not labelled")
             server.request("POST", "/update_weight_version", {"new_version": str(version)})
