@@ -123,7 +123,10 @@ def test_weight_names_match_checkpoint(model_dir):
 
 def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     """End to end: completions sampled through vllm_colocate train a model, and vLLM keeps up with its weights.
-    The rollout correction is the default's (`loss.tis_cap: auto`: 2 on vLLM engines), recorded as such."""
+    The rollout correction is the default's (`loss.tis_cap: auto`: 2 on vLLM engines), recorded as such. A teacher
+    (the initial model itself, on-policy distillation beside the reward) reads vLLM's own log-probs as the sampler's
+    mu: at step 1 the sampler is the teacher, so the sampled reverse KL is the sampler/trainer gap (~0); after the
+    updates it grows."""
     from grpo_trainer.metrics import read_metrics
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -136,7 +139,8 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     out = tmp_path / "run"
     result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, steps=3), "rollout.engine=vllm_colocate",
                       f"model.name_or_path={model}", f"rewards=[{{name: '{reward}:parity'}}]",
-                      "train.learning_rate=1e-2", "loss.dynamic_sampling=true"])
+                      "train.learning_rate=1e-2", "loss.dynamic_sampling=true",
+                      f"teacher.name_or_path={model}", "loss.teacher_kl=0.1"])
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -155,6 +159,8 @@ def test_trainer_with_vllm_colocate_trains_and_tracks_the_sampler_gap(tmp_path):
     # ln 2 nats); the run records the number `auto` became.
     assert all(r["sampling/is_truncated_fraction"] == 0 and r["sampling/is_truncated_sequence_fraction"] == 0 for r in rows)
     assert yaml.safe_load((out / "config.yaml").read_text())["loss"]["tis_cap"] == 2.0
+    kl = [r["teacher/reverse_kl"] for r in rows]
+    assert abs(kl[0]) < 1e-5 and kl[-1] > 10 * abs(kl[0]), kl
     before, after = load_file(model / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

@@ -324,6 +324,33 @@ def test_an_agent_on_vllm_server_trains_on_what_the_server_sampled(servers, mode
 
 
 @pytest.mark.slow
+def test_a_teacher_under_asynchronous_rollouts_reads_the_servers_logprobs_as_mu(servers, model_dir, tmp_path):
+    """On-policy distillation on vllm_server with rollout.max_staleness 1, the teacher being the initial model:
+    batches 1 and 2 are both sampled with the initial weights (K = 1), so the sampler's log-probs (mu) are the
+    teacher's and the sampled reverse KL(mu || teacher) is the float gap (~0) at steps 1 and 2, although at step 2
+    the trainer has already moved (with pi_old in mu's place it would not be ~0); batch 3, sampled after the first
+    update, is not the teacher's."""
+    from grpo_trainer.metrics import read_metrics
+    from helpers import launch_failure, run_cli, small_run_overrides
+
+    reward = tmp_path / "parity.py"
+    reward.write_text("def parity(completion_ids, **kwargs):\n    return [float(sum(c) % 2) for c in completion_ids]\n")
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/demo_cpu.yaml", *small_run_overrides(out, 3), f"model.name_or_path={model_dir}",
+                      "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={servers['a'].url}",
+                      "rollout.vllm_server.weight_sync=gloo", "rollout.max_staleness=1", "rollout.vllm.max_model_len=256",
+                      f"rewards=[{{name: '{reward}:parity'}}]", "train.learning_rate=1e-2",
+                      f"teacher.name_or_path={model_dir}", "loss.teacher_kl=0.1", "checkpoint.save_final_model=false"])
+    assert result.returncode == 0, launch_failure(result)
+    records = read_metrics(out)
+    kl = [r["teacher/reverse_kl"] for r in records]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert abs(kl[0]) < 1e-5 and abs(kl[1]) < 1e-5, kl
+    assert abs(kl[2]) > 10 * max(abs(kl[0]), abs(kl[1]), 1e-7), kl
+    assert all(r["teacher/advantage_share"] > 0 for r in records)
+
+
+@pytest.mark.slow
 def test_a_server_that_restarted_between_calls_is_caught_by_its_weight_version(servers, model_dir):
     """A restarted server reports the version "default": the engine says so (WeightsLost) before sampling from
     the base weights, and the next push rebuilds the transfer group. (The version is set here on a live server;
