@@ -2,7 +2,8 @@
 saves into one and restores from it (`save_step`, `restore`: the parts of the run a checkpoint covers, `Resumable`).
 
 Layout: `checkpoints/step-000020/` holds Accelerate's state (model, optimizer,
-scheduler, every rank's RNG), `trainer_state.json` (counters, sampler position),
+scheduler, every rank's RNG), `trainer_state.json` (counters, sampler position), under asynchronous
+rollouts each rank's sampled, untrained batches (`rollouts_rank<r>.pkl`, rollout_queue.py),
 the metrics history, and `manifest.json` (every file's size and SHA-256). It is
 written as `checkpoints/.tmp-step-000020/`: files, then fsync, then the manifest
 (written last), then the rename into place, then `checkpoints/latest`. So:
@@ -31,7 +32,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,11 +70,13 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int = 0,
     files: dict[str, str] | None = None,
+    rank_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Every rank calls this (Accelerate's save is collective); the main process publishes and prunes.
 
-    `files` are extra text files written into the checkpoint (the metrics history so far). Any rank's
-    failure stops every rank with the same CheckpointError, after the partial folder is removed.
+    `files` are extra text files written into the checkpoint (the metrics history so far); `rank_files(folder)`
+    writes each rank's own (the rollout queue's sampled batches). Any rank's failure stops every rank with the
+    same CheckpointError, after the partial folder is removed.
     """
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
@@ -89,6 +92,8 @@ def save_checkpoint(
     error = _first_error(accelerator, error)
     if error is None:
         error = _first_error(accelerator, _attempt(lambda: _save_state(accelerator, staging)))
+    if error is None and rank_files is not None:
+        error = _first_error(accelerator, _attempt(lambda: rank_files(staging)))
     _pause_for_fault_injection()
     if error is None and accelerator.is_main_process:
         error = _attempt(lambda: _publish(staging, final, root, {**trainer_state, "step": step}, files or {}))
@@ -524,14 +529,18 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 class QueuePositions(Protocol):
     """The rollout queue as a checkpoint sees it (rollout_queue.RolloutQueue, which imports this module): the
-    prompts drawn and not trained yet."""
+    prompts drawn and not trained yet, and each rank's completions of them."""
 
     @property
     def pending(self) -> Sized: ...
 
     def state_dict(self) -> dict: ...
 
-    def load_state_dict(self, state: dict, step: int) -> None: ...
+    def settle_for_checkpoint(self) -> bool: ...
+
+    def save_rollouts(self, folder: Path) -> None: ...
+
+    def load_state_dict(self, state: dict, step: int, folder: Path | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -576,7 +585,7 @@ def restore(parts: Resumable) -> tuple[TrainState, dict[str, str] | None]:
         load_checkpoint(accelerator, found)
         state = TrainState.restored(saved, cfg.loss.entropy_coef, adaptive_entropy=cfg.loss.entropy_target is not None)
         parts.sampler.load_state_dict(saved["sampler"])
-        parts.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step)
+        parts.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step, found)
         parts.metrics.restore((found / METRICS_HISTORY).read_text())
         cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
         logger.info("resumed from %s at step %d", found, state.step)
@@ -616,8 +625,11 @@ def save_step(parts: Resumable, state: TrainState, history: str) -> None:
         "config": parts.cfg.model_dump(mode="json"),
         "cpu_paths": cpu_paths.in_use(),
     }
-    if parts.rollouts.pending:  # asynchronous rollouts: the prompts drawn and not trained yet, sampled again on resume
-        trainer_state["rollout_queue"] = parts.rollouts.state_dict()
+    rank_files = None
+    if parts.rollouts.pending:  # asynchronous rollouts: the batches drawn and not trained yet (rollout_queue.py)
+        sampled = parts.rollouts.settle_for_checkpoint()  # a collective: every rank's completions, or none
+        trainer_state["rollout_queue"] = {**parts.rollouts.state_dict(), "rollouts": sampled}
+        rank_files = parts.rollouts.save_rollouts if sampled else None
     save_checkpoint(
         parts.accelerator,
         parts.output_dir,
@@ -625,6 +637,7 @@ def save_step(parts: Resumable, state: TrainState, history: str) -> None:
         trainer_state,
         parts.cfg.checkpoint.keep_last,
         files={METRICS_HISTORY: history},
+        rank_files=rank_files,
     )
 
 

@@ -33,9 +33,11 @@ not finish (a ZeRO-3 gathered push raises `WeightsLost`: a second pass needs eve
 rank. A push past its deadline, or one whose probe finds other weights on a server (`PushFailed`,
 rollout/push_checks.py), stops the run in one line naming the step, before the step's checkpoint is written.
 
-Checkpoints record the prompts drawn but not yet trained (`state_dict`); a resumed run samples them first, with
-the resumed weights, so no prompt is lost and none is trained twice. (Their completions are not saved: a resumed
-run samples them again, with newer weights than an uninterrupted run would have used.)
+Checkpoints record the prompts drawn but not yet trained (`state_dict`) and, every rank having waited for its
+generation in flight, their completions (`settle_for_checkpoint`, `save_rollouts`: one file per rank), so a resumed
+run trains on the very samples an uninterrupted one does, and is the same run. Where a batch could not be sampled
+(a server lost), only the prompts are recorded, and the resumed run samples them first with its weights: no prompt
+is lost and none is trained twice.
 
 The queue is given what it uses, not the run: the engine, its settings (`QueueSettings`, from the config), the
 batch geometry, the ranks' collectives, the task's prompts, the prompt sampler, and `push(version)`, which makes the
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -59,7 +62,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -89,6 +93,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("grpo_trainer")
 
 OK, LOST, FATAL = 0, 1, 2  # a rank's state at a meeting point; the worst over ranks wins
+ROLLOUTS_FILE = "rollouts_rank{rank}.pkl"  # a checkpoint's untrained batches, sampled (one file per rank)
 MAX_RECOVERIES = 3  # weight losses in a row at one meeting point before giving up
 
 
@@ -264,9 +269,36 @@ class RolloutQueue:
         """What a checkpoint records: the prompts drawn but not trained, one list per step, in order."""
         return {"pending": [batch.prompts for batch in self.pending]}
 
-    def load_state_dict(self, state: dict, step: int) -> None:
-        """A checkpoint's pending prompts (saved after step `step`), to be sampled again before any new draw."""
+    def settle_for_checkpoint(self) -> bool:
+        """Every rank: wait for the generations in flight and agree whether every rank's untrained batches were
+        sampled (none failed), so that the checkpoint can hold their completions (`save_rollouts`): a resumed run
+        then trains on the very samples an uninterrupted run trains on, not on new ones from newer weights."""
+        futures = list(self._queued())
+        self._wait(futures)
+        failed = len(futures) < len(self.pending) or any(f.exception() is not None for f in futures)
+        return not int(self.comm.max(torch.tensor([float(failed)]))[0])
+
+    def save_rollouts(self, folder: Path) -> None:
+        """This rank's completions of the untrained batches (after `settle_for_checkpoint` agreed), into `folder`."""
+        rollouts = [(batch.step, cast(Future, batch.future).result()) for batch in self.pending]
+        with (folder / ROLLOUTS_FILE.format(rank=self.geometry.rank)).open("wb") as f:
+            pickle.dump(rollouts, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def load_state_dict(self, state: dict, step: int, folder: Path | None = None) -> None:
+        """A checkpoint's pending prompts (saved after step `step`), sampled before any new draw; where the
+        checkpoint in `folder` holds their completions too (`rollouts`), those are trained as they are."""
         self.pending = deque(_Batch(step + 1 + i, list(prompts)) for i, prompts in enumerate(state.get("pending", [])))
+        path = None if folder is None else folder / ROLLOUTS_FILE.format(rank=self.geometry.rank)
+        if not state.get("rollouts") or path is None:
+            return
+        if not path.is_file():
+            raise TrainingError(f"{folder} records the sampled batches but has no {path.name}: resume from another")
+        with path.open("rb") as f:
+            saved = dict(pickle.load(f))  # this run's own checkpoint: written by save_rollouts
+        for batch in self.pending:
+            future: Future = Future()
+            future.set_result(saved[batch.step])
+            batch.future = future
 
     def close(self) -> None:
         if self._worker is not None:

@@ -18,7 +18,7 @@ from torch import nn
 from grpo_trainer.collect import CollectSettings, Sources, collect
 from grpo_trainer.config import load_config
 from grpo_trainer.data import PromptSampler
-from grpo_trainer.errors import ConfigError
+from grpo_trainer.errors import ConfigError, TrainingError
 from grpo_trainer.losses import importance_weight, off_policy_sequence_mask
 from grpo_trainer.metrics import PhaseTimer
 from grpo_trainer.rewards import Reward, RewardBatch
@@ -402,6 +402,34 @@ def test_a_checkpoint_records_the_batches_in_flight_and_a_resumed_queue_trains_t
     second = [mine for mine, *_ in drive(resumed, first=4)]
     assert first + second == straight
     assert [version for _, version, _ in resumed.engine.calls[: len(state["pending"])]] == [3] * len(state["pending"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_checkpoint_holding_the_sampled_batches_resumes_into_the_uninterrupted_run(k, tmp_path):
+    """Stopped after step 3 of 6: every rank waits for its generation in flight, agrees that all were sampled, and
+    saves its completions of batches 4 .. 4+K beside the prompts. A queue loaded from it trains exactly those
+    (the weight versions that sampled them included: an uninterrupted run's), samples none of them again, and goes
+    on as the uninterrupted run: the same prompts, completions and versions at every step."""
+    straight = drive(server_run(k, 6))
+    run = server_run(k, 6)
+    first = drive(run, stop_after=3)
+    assert run.rollouts.settle_for_checkpoint()
+    run.rollouts.save_rollouts(tmp_path)
+    state = {**run.rollouts.state_dict(), "rollouts": True}
+    resumed = server_run(k, 6)
+    resumed.sampler.load_state_dict(run.sampler.state_dict())
+    resumed.rollouts.load_state_dict(state, step=3, folder=tmp_path)
+    second = drive(resumed, first=4)
+
+    def seen(steps):
+        return [(mine, rollout.completion_ids, rollout.weight_versions) for mine, rollout, _ in steps]
+
+    assert seen(first + second) == seen(straight)
+    resampled = {p for prompts, _, _ in resumed.engine.calls for p in prompts}
+    assert not resampled & {p for batch in state["pending"] for p in batch}  # the saved batches were not sampled again
+    # a checkpoint that says it holds them, without the file, is refused in one line
+    with pytest.raises(TrainingError, match="has no rollouts_rank0.pkl"):
+        server_run(k, 6).rollouts.load_state_dict(state, step=3, folder=tmp_path / "elsewhere")
 
 
 # ----------------------------------------------------------------------------- collect, with the queue

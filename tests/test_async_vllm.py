@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_vllm")]
 from grpo_trainer.config import VLLMServerConfig, load_config  # noqa: E402
 from grpo_trainer.data import PromptSampler  # noqa: E402
 from grpo_trainer.metrics import read_metrics  # noqa: E402
-from helpers import ROOT, free_port, small_run_overrides  # noqa: E402
+from helpers import ROOT, assert_same_run, free_port, small_run_overrides  # noqa: E402
 from vllm_helpers import ServerProcess, build_model  # noqa: E402
 
 G, PROMPTS, STEPS = 4, 4, 6
@@ -126,14 +126,18 @@ def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 60
 
 
 def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(server, model_dir, tmp_path):
-    """K = 1, 6 steps, a checkpoint after every step. Run A gets SIGTERM after its second step is scored: it
-    finishes that step, checkpoints, exits 75. Run B resumes and is SIGKILLed once it has scored two more steps.
-    Run C resumes from B's last checkpoint and finishes. The prompts scored by A, by B up to its last
-    checkpoint, and by C are, step by step, the sampler's deal for 6 steps: none lost, none twice."""
+    """K = 1, 6 steps, a checkpoint after every step, seeded per prompt. Run A gets SIGTERM after its second step is
+    scored: it finishes that step, checkpoints (with the completions of the 2 batches drawn and not trained), exits
+    75. Run B resumes and is SIGKILLed once it has scored two more steps. Run C resumes from B's last checkpoint and
+    finishes. The prompts scored by A, by B up to its last checkpoint, and by C are, step by step, the sampler's deal
+    for 6 steps: none lost, none twice; and the three runs together are the uninterrupted run D: the same final
+    weights, bit for bit, and the same metrics (each resumed run trains on the batches its checkpoint holds, sampled
+    with the weights an uninterrupted run samples them with)."""
     out = tmp_path / "run"
-    logs = [tmp_path / f"scored-{name}.jsonl" for name in "ABC"]
-    args = lambda log, resume: ["train", "configs/demo_cpu.yaml",  # noqa: E731
-                                *overrides(tmp_path, model_dir, server.url, out, STEPS, log, resume)]
+    logs = [tmp_path / f"scored-{name}.jsonl" for name in "ABCD"]
+    args = lambda log, resume, to=out: ["train", "configs/demo_cpu.yaml",  # noqa: E731
+                                        *overrides(tmp_path, model_dir, server.url, to, STEPS, log, resume),
+                                        "rollout.seed_per_prompt=true"]
 
     run_a = start_cli(args(logs[0], "never"))
     try:
@@ -147,7 +151,8 @@ def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(s
     stopped_at = len(scored(logs[0]))  # every step A scored, it finished and checkpointed
     assert (out / "checkpoints" / "latest").read_text() == f"step-{stopped_at:06d}"
     state = json.loads((out / "checkpoints" / f"step-{stopped_at:06d}" / "trainer_state.json").read_text())
-    assert len(state["rollout_queue"]["pending"]) == 2  # batches in flight (K + 1), recorded to be sampled again
+    assert len(state["rollout_queue"]["pending"]) == 2 and state["rollout_queue"]["rollouts"]  # K + 1, sampled
+    assert (out / "checkpoints" / f"step-{stopped_at:06d}" / "rollouts_rank0.pkl").is_file()
 
     run_b = start_cli(args(logs[1], "auto"))
     try:
@@ -170,8 +175,15 @@ def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(s
     assert trained == [sampler.next_indices(PROMPTS) for _ in range(STEPS)]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert [r["rollout/staleness_max"] for r in rows][:2] == [0, 1]  # one version old once the pipeline is full
-    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/stale_resampled"] == 0 for r in rows)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1, 1, 1]  # as uninterrupted: never fresher
+    assert all(r["rollout/stale_resampled"] == 0 for r in rows)
+
+    straight = tmp_path / "straight"
+    run_d = subprocess.run([sys.executable, "-m", "grpo_trainer", *args(logs[3], "never", straight)], cwd=ROOT,
+                           text=True, capture_output=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run_d.returncode == 0, run_d.stderr[-3000:]
+    assert scored(logs[3]) == trained
+    assert_same_run(straight, out)
 
 
 def test_two_zero3_ranks_sample_their_halves_in_the_background_push_piecewise_and_train_every_prompt_once(
