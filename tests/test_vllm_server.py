@@ -351,6 +351,51 @@ def test_a_teacher_under_asynchronous_rollouts_reads_the_servers_logprobs_as_mu(
 
 
 @pytest.mark.slow
+def test_an_agent_under_asynchronous_rollouts_resumes_into_the_uninterrupted_run(servers, model_dir, tmp_path):
+    """environment.agent (the OpenAI-SDK example) on vllm_server with rollout.max_staleness 1: its episodes play in
+    the queue's background thread while the trainer updates (staleness 1 from step 2), and a run killed with
+    SIGKILL once its first checkpoint is written, then resumed, is the uninterrupted 4-step run, weights and
+    metrics: the checkpoint holds the 2 batches of episodes sampled and not trained (records, tokens, the server's
+    log-probs), and the endpoint's rounds make each request's batch independent of timing."""
+    import signal
+
+    from grpo_trainer.metrics import read_metrics
+    from helpers import ROOT, assert_same_run, launch_failure, run_cli, small_run_overrides
+
+    def args(out, resume="never"):
+        overrides = [o for o in small_run_overrides(out, 4) if not o.startswith("checkpoint.resume")]
+        return ["train", "configs/agent_cpu.yaml", *overrides, f"model.name_or_path={model_dir}",
+                "rollout.engine=vllm_server", f"rollout.vllm_server.base_url={servers['a'].url}",
+                "rollout.vllm_server.weight_sync=gloo", "rollout.vllm.max_model_len=256", "rollout.max_staleness=1",
+                "checkpoint.save_every=1", f"checkpoint.resume={resume}", "train.learning_rate=1e-2"]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = run_cli(args(straight))
+    assert result.returncode == 0, launch_failure(result)
+    killed = subprocess.Popen([sys.executable, "-m", "grpo_trainer", *args(resumed)], cwd=ROOT, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        latest = resumed / "checkpoints" / "latest"
+        deadline = time.monotonic() + 600
+        while not latest.exists() and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    at = resumed / "checkpoints" / latest.read_text().strip()
+    assert json.loads((at / "trainer_state.json").read_text())["rollout_queue"]["rollouts"]
+    assert (at / "rollouts_rank0.pkl").is_file()
+    result = run_cli(args(resumed, "auto"))
+    assert result.returncode == 0, launch_failure(result)
+    assert "resumed from" in result.stderr
+    assert_same_run(straight, resumed)
+    records = read_metrics(straight)
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["environment/agent/episodes"] == 16 and r["environment/errors"] == 0 for r in records)
+
+
+@pytest.mark.slow
 def test_a_server_that_restarted_between_calls_is_caught_by_its_weight_version(servers, model_dir):
     """A restarted server reports the version "default": the engine says so (WeightsLost) before sampling from
     the base weights, and the next push rebuilds the transfer group. (The version is set here on a live server;

@@ -18,6 +18,11 @@ from .model import ModelConfig
 from .rewards import RewardConfig
 from .rollout import RolloutConfig
 from .teacher import TeacherConfig
+
+# Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): agent programs, whose
+# episodes are plain records (tokens, the endpoint's log-probs, the player's reward) that a checkpoint saves with
+# the batches sampled and not yet trained, so that a resumed run trains them exactly (rollout_queue.py).
+ASYNC_ENVIRONMENTS = ("agent", "verifiers")
 from .train import TrainConfig
 
 
@@ -135,11 +140,12 @@ class Config(_Section):
 
     def _check_environment(self) -> None:
         env = self.environment
-        if self.rollout.max_staleness > 0:
+        if self.rollout.max_staleness > 0 and env.kind not in ASYNC_ENVIRONMENTS:
             raise ValueError(
-                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: an "
-                "episode's environment code would run in the queue's background thread across weight pushes, and a "
-                "resume could not re-run those episodes exactly (use max_staleness 0; docs/environments.md)"
+                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: its "
+                "episodes' environment objects (what the reward functions get as `environments`) cannot be saved with "
+                "a checkpoint, so a resumed run could not train the batches sampled before it exactly; agents "
+                "(environment.agent, environment.verifiers) can (use max_staleness 0; docs/async.md)"
             )
         if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
