@@ -105,7 +105,9 @@ def test_bench_both(tmp_path):
 def test_profile_step_attributes_operators_to_the_trainer_phases():
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "profile_step.py"), "--steps", "3", "--prompts-per-step", "2",
-         "--num-generations", "4", "--top", "3",
+         # --top 12: on the tiny model the matrix multiplies' share is near the bookkeeping operators', so under
+         # load (other jobs on the 2 cores) they once fell out of a top 3 behind as_strided, t and empty.
+         "--num-generations", "4", "--top", "12",
          # The profiled step may draw only groups whose completions all score alike (advantage 0); skipped, its
          # update would be the optimizer step alone, with no matrix multiply to find.
          "--skip-zero-advantage", "false"],
