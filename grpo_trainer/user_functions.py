@@ -4,12 +4,20 @@ Both extension points find their functions by the same rules, here once: a file 
 (so the functions of one file share its module state), a module by its import path, and what goes wrong
 (no such file, an import that raises, no such function, not callable) is one line naming the config key.
 Each caller says what it is resolving (`kind`, for the messages) and which error type it raises.
+
+Importing a user's file or module runs its code: it may hang (a blocking call at import time), exit, or os._exit.
+So the import runs under the deadline utility (deadline.UserCalls), within `import_limit()` seconds
+(GRPO_TRAINER_IMPORT_TIMEOUT, default 300: imports of torch-sized libraries take seconds, never minutes): a hang,
+an exit or a raise is one line naming the config key, never a run that hangs or vanishes. The import runs in a
+worker thread, so a module that installs a signal handler at import time (allowed in the main thread only) fails
+there, in that same one line.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +25,12 @@ from typing import Any
 from .errors import UserError
 
 _FILE_MODULES: dict[Path, Any] = {}
+IMPORT_TIMEOUT_ENV = "GRPO_TRAINER_IMPORT_TIMEOUT"
+
+
+def import_limit() -> float:
+    """Seconds a user's file or module may take to import (GRPO_TRAINER_IMPORT_TIMEOUT, default 300)."""
+    return float(os.environ.get(IMPORT_TIMEOUT_ENV, "300"))
 
 
 def resolve_function(
@@ -30,24 +44,45 @@ def resolve_function(
         raise error(
             f"{where}: {spec!r} is not {named}of the form 'path/to/file.py:function' or 'package.module:function'"
         )
-    try:
-        module = (
-            _file_module(Path(module_part), where, kind, error)
-            if module_part.endswith(".py")
-            else importlib.import_module(module_part)
-        )
-    except UserError:
-        raise
-    except Exception as exc:
-        raise error(
-            f"{where}: importing {module_part!r} for {kind} {spec!r} failed: {type(exc).__name__}: {exc}"
-        ) from None
+    module = _import_within_limit(module_part, spec, where, kind, error)
     fn = getattr(module, attr, None)
     if fn is None:
         raise error(f"{where}: {module_part!r} has no function {attr!r}")
     if not callable(fn):
         raise error(f"{where}: {spec!r} is not callable")
     return fn
+
+
+def _import_within_limit(module_part: str, spec: str, where: str, kind: str, error: type[UserError]) -> Any:
+    """The module of `module_part` (a file, imported once per process, or an import path), imported under the
+    deadline utility (module docstring); what goes wrong is `error`, one line naming `where`."""
+    from .deadline import UserCalls
+
+    if module_part.endswith(".py"):
+        path = Path(module_part)
+        if not path.is_file():
+            raise error(f"{where}: {kind} file not found: {path}")
+        if path.resolve() in _FILE_MODULES:
+            return _FILE_MODULES[path.resolve()]
+        load: Callable[[], Any] = lambda: _file_module(path, where, kind, error)  # noqa: E731
+    else:
+        load = lambda: importlib.import_module(module_part)  # noqa: E731
+    limit = import_limit()
+    calls = UserCalls(f"{where} ({spec})", 1, 1, IMPORT_TIMEOUT_ENV, stop=error, catch_os_exit=True)
+    try:
+        outcome = calls.call(load, limit, label="import")
+    finally:
+        calls.close()
+    if isinstance(outcome.exception, UserError):
+        raise outcome.exception
+    if outcome.timed_out is not None:
+        raise error(
+            f"{where}: importing {module_part!r} for {kind} {spec!r} took longer than {limit:g}s (it hangs at "
+            f"import time? {IMPORT_TIMEOUT_ENV} raises the limit)"
+        )
+    if not outcome.ok:
+        raise error(f"{where}: importing {module_part!r} for {kind} {spec!r} failed: {outcome.error}")
+    return outcome.value
 
 
 def _file_module(path: Path, where: str, kind: str, error: type[UserError]):

