@@ -244,6 +244,22 @@ class UserCalls:
             self._threads = 0
 
 
+def call_alone(
+    fn: Callable[[], Any], limit: float, *, name: str, limit_key: str, stop: type[UserError], label: str
+) -> Outcome:
+    """One user call that the run cannot go on without (importing a user's file, building an environment), in a
+    worker of its own, within `limit`: its outcome, os._exit caught as an error; a UserError it raised (the caller's
+    own refusal) is raised again."""
+    calls = UserCalls(name, 1, 1, limit_key, stop=stop, catch_os_exit=True)
+    try:
+        outcome = calls.call(fn, limit, label=label)
+    finally:
+        calls.close()
+    if isinstance(outcome.exception, UserError):
+        raise outcome.exception
+    return outcome
+
+
 def run_inline(fn: Callable[[], Any]) -> Outcome:
     """`fn()` in the calling thread, with no limit (user code the caller must run in its own thread, such as a
     profiler's `on_step_end`, or a reward with no timeout), its outcome as from a pool: `SystemExit` is an error of

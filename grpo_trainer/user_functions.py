@@ -56,7 +56,7 @@ def resolve_function(
 def _import_within_limit(module_part: str, spec: str, where: str, kind: str, error: type[UserError]) -> Any:
     """The module of `module_part` (a file, imported once per process, or an import path), imported under the
     deadline utility (module docstring); what goes wrong is `error`, one line naming `where`."""
-    from .deadline import UserCalls
+    from .deadline import call_alone
 
     if module_part.endswith(".py"):
         path = Path(module_part)
@@ -68,13 +68,9 @@ def _import_within_limit(module_part: str, spec: str, where: str, kind: str, err
     else:
         load = lambda: importlib.import_module(module_part)  # noqa: E731
     limit = import_limit()
-    calls = UserCalls(f"{where} ({spec})", 1, 1, IMPORT_TIMEOUT_ENV, stop=error, catch_os_exit=True)
-    try:
-        outcome = calls.call(load, limit, label="import")
-    finally:
-        calls.close()
-    if isinstance(outcome.exception, UserError):
-        raise outcome.exception
+    outcome = call_alone(
+        load, limit, name=f"{where} ({spec})", limit_key=IMPORT_TIMEOUT_ENV, stop=error, label="import"
+    )
     if outcome.timed_out is not None:
         raise error(
             f"{where}: importing {module_part!r} for {kind} {spec!r} took longer than {limit:g}s (it hangs at "

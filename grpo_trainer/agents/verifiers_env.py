@@ -48,7 +48,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..deadline import UserCalls
+from ..deadline import call_alone
 from ..errors import ConfigError
 from .producer import EpisodeHandle, Played, PlayerEnvironment
 from .records import Branch
@@ -88,13 +88,14 @@ def load_environment(spec: str, *, max_turns: int | None = None, limit: float = 
 
     Importing the module and building its Env run user code: they run under the deadline utility, within `limit`
     (environment.step_timeout), so a module that hangs or exits stops the run in one line instead of hanging it."""
-    calls = UserCalls(f"environment.verifiers {spec}", 1, 1, "environment.step_timeout", stop=VerifiersEnvError)
-    try:
-        outcome = calls.call(lambda: _load_environment(spec, max_turns), limit, label="loading")
-    finally:
-        calls.close()
-    if isinstance(outcome.exception, VerifiersEnvError):
-        raise outcome.exception
+    outcome = call_alone(
+        lambda: _load_environment(spec, max_turns),
+        limit,
+        name=f"environment.verifiers {spec}",
+        limit_key="environment.step_timeout",
+        stop=VerifiersEnvError,
+        label="loading",
+    )
     if outcome.timed_out is not None:
         raise VerifiersEnvError(
             f"environment.verifiers {spec!r}: loading it took longer than {limit:g}s (environment.step_timeout)"

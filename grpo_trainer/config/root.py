@@ -18,12 +18,12 @@ from .model import ModelConfig
 from .rewards import RewardConfig
 from .rollout import RolloutConfig
 from .teacher import TeacherConfig
+from .train import TrainConfig
 
 # Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): agent programs, whose
 # episodes are plain records (tokens, the endpoint's log-probs, the player's reward) that a checkpoint saves with
 # the batches sampled and not yet trained, so that a resumed run trains them exactly (rollout_queue.py).
 ASYNC_ENVIRONMENTS = ("agent", "verifiers")
-from .train import TrainConfig
 
 
 class Config(_Section):
