@@ -71,8 +71,8 @@ class MicroBatch:
 class TrainBatch:
     micro_batches: list[MicroBatch]
     lengths: torch.Tensor  # [rows] model-written tokens of each row on this rank (its completions first)
-    trained_completions: int  # completions on this rank that go through the passes
-    local_tokens: float  # tokens of this rank's kept completions (trained or not): its part of the normaliser
+    trained_completions: int  # rows on this rank that go through the passes (completions, and branches)
+    local_tokens: float  # tokens of this rank's kept rows (trained or not): its part of the normaliser
     total_tokens: float = math.nan  # local_tokens summed over ranks (agreed in `build_train_batch`, a collective)
     mini_batch_totals: list[float] = field(
         default_factory=list

@@ -536,7 +536,7 @@ class QueuePositions(Protocol):
 
     def state_dict(self) -> dict: ...
 
-    def settle_for_checkpoint(self) -> bool: ...
+    def settle_for_checkpoint(self) -> list[int]: ...
 
     def save_rollouts(self, folder: Path) -> None: ...
 
@@ -585,7 +585,9 @@ def restore(parts: Resumable) -> tuple[TrainState, dict[str, str] | None]:
         load_checkpoint(accelerator, found)
         state = TrainState.restored(saved, cfg.loss.entropy_coef, adaptive_entropy=cfg.loss.entropy_target is not None)
         parts.sampler.load_state_dict(saved["sampler"])
-        parts.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step, found)
+        # Saved completions are each rank's share: another number of processes (checkpoint.force_resume) samples again.
+        same_ranks = saved.get("world_size") == parts.world
+        parts.rollouts.load_state_dict(saved.get("rollout_queue", {}), state.step, found if same_ranks else None)
         parts.metrics.restore((found / METRICS_HISTORY).read_text())
         cpu_paths.compare(saved.get("cpu_paths"))  # a warning for each CPU fast path that runs differently now
         logger.info("resumed from %s at step %d", found, state.step)
@@ -627,8 +629,8 @@ def save_step(parts: Resumable, state: TrainState, history: str) -> None:
     }
     rank_files = None
     if parts.rollouts.pending:  # asynchronous rollouts: the batches drawn and not trained yet (rollout_queue.py)
-        sampled = parts.rollouts.settle_for_checkpoint()  # a collective: every rank's completions, or none
-        trainer_state["rollout_queue"] = {**parts.rollouts.state_dict(), "rollouts": sampled}
+        sampled = parts.rollouts.settle_for_checkpoint()  # a collective: the steps whose completions it holds
+        trainer_state["rollout_queue"] = {**parts.rollouts.state_dict(), "sampled": sampled}
         rank_files = parts.rollouts.save_rollouts if sampled else None
     save_checkpoint(
         parts.accelerator,

@@ -33,11 +33,12 @@ not finish (a ZeRO-3 gathered push raises `WeightsLost`: a second pass needs eve
 rank. A push past its deadline, or one whose probe finds other weights on a server (`PushFailed`,
 rollout/push_checks.py), stops the run in one line naming the step, before the step's checkpoint is written.
 
-Checkpoints record the prompts drawn but not yet trained (`state_dict`) and, every rank having waited for its
-generation in flight, their completions (`settle_for_checkpoint`, `save_rollouts`: one file per rank), so a resumed
-run trains on the very samples an uninterrupted one does, and is the same run. Where a batch could not be sampled
-(a server lost), only the prompts are recorded, and the resumed run samples them first with its weights: no prompt
-is lost and none is trained twice.
+Checkpoints record the prompts drawn but not yet trained (`state_dict`) and the completions of those sampled with
+weights older than the checkpoint's (`settle_for_checkpoint`, `save_rollouts`: one file per rank; no wait, they were
+sampled before the last push). The batch being sampled with the checkpoint's own weights is sampled again by a
+resumed run, with those weights and the same seeds. So a resumed run trains on the very samples an uninterrupted
+one does (bit for bit with rollout.seed_per_prompt), and no prompt is lost or trained twice. A batch that could not
+be sampled (a server lost) is recorded by its prompts only, and sampled again with the resumed weights.
 
 The queue is given what it uses, not the run: the engine, its settings (`QueueSettings`, from the config), the
 batch geometry, the ranks' collectives, the task's prompts, the prompt sampler, and `push(version)`, which makes the
@@ -63,11 +64,12 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .checkpoint import checkpoint_root
+from .deadline import one_line
 from .errors import TrainingError
 from .rollout import (
     PushFailed,
@@ -139,6 +141,7 @@ class _Batch:
     step: int  # the step that trains it
     prompts: list[int]  # the whole batch's prompt indices (every rank's; the same list on every rank)
     future: Future | None = None  # this rank's rollout once queued (K >= 1); None: sampled when taken
+    version: int = -1  # the weight version it is (being) sampled with, once queued
 
 
 class _Worker:
@@ -200,6 +203,7 @@ class RolloutQueue:
         self._waited = 0.0  # seconds the main thread waited for rollouts since the last report
         self._window = time.perf_counter()
         self._step_metrics: dict[str, float] = {}
+        self._ready: dict[int, bytes] = {}  # steps -> this rank's pickled completions, for the checkpoint being saved
 
     # ------------------------------------------------------------------ the loop's calls
     def start(self, step: int) -> None:
@@ -269,36 +273,56 @@ class RolloutQueue:
         """What a checkpoint records: the prompts drawn but not trained, one list per step, in order."""
         return {"pending": [batch.prompts for batch in self.pending]}
 
-    def settle_for_checkpoint(self) -> bool:
-        """Every rank: wait for the generations in flight and agree whether every rank's untrained batches were
-        sampled (none failed), so that the checkpoint can hold their completions (`save_rollouts`): a resumed run
-        then trains on the very samples an uninterrupted run trains on, not on new ones from newer weights."""
-        futures = list(self._queued())
-        self._wait(futures)
-        failed = len(futures) < len(self.pending) or any(f.exception() is not None for f in futures)
-        return not int(self.comm.max(torch.tensor([float(failed)]))[0])
+    def settle_for_checkpoint(self) -> list[int]:
+        """Every rank (a collective): which untrained batches the checkpoint holds the completions of, by step, and
+        this rank's completions of them made ready for `save_rollouts`. A batch sampled with weights older than the
+        current ones is held: it was sampled before the last push (each rank waited for it), and a resumed run could
+        not sample it again with those weights. A batch sampled with the current weights (the one queued after the
+        last push, which may still be running) is not waited for: a resumed run samples it again with the same
+        weights, the checkpoint's, and the same seeds. A batch some rank cannot save (it failed; its completions do
+        not pickle, e.g. an agent's messages) is held by none: its prompts are sampled again."""
+        ready: dict[int, bytes] = {}
+        for batch in self.pending:
+            future = batch.future
+            if future is None or batch.version >= self.version or not future.done() or future.exception() is not None:
+                continue
+            try:
+                ready[batch.step] = pickle.dumps(future.result(), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 (what an agent put in its records: its prompts are sampled again)
+                logger.warning(
+                    "checkpoint: batch %d's completions cannot be saved (%s): sampled again on resume",
+                    batch.step,
+                    one_line(exc),
+                )
+        missing = self.comm.max(torch.tensor([0.0 if b.step in ready else 1.0 for b in self.pending]))
+        held = [b.step for b, m in zip(self.pending, missing.tolist()) if not m]
+        self._ready = {step: ready[step] for step in held}
+        return held
 
     def save_rollouts(self, folder: Path) -> None:
-        """This rank's completions of the untrained batches (after `settle_for_checkpoint` agreed), into `folder`."""
-        rollouts = [(batch.step, cast(Future, batch.future).result()) for batch in self.pending]
+        """This rank's completions of the batches `settle_for_checkpoint` chose, into `folder` (one file per rank)."""
         with (folder / ROLLOUTS_FILE.format(rank=self.geometry.rank)).open("wb") as f:
-            pickle.dump(rollouts, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(self._ready, f, protocol=pickle.HIGHEST_PROTOCOL)
+        self._ready = {}
 
     def load_state_dict(self, state: dict, step: int, folder: Path | None = None) -> None:
         """A checkpoint's pending prompts (saved after step `step`), sampled before any new draw; where the
-        checkpoint in `folder` holds their completions too (`rollouts`), those are trained as they are."""
+        checkpoint in `folder` holds the completions of some (`sampled`: their steps), those are trained as they are.
+        `folder` None (a resume onto another number of processes): every batch is sampled again."""
         self.pending = deque(_Batch(step + 1 + i, list(prompts)) for i, prompts in enumerate(state.get("pending", [])))
-        path = None if folder is None else folder / ROLLOUTS_FILE.format(rank=self.geometry.rank)
-        if not state.get("rollouts") or path is None:
+        sampled = set(state.get("sampled", []))
+        if not sampled or folder is None:
             return
+        path = folder / ROLLOUTS_FILE.format(rank=self.geometry.rank)
         if not path.is_file():
-            raise TrainingError(f"{folder} records the sampled batches but has no {path.name}: resume from another")
+            raise TrainingError(f"{folder} records sampled batches but has no {path.name}: resume from another")
         with path.open("rb") as f:
-            saved = dict(pickle.load(f))  # this run's own checkpoint: written by save_rollouts
+            saved = pickle.load(f)  # this run's own checkpoint, verified against its manifest: written by save_rollouts
         for batch in self.pending:
-            future: Future = Future()
-            future.set_result(saved[batch.step])
-            batch.future = future
+            if batch.step in sampled:
+                future: Future = Future()
+                future.set_result(pickle.loads(saved[batch.step]))
+                batch.future = future
 
     def close(self) -> None:
         if self._worker is not None:
@@ -329,6 +353,7 @@ class RolloutQueue:
 
     def _submit(self, worker: _Worker, batch: _Batch) -> Future:
         mine, version = self.geometry.my_prompts(batch.prompts), self.version
+        batch.version = version
         return worker.submit(lambda: self._generate(mine, batch.step, 0, version, queued=True))
 
     def _within_staleness(self, mine: list[int], rollout: Rollout, step: int) -> Rollout:

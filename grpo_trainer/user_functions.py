@@ -30,7 +30,11 @@ IMPORT_TIMEOUT_ENV = "GRPO_TRAINER_IMPORT_TIMEOUT"
 
 def import_limit() -> float:
     """Seconds a user's file or module may take to import (GRPO_TRAINER_IMPORT_TIMEOUT, default 300)."""
-    return float(os.environ.get(IMPORT_TIMEOUT_ENV, "300"))
+    value = os.environ.get(IMPORT_TIMEOUT_ENV, "300")
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"{IMPORT_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
 
 
 def resolve_function(

@@ -167,6 +167,39 @@ def test_the_row_is_what_was_sampled_and_a_forked_episode_trains_every_branch(po
         engine.close()
 
 
+class AsksIfTold:
+    """Returns at once without a request, unless its row says `ask`: then one chat request."""
+
+    name = "test asks if told"
+
+    async def play(self, row, episode, seed) -> Played:
+        if row.get("ask"):
+            status, body = await asyncio.to_thread(chat, episode, [{"role": "user", "content": row["prompt"]}], 4)
+            assert status == 200, body
+        return Played(reward=1.0)
+
+
+@pytest.mark.slow
+def test_rounds_hand_each_place_on_once_when_episodes_end_together(policy):
+    """rounds (rollout.seed_per_prompt), 8 episodes, 3 places: the first 6 return at once without a request, so
+    slots 3-5 end together with only slots 6 and 7 waiting; then 6 and 7 ask. Each ending episode promises its place
+    to at most one waiting slot: three promises for two slots would leave the next round waiting for a third that
+    never starts, and cut it after round_timeout_s (30 s). The round of 6 and 7 is taken whole, at once."""
+    tokenizer, _, inner = policy
+    agents = AgentEngine(inner, PlayerEnvironment(AsksIfTold()), tokenizer, seed=5, eos_token_ids=[tokenizer.eos_token_id],
+                         max_completion_length=BUDGET, max_model_len=None, episode_timeout=60.0, concurrency=3,
+                         rounds=True)
+    try:
+        tick = time.perf_counter()
+        rollout = play(agents, [{"prompt": f"What is {i}+{i}?", "ask": i == 3} for i in range(4)], g=2)
+        assert agents.endpoint.counters().get("agent/rounds_cut", 0) == 0
+        assert agents.endpoint.counters()["agent/batches"] == 1  # one round: both askers' requests
+        assert time.perf_counter() - tick < 25  # a bound on hanging (a cut round waits 30 s), not a speed
+        assert [e.requests for e in rollout.episodes] == [0] * 6 + [1, 1]
+    finally:
+        agents.close()
+
+
 # ------------------------------------------------------------------------------------------ failure
 
 

@@ -406,16 +406,19 @@ def test_a_checkpoint_records_the_batches_in_flight_and_a_resumed_queue_trains_t
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_checkpoint_holding_the_sampled_batches_resumes_into_the_uninterrupted_run(k, tmp_path):
-    """Stopped after step 3 of 6: every rank waits for its generation in flight, agrees that all were sampled, and
-    saves its completions of batches 4 .. 4+K beside the prompts. A queue loaded from it trains exactly those
-    (the weight versions that sampled them included: an uninterrupted run's), samples none of them again, and goes
-    on as the uninterrupted run: the same prompts, completions and versions at every step."""
+    """Stopped after step 3 of 6: batches 4 .. 4+K are drawn and not trained. Those sampled with weights older than
+    the checkpoint's (4 .. 3+K, sampled before the last push) are saved, each rank its share, without waiting for
+    anything; the one being sampled with the checkpoint's own weights (4+K) is not. A queue loaded from it trains the
+    saved ones as they are (the versions that sampled them included: an uninterrupted run's), samples only 4+K again
+    (with version 3, as the uninterrupted run did), and goes on as the uninterrupted run: the same prompts,
+    completions and versions at every step."""
     straight = drive(server_run(k, 6))
     run = server_run(k, 6)
     first = drive(run, stop_after=3)
-    assert run.rollouts.settle_for_checkpoint()
+    held = run.rollouts.settle_for_checkpoint()
+    assert held == list(range(4, 4 + k))
     run.rollouts.save_rollouts(tmp_path)
-    state = {**run.rollouts.state_dict(), "rollouts": True}
+    state = {**run.rollouts.state_dict(), "sampled": held}
     resumed = server_run(k, 6)
     resumed.sampler.load_state_dict(run.sampler.state_dict())
     resumed.rollouts.load_state_dict(state, step=3, folder=tmp_path)
@@ -425,11 +428,16 @@ def test_a_checkpoint_holding_the_sampled_batches_resumes_into_the_uninterrupted
         return [(mine, rollout.completion_ids, rollout.weight_versions) for mine, rollout, _ in steps]
 
     assert seen(first + second) == seen(straight)
-    resampled = {p for prompts, _, _ in resumed.engine.calls for p in prompts}
-    assert not resampled & {p for batch in state["pending"] for p in batch}  # the saved batches were not sampled again
+    prompts, version, _ = resumed.engine.calls[0]
+    assert prompts == batch_prompts(4 + k) and version == 3  # the only pending batch sampled again, as before
+    assert not {p for call, *_ in resumed.engine.calls for p in call} & {p for t in held for p in batch_prompts(t)}
     # a checkpoint that says it holds them, without the file, is refused in one line
     with pytest.raises(TrainingError, match="has no rollouts_rank0.pkl"):
         server_run(k, 6).rollouts.load_state_dict(state, step=3, folder=tmp_path / "elsewhere")
+    # another number of processes (force_resume): no folder, every pending batch sampled again
+    other = server_run(k, 6)
+    other.rollouts.load_state_dict(state, step=3, folder=None)
+    assert all(batch.future is None for batch in other.rollouts.pending)
 
 
 # ----------------------------------------------------------------------------- collect, with the queue

@@ -151,7 +151,8 @@ def test_preempted_and_killed_runs_resume_without_losing_or_repeating_a_prompt(s
     stopped_at = len(scored(logs[0]))  # every step A scored, it finished and checkpointed
     assert (out / "checkpoints" / "latest").read_text() == f"step-{stopped_at:06d}"
     state = json.loads((out / "checkpoints" / f"step-{stopped_at:06d}" / "trainer_state.json").read_text())
-    assert len(state["rollout_queue"]["pending"]) == 2 and state["rollout_queue"]["rollouts"]  # K + 1, sampled
+    # K + 1 batches drawn; the one sampled before the last push is held, the one after it is sampled again
+    assert len(state["rollout_queue"]["pending"]) == 2 and state["rollout_queue"]["sampled"] == [stopped_at + 1]
     assert (out / "checkpoints" / f"step-{stopped_at:06d}" / "rollouts_rank0.pkl").is_file()
 
     run_b = start_cli(args(logs[1], "auto"))

@@ -355,8 +355,9 @@ def test_an_agent_under_asynchronous_rollouts_resumes_into_the_uninterrupted_run
     """environment.agent (the OpenAI-SDK example) on vllm_server with rollout.max_staleness 1: its episodes play in
     the queue's background thread while the trainer updates (staleness 1 from step 2), and a run killed with
     SIGKILL once its first checkpoint is written, then resumed, is the uninterrupted 4-step run, weights and
-    metrics: the checkpoint holds the 2 batches of episodes sampled and not trained (records, tokens, the server's
-    log-probs), and the endpoint's rounds make each request's batch independent of timing."""
+    metrics: the checkpoint holds the batch of episodes sampled before its last push (records, tokens, the server's
+    log-probs), the one after it is played again with the same weights and seeds, and the endpoint's rounds make
+    each request's batch independent of timing."""
     import signal
 
     from grpo_trainer.metrics import read_metrics
@@ -384,7 +385,7 @@ def test_an_agent_under_asynchronous_rollouts_resumes_into_the_uninterrupted_run
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait(timeout=60)
     at = resumed / "checkpoints" / latest.read_text().strip()
-    assert json.loads((at / "trainer_state.json").read_text())["rollout_queue"]["rollouts"]
+    assert json.loads((at / "trainer_state.json").read_text())["rollout_queue"]["sampled"]
     assert (at / "rollouts_rank0.pkl").is_file()
     result = run_cli(args(resumed, "auto"))
     assert result.returncode == 0, launch_failure(result)

@@ -222,7 +222,10 @@ class TokenEndpoint:
     def play_started(self, session_id: str) -> None:
         """The episode's program runs from now on (rounds: the batcher waits for its requests). Any thread."""
         with self._lock:
-            self._episodes[session_id].playing = True
+            episode = self._episodes.get(session_id)
+            if episode is None:  # closed already (a play of an abandoned players' loop): nothing to count
+                return
+            episode.playing = True
             self._starting = max(self._starting - 1, 0)
         self._wake()
 
@@ -231,8 +234,9 @@ class TokenEndpoint:
         next round waits for (told in the same breath, so no round can be taken between the two). Any thread."""
         with self._lock:
             episode = self._episodes.get(session_id)
-            if episode is not None:
-                episode.playing = False
+            if episode is None:  # closed already (a play of an abandoned players' loop): its batch is over
+                return
+            episode.playing = False
             self._starting += 1 if successor else 0
         self._wake()
 

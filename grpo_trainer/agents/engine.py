@@ -103,6 +103,21 @@ class AgentEpisodeRecord(EpisodeRecord):
     counters: dict[str, float] = field(default_factory=dict)  # Played.counters
 
 
+@dataclass
+class _Places:
+    """The slots of one batch that wait for a place and have not been promised one yet (players' loop only). A
+    place is promised when an episode ends, in the same call that tells the endpoint (`play_ended`): counting the
+    slots that have *started* instead would promise one waiting slot twice when two episodes end before it starts."""
+
+    unpromised: int
+
+    def promise(self) -> bool:
+        if self.unpromised <= 0:
+            return False
+        self.unpromised -= 1
+        return True
+
+
 @dataclass(frozen=True)
 class _Deadline:
     """The running episode's limit, for sync code it calls (`call_sync`)."""
@@ -237,7 +252,6 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         self.episode_timeout = episode_timeout
         self.concurrency = concurrency
         self.rounds = rounds  # the endpoint batches in rounds (rollout.seed_per_prompt: endpoint.py says why)
-        self._unstarted = 0  # slots of the batch being played that wait for a place (players' loop only)
         self.vocab_size = vocab_size  # a vLLM engine's policy rows (the hf engine's are read from its model)
         self.counter_names: tuple[str, ...] = tuple(getattr(self.player, "counter_names", ()) or ())
         self.stop_names = stop_names(self.player)
@@ -330,9 +344,9 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
         """Every slot played on the players' loop; returns when all have an outcome (or the loop is blocked)."""
         assert self._players is not None and self.endpoint is not None
         players = self._players
-        self._unstarted = len(slots)
+        places = _Places(max(len(slots) - self.concurrency, 0))
         self.endpoint.expect_players(min(len(slots), self.concurrency))
-        futures = {players.submit(self._episode(slot, players.semaphore)): slot for slot in slots}
+        futures = {players.submit(self._episode(slot, players.semaphore, places)): slot for slot in slots}
         pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=1.0)
@@ -367,7 +381,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
                 return False
         return True
 
-    async def _episode(self, slot: _Slot, semaphore: asyncio.Semaphore) -> None:
+    async def _episode(self, slot: _Slot, semaphore: asyncio.Semaphore, places: _Places) -> None:
         """One play within its deadline, its outcome set on the slot (never raises but CallsHang)."""
         assert self.endpoint is not None
         endpoint = self.endpoint
@@ -375,7 +389,6 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
             slot.started = time.perf_counter()
             started = slot.started
             session = slot.handle.session_id
-            self._unstarted -= 1
             endpoint.play_started(session)
 
             def excluded() -> float:
@@ -398,7 +411,7 @@ class AgentEngine(EngineWrapper, TakesEpisodes):
                         return
             finally:
                 slot.finished = time.perf_counter()
-                endpoint.play_ended(session, successor=self._unstarted > 0)  # a waiting slot takes its place
+                endpoint.play_ended(session, successor=places.promise())  # a waiting slot takes its place
 
     async def _guarded(self, slot: _Slot) -> Outcome:
         """The play's outcome: Played, or what it raised (SystemExit and os._exit too), as deadline.Outcome."""

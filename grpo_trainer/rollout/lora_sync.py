@@ -25,9 +25,10 @@ Each push writes the adapter as a new version folder (`AdapterFolders`, atomical
 name, then renamed) and loads it into vLLM under a new name (and colocated, a new integer id): vLLM caches
 adapters by name and id, and a name loaded again with new weights may keep serving the old ones (or, with
 `load_inplace`, re-read the folder on every step, vLLM #33791). The adapters older than the newest
-`adapter_slots(K) - 1` are unloaded after the new one is loaded (K = rollout.max_staleness): under asynchronous
-rollouts a request sent just before a push may still name an adapter up to K versions old, and vLLM answers a
-request for an unloaded adapter with an error, not a sample. The names carry a random token per engine and end in
+`adapter_slots(K) - 1` are unloaded after the new one is loaded (K = rollout.max_staleness): vLLM answers a request
+for an unloaded adapter with an error, not a sample, and although the rollout queue never lets its own requests
+outlive a push (it waits for each generation before pushing), a request that outlives its call (a client that gave
+up on a slow answer) may still name one of the K before. The names carry a random token per engine and end in
 their version (`-v<n>`), so a server that outlives a run (or a resumed run) never sees a name twice, and every rank
 can tell the newest one (`newest_adapter`).
 """
