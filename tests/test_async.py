@@ -105,8 +105,12 @@ def test_async_settings_are_checked_when_the_config_loads():
     for engine in ("hf", "vllm_colocate"):
         with pytest.raises(ConfigError, match=f"rollout.max_staleness 1 needs rollout.engine vllm_server: the {engine}"):
             load_config(None, [f"rollout.engine={engine}", "rollout.max_staleness=1"])
-    with pytest.raises(ConfigError, match="environment.tools is not supported"):
-        load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "rollout.tools=[python]"])
+    # tools and agents play in the queue's thread (their rollouts are plain data a checkpoint saves); the
+    # environment classes do not (their objects cannot be saved)
+    assert load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "environment.tools=[python]"])
+    with pytest.raises(ConfigError, match="rollout.max_staleness 1 with environment.factory is not supported"):
+        load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1",
+                           "environment.factory=configs/guess_number_env.py:GuessNumber"])
     with pytest.raises(ConfigError, match="loss.tis_min"):
         load_config(None, ["loss.tis_min=0.5"])  # a lower bound needs the upper one
     with pytest.raises(ConfigError, match="loss.tis_min"):
@@ -438,6 +442,68 @@ def test_a_checkpoint_holding_the_sampled_batches_resumes_into_the_uninterrupted
     other = server_run(k, 6)
     other.rollouts.load_state_dict(state, step=3, folder=None)
     assert all(batch.future is None for batch in other.rollouts.pending)
+
+
+class ToolCallingServer(FakeServer):
+    """A FakeServer whose completions call the `add` tool, then answer once they see its result: the tools loop."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, num_generations, seeds=None, max_tokens=None, episodes=None):
+        from test_tools import add_call
+
+        with self.lock:
+            self.running += 1
+            self.calls.append(([ids[0] for ids in prompt_ids], self.version, threading.current_thread().name))
+        try:
+            texts = ["A3<|im_end|>" if "<|im_start|>tool" in self.tokenizer.decode(c) else add_call(1, 2)
+                     for c in prompt_ids for _ in range(num_generations)]
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            return Rollout(ids, [False] * len(ids), sampling_logprobs=[[-1.0] * len(t) for t in ids])
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def test_tools_play_in_the_queues_thread_and_a_checkpoint_holds_their_conversations(tiny_model_path, tmp_path):
+    """environment.tools under K = 1: each batch's tool-calling episodes (a call to `add`, its result, an answer) are
+    played by the queue's background thread while the trainer updates; a checkpoint after step 2 holds batch 3's
+    conversations (plain data), and the resumed queue trains them as the uninterrupted one does."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.environments.tools import Tool, ToolBox
+    from grpo_trainer.models import load_tokenizer
+    from test_tools import tools_loop
+
+    tokenizer = load_tokenizer(ModelConfig())
+
+    def run(steps: int):
+        box = ToolBox([Tool("add", {}, lambda a, b: str(a + b))], timeout=5, output_chars=100)
+        server = ToolCallingServer(tokenizer)
+        r = server_run(1, 4, engine=tools_loop(server, box, tokenizer, 200, 2))
+        r.task = SimpleNamespace(prompt_ids=lambda indices: [tokenizer("<|im_start|>user\nq<|im_end|>\n")["input_ids"]
+                                                             for _ in indices])
+        r.rollouts = rollout_queue(r)
+        return r, server
+
+    def seen(steps):
+        return [(mine, rollout.completion_ids, rollout.tool_calls, rollout.conversations) for mine, rollout, _ in steps]
+
+    straight_run, server = run(4)
+    straight = drive(straight_run)
+    assert all(rollout.tool_calls == [1] * (P * G) for _, rollout, _ in straight)
+    assert straight[0][1].conversations[0][1] == {"role": "tool", "name": "add", "content": "3"}
+    assert {thread for *_, thread in server.calls[2:]} == {"grpo-rollouts"}  # after the first batch: the queue's thread
+    stopped, _ = run(4)
+    first = drive(stopped, stop_after=2)
+    held = stopped.rollouts.settle_for_checkpoint()
+    assert held == [3]
+    stopped.rollouts.save_rollouts(tmp_path)
+    resumed, _ = run(4)
+    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
+    resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=tmp_path)
+    assert seen(first + drive(resumed, first=3)) == seen(straight)
 
 
 # ----------------------------------------------------------------------------- collect, with the queue

@@ -22,7 +22,8 @@ from .train import TrainConfig
 
 # Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): agent programs, whose
 # episodes are plain records (tokens, the endpoint's log-probs, the player's reward) that a checkpoint saves with
-# the batches sampled and not yet trained, so that a resumed run trains them exactly (rollout_queue.py).
+# the batches sampled and not yet trained, so that a resumed run trains them exactly (rollout_queue.py). So are
+# environment.tools' conversations (without a kind); the environment classes' objects are not.
 ASYNC_ENVIRONMENTS = ("agent", "verifiers")
 
 
@@ -98,11 +99,6 @@ class Config(_Section):
             )
         if self.environment.kind is not None:
             self._check_environment()
-        if self.rollout.max_staleness > 0 and self.environment.tools:
-            raise ValueError(
-                "rollout.max_staleness >= 1 with environment.tools is not supported: tool calls run in the trainer's "
-                "sandbox, and asynchronous rollouts keep the trainer's background work to HTTP requests (use max_staleness 0)"
-            )
         geometry_of(self)  # prompts, mini-batches and micro-batches fit together (geometry.py says how)
         if self.loss.advantage == "reinforce_pp" and self.loss.scale_rewards != "batch":
             raise ValueError(
@@ -145,7 +141,7 @@ class Config(_Section):
                 f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: its "
                 "episodes' environment objects (what the reward functions get as `environments`) cannot be saved with "
                 "a checkpoint, so a resumed run could not train the batches sampled before it exactly; agents "
-                "(environment.agent, environment.verifiers) can (use max_staleness 0; docs/async.md)"
+                "(environment.agent, environment.verifiers) and environment.tools can (use max_staleness 0; docs/async.md)"
             )
         if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
