@@ -279,15 +279,17 @@ class RolloutQueue:
         current ones is held: it was sampled before the last push (each rank waited for it), and a resumed run could
         not sample it again with those weights. A batch sampled with the current weights (the one queued after the
         last push, which may still be running) is not waited for: a resumed run samples it again with the same
-        weights, the checkpoint's, and the same seeds. A batch some rank cannot save (it failed; its completions do
-        not pickle, e.g. an agent's messages) is held by none: its prompts are sampled again."""
+        weights, the checkpoint's, and the same seeds. A batch some rank cannot save (it failed; its completions or
+        its environment objects do not pickle, e.g. one holding a connection) is held by none: its prompts are
+        sampled again."""
         ready: dict[int, bytes] = {}
         for batch in self.pending:
             future = batch.future
             if future is None or batch.version >= self.version or not future.done() or future.exception() is not None:
                 continue
-            try:
-                ready[batch.step] = pickle.dumps(future.result(), protocol=pickle.HIGHEST_PROTOCOL)
+            try:  # the environment objects too (Rollout leaves them out of its own pickle: they never cross ranks)
+                rollout = future.result()
+                ready[batch.step] = pickle.dumps((rollout, rollout.environments), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 (what an agent put in its records: its prompts are sampled again)
                 logger.warning(
                     "checkpoint: batch %d's completions cannot be saved (%s): sampled again on resume",
@@ -320,8 +322,10 @@ class RolloutQueue:
             saved = pickle.load(f)  # this run's own checkpoint, verified against its manifest: written by save_rollouts
         for batch in self.pending:
             if batch.step in sampled:
+                rollout, environments = pickle.loads(saved[batch.step])
+                rollout.environments = environments  # what the reward functions get, as the batch left them
                 future: Future = Future()
-                future.set_result(pickle.loads(saved[batch.step]))
+                future.set_result(rollout)
                 batch.future = future
 
     def close(self) -> None:

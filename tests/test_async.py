@@ -105,12 +105,12 @@ def test_async_settings_are_checked_when_the_config_loads():
     for engine in ("hf", "vllm_colocate"):
         with pytest.raises(ConfigError, match=f"rollout.max_staleness 1 needs rollout.engine vllm_server: the {engine}"):
             load_config(None, [f"rollout.engine={engine}", "rollout.max_staleness=1"])
-    # tools and agents play in the queue's thread (their rollouts are plain data a checkpoint saves); the
-    # environment classes do not (their objects cannot be saved)
-    assert load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "environment.tools=[python]"])
-    with pytest.raises(ConfigError, match="rollout.max_staleness 1 with environment.factory is not supported"):
-        load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1",
-                           "environment.factory=configs/guess_number_env.py:GuessNumber"])
+    # tools, agents and environment classes play in the queue's thread (a checkpoint saves their batches);
+    # remote environments do not (their clients hold connections)
+    for env in ("environment.tools=[python]", "environment.factory=configs/guess_number_env.py:GuessNumber"):
+        assert load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", env])
+    with pytest.raises(ConfigError, match="rollout.max_staleness 1 with environment.url is not supported"):
+        load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "environment.url=openenv+ws://h:1"])
     with pytest.raises(ConfigError, match="loss.tis_min"):
         load_config(None, ["loss.tis_min=0.5"])  # a lower bound needs the upper one
     with pytest.raises(ConfigError, match="loss.tis_min"):
@@ -504,6 +504,59 @@ def test_tools_play_in_the_queues_thread_and_a_checkpoint_holds_their_conversati
     resumed.sampler.load_state_dict(stopped.sampler.state_dict())
     resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=tmp_path)
     assert seen(first + drive(resumed, first=3)) == seen(straight)
+
+
+def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_their_objects(tiny_model_path, tmp_path):
+    """environment.factory under K = 1 (test_environments' Guess, played by its scripted model): each batch's
+    episodes (a tool call, a plain reply, the environment's answer) play in the queue's background thread; a
+    checkpoint after step 2 holds batch 3 with its environment objects (what the reward functions get), and the
+    resumed queue trains the uninterrupted run's episodes, objects and all. An object that does not pickle leaves
+    its batch to be played again (logged)."""
+    from test_environments import END, Guess, _engine, _prompt, _spec
+
+    tokenizer = _tokenizer_for_envs()
+    call = '<tool_call>{"name": "above", "arguments": {"n": 2}}</tool_call>'
+    scripts = {"a": [call + END, "1" + END, "3" + END, "never"]}
+
+    def run(factory=Guess):
+        engine, _ = _engine(tokenizer, scripts, factory=factory)
+        r = server_run(1, 4, engine=engine)
+        r.task = SimpleNamespace(prompt_ids=lambda indices: [_prompt(tokenizer, "a") for _ in indices],
+                                 episode_spec=lambda index, seed, episode_id: _spec(tokenizer, "a", seed=seed))
+        r.rollouts = rollout_queue(r)
+        return r
+
+    def seen(steps):
+        return [(mine, r.completion_ids, [e.ended_by for e in r.episodes], [vars(o) for o in r.environments])
+                for mine, r, _ in steps]
+
+    straight = drive(run())
+    assert all(isinstance(o, Guess) for _, r, _ in straight for o in r.environments)
+    stopped = run()
+    first = drive(stopped, stop_after=2)
+    held = stopped.rollouts.settle_for_checkpoint()
+    assert held == [3]
+    stopped.rollouts.save_rollouts(tmp_path)
+    resumed = run()
+    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
+    resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=tmp_path)
+    assert seen(first + drive(resumed, first=3)) == seen(straight)
+
+    class Unpicklable(Guess):
+        def reset(self, seed, **row):
+            self.lock = threading.Lock()  # an object holding what pickle cannot take
+            return super().reset(seed, **row)
+
+    stopped = run(Unpicklable)
+    drive(stopped, stop_after=2)
+    assert stopped.rollouts.settle_for_checkpoint() == []  # nothing held: batch 3 is played again on resume
+
+
+def _tokenizer_for_envs():
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_tokenizer
+
+    return load_tokenizer(ModelConfig())
 
 
 # ----------------------------------------------------------------------------- collect, with the queue

@@ -20,11 +20,12 @@ from .rollout import RolloutConfig
 from .teacher import TeacherConfig
 from .train import TrainConfig
 
-# Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): agent programs, whose
-# episodes are plain records (tokens, the endpoint's log-probs, the player's reward) that a checkpoint saves with
-# the batches sampled and not yet trained, so that a resumed run trains them exactly (rollout_queue.py). So are
-# environment.tools' conversations (without a kind); the environment classes' objects are not.
-ASYNC_ENVIRONMENTS = ("agent", "verifiers")
+# Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): those whose episodes a
+# checkpoint can save with the batches sampled and not yet trained, so that a resumed run trains them exactly
+# (rollout_queue.py): agent programs (plain records), environment.tools (conversations, without a kind), and
+# environment.factory classes, whose objects are fresh per episode and saved with their batch (one that does not
+# pickle is sampled again on resume, logged). OpenEnv clients and remote (url) environments hold connections.
+ASYNC_ENVIRONMENTS = ("agent", "verifiers", "factory")
 
 
 class Config(_Section):
@@ -139,9 +140,9 @@ class Config(_Section):
         if self.rollout.max_staleness > 0 and env.kind not in ASYNC_ENVIRONMENTS:
             raise ValueError(
                 f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: its "
-                "episodes' environment objects (what the reward functions get as `environments`) cannot be saved with "
-                "a checkpoint, so a resumed run could not train the batches sampled before it exactly; agents "
-                "(environment.agent, environment.verifiers) and environment.tools can (use max_staleness 0; docs/async.md)"
+                "episodes' environment objects (what the reward functions get as `environments`) hold connections "
+                "and cannot be saved with a checkpoint, so a resumed run could not train the batches sampled before it "
+                "exactly; environment.factory, environment.tools and agents can (use max_staleness 0; docs/async.md)"
             )
         if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
