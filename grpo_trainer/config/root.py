@@ -24,7 +24,8 @@ from .train import TrainConfig
 # checkpoint can save with the batches sampled and not yet trained, so that a resumed run trains them exactly
 # (rollout_queue.py): agent programs (plain records), environment.tools (conversations, without a kind), and
 # environment.factory classes, whose objects are fresh per episode and saved with their batch (one that does not
-# pickle is sampled again on resume, logged). OpenEnv clients and remote (url) environments hold connections.
+# pickle is sampled again on resume, logged). Remote (url) clients hold connections; in-process OpenEnv classes
+# would work as factory ones do, but are not tested under it yet.
 ASYNC_ENVIRONMENTS = ("agent", "verifiers", "factory")
 
 
@@ -139,10 +140,11 @@ class Config(_Section):
         env = self.environment
         if self.rollout.max_staleness > 0 and env.kind not in ASYNC_ENVIRONMENTS:
             raise ValueError(
-                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: its "
-                "episodes' environment objects (what the reward functions get as `environments`) hold connections "
-                "and cannot be saved with a checkpoint, so a resumed run could not train the batches sampled before it "
-                "exactly; environment.factory, environment.tools and agents can (use max_staleness 0; docs/async.md)"
+                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: a "
+                "checkpoint must save the episodes' environment objects (what the reward functions get as "
+                "`environments`) with the batches sampled and not trained, and a remote client holds a connection "
+                "(an in-process OpenEnv class is not tested under it yet); environment.factory, environment.tools "
+                "and agents can (use max_staleness 0; docs/async.md)"
             )
         if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
