@@ -53,6 +53,7 @@ import time
 import urllib.parse
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +171,35 @@ def seeds_for(rep: int, n_prompts: int) -> list[int]:
     return [1_000_003 * (rep + 1) + i for i in range(n_prompts)]
 
 
+@dataclass
+class Reps:
+    """One engine's timed reps, side by side with vLLM's (rep -1, the warm-up, is measured and not kept)."""
+
+    times: dict[str, list[float]]  # per side ("ours", "vllm", ...): seconds per rep
+    splits: list[dict] = field(default_factory=list)  # per rep: our call's phases
+    same: list[float] = field(default_factory=list)  # per rep: share of completions the same as vLLM's
+    tokens: list[int] = field(default_factory=list)  # per rep: completion tokens
+
+    def keep(
+        self, rep: int, seconds: dict[str, float], split: dict, ours: list[list[int]], theirs: list[list[int]]
+    ) -> float:
+        """Complete `split` (extraction less the cut it includes; `assemble`: the rest of our call), keep the rep
+        unless it is the warm-up, and return the share of our completions that vLLM's begin with."""
+        alike = sum(a == b[: len(a)] for a, b in zip(ours, theirs)) / len(theirs)
+        split["extract"] = split.get("extract", 0.0) - split.get("cut", 0.0)
+        split["assemble"] = seconds["ours"] - sum(split.get(k, 0.0) for k in ("build", "wait", "extract", "cut"))
+        if rep >= 0:
+            for side, t in seconds.items():
+                self.times[side].append(t)
+            self.splits.append(split)
+            self.same.append(alike)
+            self.tokens.append(sum(len(c) for c in ours))
+        return alike
+
+    def row(self, name: str) -> dict:
+        return median_row(name, self.times["ours"], self.times["vllm"], self.splits, self.same, self.tokens)
+
+
 def median_row(
     name: str, ours: list[float], theirs: list[float], phases: list[dict], same: list[float], tokens: list[int]
 ) -> dict:
@@ -251,8 +281,7 @@ def measure_colocate(model: str, sampling, prompts: list[list[int]], args) -> di
         return time.perf_counter() - start, rollout
 
     try:
-        times: dict[str, list[float]] = {"ours": [], "vllm": []}
-        splits, same, tokens = [], [], []
+        reps = Reps({"ours": [], "vllm": []})
         for rep in range(-1, args.reps):  # rep -1: untimed
             seeds = seeds_for(rep, len(prompts))
             order = ("ours", "vllm") if rep % 2 == 0 else ("vllm", "ours")
@@ -268,15 +297,8 @@ def measure_colocate(model: str, sampling, prompts: list[list[int]], args) -> di
                     f"our engine's SamplingParams differ from vLLM alone's:\n{captured[0][0]}\n{params[0]}"
                 )
             theirs = [list(o.token_ids) for r in outputs for o in r.outputs]
-            alike = sum(a == b[: len(a)] for a, b in zip(rollout.completion_ids, theirs)) / len(theirs)
-            split["extract"] -= split.get("cut", 0.0)  # completions_from_outputs = extraction + cut_completion
-            split["assemble"] = t_ours - sum(split.get(k, 0.0) for k in ("build", "wait", "extract", "cut"))
-            if rep >= 0:
-                times["ours"].append(t_ours)
-                times["vllm"].append(t_vllm)
-                splits.append(split)
-                same.append(alike)
-                tokens.append(sum(len(c) for c in rollout.completion_ids))
+            # completions_from_outputs = extraction + cut_completion: Reps.keep takes the cut out
+            alike = reps.keep(rep, {"ours": t_ours, "vllm": t_vllm}, split, rollout.completion_ids, theirs)
             print(
                 f"colocate rep {rep}: ours {t_ours:.4f}s, vLLM alone {t_vllm:.4f}s, same completions {alike:.0%}",
                 file=sys.stderr,
@@ -284,7 +306,7 @@ def measure_colocate(model: str, sampling, prompts: list[list[int]], args) -> di
     finally:
         vllm_colocate.completions_from_outputs, vllm_colocate.cut_completion = originals
         engine.close()
-    return median_row("colocate", times["ours"], times["vllm"], splits, same, tokens)
+    return reps.row("colocate")
 
 
 # ---------------------------------------------------------------------------- server
@@ -404,8 +426,7 @@ def measure_server(sampling, prompts: list[list[int]], url: str, args) -> dict:
         return time.perf_counter() - start, answers, bodies
 
     try:
-        times: dict[str, list[float]] = {"ours": [], "vllm": [], "fresh": []}
-        splits, same, tokens = [], [], []
+        reps = Reps({"ours": [], "vllm": [], "fresh": []})
         for rep in range(-1, args.reps):
             seeds = seeds_for(rep, n)
             order = ("ours", "vllm", "fresh") if rep % 2 == 0 else ("fresh", "vllm", "ours")
@@ -429,24 +450,16 @@ def measure_server(sampling, prompts: list[list[int]], url: str, args) -> dict:
                 for a in answers
                 for c in sorted(json.loads(a)["choices"], key=lambda c: c["index"])
             ]
-            alike = sum(a == b[: len(a)] for a, b in zip(rollout.completion_ids, theirs)) / len(theirs)
-            split["extract"] = split.get("extract", 0.0) - split.get("cut", 0.0)  # _read = extraction + cut
-            split["assemble"] = t_ours - sum(split.get(k, 0.0) for k in ("build", "wait", "extract", "cut"))
-            if rep >= 0:
-                times["ours"].append(t_ours)
-                times["vllm"].append(t_vllm)
-                times["fresh"].append(t_fresh)
-                splits.append(split)
-                same.append(alike)
-                tokens.append(sum(len(c) for c in rollout.completion_ids))
+            seconds = {"ours": t_ours, "vllm": t_vllm, "fresh": t_fresh}  # _read = extraction + cut: keep takes it out
+            alike = reps.keep(rep, seconds, split, rollout.completion_ids, theirs)
             print(
                 f"server rep {rep}: ours {t_ours:.4f}s, direct client {t_vllm:.4f}s (fresh connections {t_fresh:.4f}s), "
                 f"same completions {alike:.0%}",
                 file=sys.stderr,
             )
-        row = median_row("server", times["ours"], times["vllm"], splits, same, tokens)
-        row["fresh_connections_s"] = statistics.median(times["fresh"])
-        row["fresh_reps_s"] = times["fresh"]
+        row = reps.row("server")
+        row["fresh_connections_s"] = statistics.median(reps.times["fresh"])
+        row["fresh_reps_s"] = reps.times["fresh"]
         # What of `wait` is JSON: encoding our bodies and decoding the answers, once more, single-threaded.
         start = time.perf_counter()
         for body in captured[0]:

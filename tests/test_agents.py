@@ -190,11 +190,9 @@ def test_rounds_hand_each_place_on_once_when_episodes_end_together(policy):
                          max_completion_length=BUDGET, max_model_len=None, episode_timeout=60.0, concurrency=3,
                          rounds=True)
     try:
-        tick = time.perf_counter()
         rollout = play(agents, [{"prompt": f"What is {i}+{i}?", "ask": i == 3} for i in range(4)], g=2)
         assert agents.endpoint.counters().get("agent/rounds_cut", 0) == 0
         assert agents.endpoint.counters()["agent/batches"] == 1  # one round: both askers' requests
-        assert time.perf_counter() - tick < 25  # a bound on hanging (a cut round waits 30 s), not a speed
         assert [e.requests for e in rollout.episodes] == [0] * 6 + [1, 1]
     finally:
         agents.close()

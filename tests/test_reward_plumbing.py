@@ -120,15 +120,11 @@ def test_a_reward_file_that_hangs_or_exits_while_importing_is_one_line(tmp_path,
     """Importing a user's file runs its code under the deadline utility (user_functions.py): one that blocks at
     import time stops the resolve within GRPO_TRAINER_IMPORT_TIMEOUT, one that calls sys.exit is an error naming
     the key, not an exit of the run; the same file resolves once it behaves."""
-    import time
-
     monkeypatch.setenv("GRPO_TRAINER_IMPORT_TIMEOUT", "1")
     hangs = tmp_path / "hangs.py"
     hangs.write_text("import time\ntime.sleep(600)\n\ndef fn(completions, **kw):\n    return [0.0] * len(completions)\n")
-    tick = time.perf_counter()
     with pytest.raises(RewardError, match=r"rewards.0.name: importing .*hangs.py.* took longer than 1s"):
         load_rewards([RewardConfig(name=f"{hangs}:fn")])
-    assert time.perf_counter() - tick < 60  # a bound on hanging, not a speed
     exits = tmp_path / "exits.py"
     exits.write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(RewardError, match=r"rewards.0.name: importing .*exits.py.* failed: SystemExit: 3"):
