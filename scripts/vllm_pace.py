@@ -53,7 +53,6 @@ import time
 import urllib.parse
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,14 +170,15 @@ def seeds_for(rep: int, n_prompts: int) -> list[int]:
     return [1_000_003 * (rep + 1) + i for i in range(n_prompts)]
 
 
-@dataclass
 class Reps:
-    """One engine's timed reps, side by side with vLLM's (rep -1, the warm-up, is measured and not kept)."""
+    """One engine's timed reps, side by side with vLLM's (rep -1, the warm-up, is measured and not kept). A plain
+    class: the tests load this script without registering it as a module, which a dataclass needs."""
 
-    times: dict[str, list[float]]  # per side ("ours", "vllm", ...): seconds per rep
-    splits: list[dict] = field(default_factory=list)  # per rep: our call's phases
-    same: list[float] = field(default_factory=list)  # per rep: share of completions the same as vLLM's
-    tokens: list[int] = field(default_factory=list)  # per rep: completion tokens
+    def __init__(self, times: dict[str, list[float]]):
+        self.times = times  # per side ("ours", "vllm", ...): seconds per rep
+        self.splits: list[dict] = []  # per rep: our call's phases
+        self.same: list[float] = []  # per rep: share of completions the same as vLLM's
+        self.tokens: list[int] = []  # per rep: completion tokens
 
     def keep(
         self, rep: int, seconds: dict[str, float], split: dict, ours: list[list[int]], theirs: list[list[int]]
