@@ -44,7 +44,7 @@ from . import in_memory
 from .config import RewardConfig
 from .deadline import Call, Outcome, UserCalls, one_line, run_inline
 from .errors import RewardError
-from .user_functions import first_duplicate, resolve_function
+from .user_functions import exec_registered, first_duplicate, resolve_function
 
 # Built-in rewards: modules of the project's top-level `rewards/` folder. They are imported from that
 # folder under a private package name (`builtin_module`), never as the top-level name `rewards`: a user's
@@ -164,13 +164,7 @@ def builtin_module(name: str):
         )
         if spec is None or spec.loader is None:
             raise ImportError(f"the built-in rewards folder {BUILTIN_FOLDER} cannot be imported")
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[BUILTIN_PACKAGE] = package
-        try:
-            spec.loader.exec_module(package)
-        except BaseException:
-            del sys.modules[BUILTIN_PACKAGE]
-            raise
+        exec_registered(spec)
     return importlib.import_module(f"{BUILTIN_PACKAGE}.{name}")
 
 

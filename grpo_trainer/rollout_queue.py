@@ -69,8 +69,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .checkpoint import checkpoint_root
-from .deadline import one_line
-from .errors import TrainingError
+from .deadline import call_alone
+from .errors import TrainingError, UserError
 from .rollout import (
     PushFailed,
     Reconnects,
@@ -114,6 +114,9 @@ class QueueSettings:
     seed_per_prompt: bool  # rollout.seed_per_prompt
     reconnect_timeout: float  # rollout.vllm_server.reconnect_timeout: the wait for a sampler found gone
     checkpoints: str  # where the run's checkpoints are (named when the server is lost for good)
+    # environment.step_timeout: the limit on pickling a batch's environment objects for a checkpoint (their
+    # __getstate__ / __reduce__ is user code, and may hang)
+    save_timeout: float = 30.0
 
     @classmethod
     def of(cls, cfg: Config) -> QueueSettings:
@@ -125,6 +128,7 @@ class QueueSettings:
             seed_per_prompt=cfg.rollout.seed_per_prompt,
             reconnect_timeout=cfg.rollout.vllm_server.reconnect_timeout,
             checkpoints=str(checkpoint_root(cfg.output_dir)),
+            save_timeout=cfg.environment.step_timeout,
         )
 
 
@@ -287,19 +291,31 @@ class RolloutQueue:
             future = batch.future
             if future is None or batch.version >= self.version or not future.done() or future.exception() is not None:
                 continue
-            try:  # the environment objects too (Rollout leaves them out of its own pickle: they never cross ranks)
-                rollout = future.result()
-                ready[batch.step] = pickle.dumps((rollout, rollout.environments), protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:  # noqa: BLE001 (what an agent put in its records: its prompts are sampled again)
-                logger.warning(
-                    "checkpoint: batch %d's completions cannot be saved (%s): sampled again on resume",
-                    batch.step,
-                    one_line(exc),
-                )
+            saved = self._pickled(batch.step, future.result())
+            if saved is not None:
+                ready[batch.step] = saved
         missing = self.comm.max(torch.tensor([0.0 if b.step in ready else 1.0 for b in self.pending]))
         held = [b.step for b, m in zip(self.pending, missing.tolist()) if not m]
         self._ready = {step: ready[step] for step in held}
         return held
+
+    def _pickled(self, step: int, rollout: Rollout) -> bytes | None:
+        """A batch's completions with their environment objects (Rollout leaves those out of its own pickle: they
+        never cross ranks), or None where they cannot be saved (logged: the batch is sampled again on resume). The
+        objects' pickling is user code (a `__reduce__`, a `__getstate__`): it runs within environment.step_timeout."""
+        outcome = call_alone(
+            lambda: pickle.dumps((rollout, rollout.environments), protocol=pickle.HIGHEST_PROTOCOL),
+            self.settings.save_timeout,
+            name=f"checkpoint: pickling batch {step}'s environment objects",
+            limit_key="environment.step_timeout",
+            stop=UserError,
+            label="environment.step_timeout",
+        )
+        if outcome.ok:
+            return outcome.value
+        why = outcome.error or f"not done within environment.step_timeout ({self.settings.save_timeout:g} s)"
+        logger.warning("checkpoint: batch %d's completions cannot be saved (%s): sampled again on resume", step, why)
+        return None
 
     def save_rollouts(self, folder: Path) -> None:
         """This rank's completions of the batches `settle_for_checkpoint` chose, into `folder` (one file per rank)."""

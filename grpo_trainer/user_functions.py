@@ -15,9 +15,12 @@ there, in that same one line.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,13 +94,41 @@ def _file_module(path: Path, where: str, kind: str, error: type[UserError]):
         raise error(f"{where}: {kind} file not found: {path}")
     key = path.resolve()
     if key not in _FILE_MODULES:
-        module_spec = importlib.util.spec_from_file_location(f"grpo_user_{path.stem}", key)
+        name = _module_name(key)
+        module_spec = importlib.util.spec_from_file_location(name, key)
         if module_spec is None or module_spec.loader is None:  # not a file Python can import
             raise error(f"{where}: {kind} file {path} cannot be imported as a Python module")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        _FILE_MODULES[key] = module
+        _FILE_MODULES[key] = exec_registered(module_spec)
     return _FILE_MODULES[key]
+
+
+def exec_registered(module_spec: importlib.machinery.ModuleSpec) -> Any:
+    """The module of `module_spec`, run under its name in sys.modules as `import` would (its classes can be
+    pickled; dataclasses and typing look their module up there); unregistered again when running it fails."""
+    loader = module_spec.loader
+    if loader is None:
+        raise ImportError(f"{module_spec.origin} cannot be imported as a Python module (no loader)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_spec.name]
+        raise
+    return module
+
+
+def _module_name(path: Path) -> str:
+    """The name a user's file is imported under, registered in sys.modules as an import would be: what its
+    classes' `__module__` says, so that pickle finds them (a checkpoint saves environment objects with the
+    batches sampled and not yet trained) and so that dataclasses and typing in the file work as in any module. The
+    file's stem, and the path's hash when another file of that stem holds the name; the same file gets the
+    same name in every process (a resumed run unpickles what the interrupted one saved)."""
+    name = f"grpo_user_{path.stem}"
+    taken = sys.modules.get(name)
+    if taken is not None and Path(getattr(taken, "__file__", "") or "").resolve() != path:
+        name += "_" + hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    return name
 
 
 def first_duplicate(names: list[str]) -> str | None:

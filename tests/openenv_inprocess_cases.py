@@ -17,7 +17,7 @@ from grpo_trainer.environments import EpisodeSpec, ProtocolBreach
 from grpo_trainer.environments.openenv import build
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.environments.tools import parse_tool_calls
-from openenv_loop import END, WON, call, check_a_won_episode, play
+from openenv_loop import END, WON, call, check_a_won_episode, check_episodes_resume_under_async, play
 
 ENVS = "tests/openenv_envs.py"
 
@@ -154,7 +154,7 @@ def test_in_process_episodes_through_the_loop():
     raised, _ = play(environment(), [call(13) + END, "never"])
     assert [(r.ended_by, r.error) for r in raised.episodes] == [("error", "respond: ValueError: unlucky 13")] * 2
     env = environment()
-    envs = env.env_cls.step.__globals__  # tests/openenv_envs.py as the loader imported it (by path: not sys.modules)
+    envs = env.env_cls.step.__globals__  # tests/openenv_envs.py as the loader imported it (by path, as grpo_user_openenv_envs)
     hangs = envs["Hangs"]
     hangs.seconds = 60.0
     hangs.release.clear()
@@ -167,3 +167,8 @@ def test_in_process_episodes_through_the_loop():
     finally:
         hangs.release.set()
         hangs.seconds = envs["HANG_SECONDS"]
+
+
+def test_in_process_episodes_play_under_async_rollouts_and_resume_with_their_objects(tmp_path):
+    """environment.openenv under rollout.max_staleness 1: the objects are saved with the checkpoint's batches."""
+    check_episodes_resume_under_async(environment(), tmp_path)

@@ -75,3 +75,39 @@ def check_a_won_episode(out: Rollout, tokenizer) -> None:
     ids, mask = out.completion_ids[0], out.completion_mask[0]
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == call(WRONG) + END + f'{{"guess": {SECRET}}}' + END
     assert messages[1]["content"] in tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+
+
+def check_episodes_resume_under_async(environment, folder) -> None:
+    """`environment` under rollout.max_staleness 1 (GuessEnv, this module's scripted model, the won script): each
+    batch's episodes play in the rollout queue's thread; a checkpoint after step 2 holds batch 3 with what the
+    reward functions get as `environments` (the object in process, the server's snapshot over /ws), and the
+    resumed queue trains the uninterrupted run's episodes, those included (test_async.py's stand-in run)."""
+    from types import SimpleNamespace
+
+    from helpers import rollout_queue
+    from test_async import drive, server_run, stopped_and_resumed
+
+    tokenizer = tiny_tokenizer()
+    settings = EpisodeSettings(max_turns=4, step_timeout=5.0, episode_timeout=30.0, concurrency=8,
+                               observation_chars=200, record=True)
+
+    def run():
+        engine = EpisodeEngine(ScriptedModel(tokenizer, WON), environment, tokenizer,
+                               eos_token_ids=[tokenizer.eos_token_id], max_completion_length=400, settings=settings)
+        r = server_run(1, 4, engine=engine)
+        r.task = SimpleNamespace(
+            prompt_ids=lambda indices: [prompt(tokenizer, "Play.") for _ in indices],
+            episode_spec=lambda index, seed, episode_id: EpisodeSpec(
+                {"prompt": "Play."}, SEED, episode_id, lambda text: prompt(tokenizer, f"Play.\n{text}")))
+        r.rollouts = rollout_queue(r)
+        return r
+
+    def seen(steps):
+        def state(o):  # the in-process object's pydantic State, or the remote snapshot's plain data
+            return o.state.model_dump() if hasattr(o.state, "model_dump") else vars(o)
+        return [(mine, r.completion_ids, [(e.ended_by, e.env_reward) for e in r.episodes],
+                 [state(o) for o in r.environments]) for mine, r, _ in steps]
+
+    straight = seen(drive(run()))
+    assert all(ended == [("environment", 1.0)] * len(ended) for _, _, ended, _ in straight)  # every episode won
+    assert seen(stopped_and_resumed(run, folder)) == straight

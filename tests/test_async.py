@@ -105,12 +105,10 @@ def test_async_settings_are_checked_when_the_config_loads():
     for engine in ("hf", "vllm_colocate"):
         with pytest.raises(ConfigError, match=f"rollout.max_staleness 1 needs rollout.engine vllm_server: the {engine}"):
             load_config(None, [f"rollout.engine={engine}", "rollout.max_staleness=1"])
-    # tools, agents and environment classes play in the queue's thread (a checkpoint saves their batches);
-    # remote environments do not (their clients hold connections)
-    for env in ("environment.tools=[python]", "environment.factory=configs/guess_number_env.py:GuessNumber"):
+    # every kind of environment plays in the queue's thread (a checkpoint saves its batches with what the rewards get)
+    for env in ("environment.tools=[python]", "environment.factory=configs/guess_number_env.py:GuessNumber",
+                "environment.url=openenv+ws://h:1", "environment.openenv=tests/openenv_envs.py:GuessEnv"):
         assert load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", env])
-    with pytest.raises(ConfigError, match="rollout.max_staleness 1 with environment.url is not supported"):
-        load_config(None, ["rollout.engine=vllm_server", "rollout.max_staleness=1", "environment.url=openenv+ws://h:1"])
     with pytest.raises(ConfigError, match="loss.tis_min"):
         load_config(None, ["loss.tis_min=0.5"])  # a lower bound needs the upper one
     with pytest.raises(ConfigError, match="loss.tis_min"):
@@ -203,6 +201,20 @@ def drive(run, first: int = 1, train=lambda step: None, stop_after: int | None =
         out.append((mine, rollout, queue.step_metrics()))
     queue.close()
     return out
+
+
+def stopped_and_resumed(run, folder) -> list[tuple[list[int], Rollout, dict]]:
+    """What a K = 1 run (`run()` makes one) trains when stopped after step 2, its checkpoint (in `folder`) holding
+    batch 3's completions, and resumed from it: steps 1-2, then the resumed steps, to compare with a straight run."""
+    stopped = run()
+    first = drive(stopped, stop_after=2)
+    held = stopped.rollouts.settle_for_checkpoint()
+    assert held == [3]
+    stopped.rollouts.save_rollouts(folder)
+    resumed = run()
+    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
+    resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=folder)
+    return first + drive(resumed, first=3)
 
 
 def batch_prompts(step: int) -> list[int]:
@@ -495,23 +507,16 @@ def test_tools_play_in_the_queues_thread_and_a_checkpoint_holds_their_conversati
     assert all(rollout.tool_calls == [1] * (P * G) for _, rollout, _ in straight)
     assert straight[0][1].conversations[0][1] == {"role": "tool", "name": "add", "content": "3"}
     assert {thread for *_, thread in server.calls[2:]} == {"grpo-rollouts"}  # after the first batch: the queue's thread
-    stopped, _ = run(4)
-    first = drive(stopped, stop_after=2)
-    held = stopped.rollouts.settle_for_checkpoint()
-    assert held == [3]
-    stopped.rollouts.save_rollouts(tmp_path)
-    resumed, _ = run(4)
-    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
-    resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=tmp_path)
-    assert seen(first + drive(resumed, first=3)) == seen(straight)
+    assert seen(stopped_and_resumed(lambda: run(4)[0], tmp_path)) == seen(straight)
 
 
-def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_their_objects(tiny_model_path, tmp_path):
+def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_their_objects(tiny_model_path, tmp_path,
+                                                                                            caplog):
     """environment.factory under K = 1 (test_environments' Guess, played by its scripted model): each batch's
     episodes (a tool call, a plain reply, the environment's answer) play in the queue's background thread; a
     checkpoint after step 2 holds batch 3 with its environment objects (what the reward functions get), and the
     resumed queue trains the uninterrupted run's episodes, objects and all. An object that does not pickle leaves
-    its batch to be played again (logged)."""
+    its batch to be played again (logged), and so does one whose pickling hangs past environment.step_timeout."""
     from test_environments import END, Guess, _engine, _prompt, _spec
 
     tokenizer = _tokenizer_for_envs()
@@ -520,7 +525,7 @@ def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_th
 
     def run(factory=Guess):
         engine, _ = _engine(tokenizer, scripts, factory=factory)
-        r = server_run(1, 4, engine=engine)
+        r = server_run(1, 4, engine=engine, overrides=["environment.step_timeout=0.5"])
         r.task = SimpleNamespace(prompt_ids=lambda indices: [_prompt(tokenizer, "a") for _ in indices],
                                  episode_spec=lambda index, seed, episode_id: _spec(tokenizer, "a", seed=seed))
         r.rollouts = rollout_queue(r)
@@ -532,15 +537,7 @@ def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_th
 
     straight = drive(run())
     assert all(isinstance(o, Guess) for _, r, _ in straight for o in r.environments)
-    stopped = run()
-    first = drive(stopped, stop_after=2)
-    held = stopped.rollouts.settle_for_checkpoint()
-    assert held == [3]
-    stopped.rollouts.save_rollouts(tmp_path)
-    resumed = run()
-    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
-    resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": held}, step=2, folder=tmp_path)
-    assert seen(first + drive(resumed, first=3)) == seen(straight)
+    assert seen(stopped_and_resumed(run, tmp_path)) == seen(straight)
 
     class Unpicklable(Guess):
         def reset(self, seed, **row):
@@ -550,6 +547,20 @@ def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_th
     stopped = run(Unpicklable)
     drive(stopped, stop_after=2)
     assert stopped.rollouts.settle_for_checkpoint() == []  # nothing held: batch 3 is played again on resume
+
+    released = threading.Event()
+
+    class HangsWhenSaved(Guess):
+        def __getstate__(self):  # user code the checkpoint runs: within environment.step_timeout
+            released.wait(60)
+            return vars(self)
+
+    stopped = run(HangsWhenSaved)
+    drive(stopped, stop_after=2)
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
+        assert stopped.rollouts.settle_for_checkpoint() == []
+    released.set()
+    assert "batch 3's completions cannot be saved (not done within environment.step_timeout (0.5 s))" in caplog.text
 
 
 def _tokenizer_for_envs():

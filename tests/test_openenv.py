@@ -30,7 +30,7 @@ from grpo_trainer.environments.openenv_ws import (
 from grpo_trainer.errors import ConfigError
 from grpo_trainer.environments.tools import parse_tool_calls
 from helpers import ROOT, free_port
-from openenv_loop import END, WON, call, check_a_won_episode, play
+from openenv_loop import END, WON, call, check_a_won_episode, check_episodes_resume_under_async, play
 import openenv_overlay
 from openenv_overlay import overlay_or_skip
 
@@ -285,6 +285,14 @@ def test_remote_episodes_through_the_loop(servers, tiny_model_path):
     check_a_won_episode(again, tokenizer)
     env.close()
     assert not [m for m in sys.modules if m.split(".")[0] in ("openenv", "fastmcp")]  # the remote kind needs no openenv
+
+
+def test_remote_episodes_play_under_async_rollouts_and_resume_with_their_snapshots(servers, tmp_path):
+    """environment.url under rollout.max_staleness 1: the episodes play over /ws from the queue's thread, and a
+    checkpoint saves what the rewards get (the server's snapshot: plain data, no connection)."""
+    env = remote(servers[0], sessions=4, step_timeout=5.0)
+    check_episodes_resume_under_async(env, tmp_path)
+    env.close()
 
 
 def test_remote_episodes_play_in_waves_of_the_sessions_held_and_refusals_are_counted(servers):

@@ -135,6 +135,26 @@ def test_a_reward_file_that_hangs_or_exits_while_importing_is_one_line(tmp_path,
     assert reward.name == "fn"
 
 
+def test_a_users_file_is_a_module_its_objects_pickle_and_dataclasses_work(tmp_path):
+    """A user's file is imported as a registered module (user_functions._module_name): its dataclasses work, its
+    objects pickle (a checkpoint saves environment objects under async rollouts), and two files of one name in
+    two folders stay two modules."""
+    import pickle
+
+    from grpo_trainer.user_functions import resolve_function
+
+    source = ("from dataclasses import dataclass\n\n@dataclass\nclass Board:\n    cells: list\n\n"
+              "def make(n):\n    return Board([{tag}] * n)\n")
+    made = []
+    for tag, folder in (("1", tmp_path / "a"), ("2", tmp_path / "b")):
+        folder.mkdir()
+        (folder / "board_env.py").write_text(source.format(tag=tag))
+        made.append(resolve_function(f"{folder}/board_env.py:make", "environment.factory", "environment", RewardError)(2))
+    assert [pickle.loads(pickle.dumps(board)) for board in made] == made
+    assert [board.cells for board in made] == [[1, 1], [2, 2]]
+    assert type(made[0]).__module__ != type(made[1]).__module__
+
+
 @pytest.mark.slow
 def test_a_users_own_rewards_py_does_not_shadow_the_built_ins(tmp_path, tiny_model_path):
     """The most natural file name for a user's reward is rewards.py. Run from its folder (first on sys.path),

@@ -20,14 +20,6 @@ from .rollout import RolloutConfig
 from .teacher import TeacherConfig
 from .train import TrainConfig
 
-# Environment kinds that play under asynchronous rollouts (rollout.max_staleness >= 1): those whose episodes a
-# checkpoint can save with the batches sampled and not yet trained, so that a resumed run trains them exactly
-# (rollout_queue.py): agent programs (plain records), environment.tools (conversations, without a kind), and
-# environment.factory classes, whose objects are fresh per episode and saved with their batch (one that does not
-# pickle is sampled again on resume, logged). Remote (url) clients hold connections; in-process OpenEnv classes
-# would work as factory ones do, but are not tested under it yet.
-ASYNC_ENVIRONMENTS = ("agent", "verifiers", "factory")
-
 
 class Config(_Section):
     output_dir: str = Field(
@@ -138,14 +130,6 @@ class Config(_Section):
 
     def _check_environment(self) -> None:
         env = self.environment
-        if self.rollout.max_staleness > 0 and env.kind not in ASYNC_ENVIRONMENTS:
-            raise ValueError(
-                f"rollout.max_staleness {self.rollout.max_staleness} with environment.{env.kind} is not supported: a "
-                "checkpoint must save the episodes' environment objects (what the reward functions get as "
-                "`environments`) with the batches sampled and not trained, and a remote client holds a connection "
-                "(an in-process OpenEnv class is not tested under it yet); environment.factory, environment.tools "
-                "and agents can (use max_staleness 0; docs/async.md)"
-            )
         if not self.data.use_chat_template and env.kind not in ("agent", "verifiers"):  # they render their own prompts
             raise ValueError(
                 f"environment.{env.kind} needs data.use_chat_template: environment messages are rendered by the chat template"
