@@ -12,10 +12,12 @@ the log-probs of training match those of sampling. `PackedBatch` (`train.packing
 by its completions back to back in one row, with an explicit attention mask and positions that make each
 completion see exactly what it saw when sampled: nothing is padded to the longest completion.
 
-Deliberately not done: flex attention (block-sparse, it would skip the masked blocks that SDPA computes) has no
-backward on CPU in torch 2.13 and compiles per shape; nor flash-attention's varlen kernels, which cannot express
-"the prompt and itself" for a completion. Packing therefore needs an attention path that takes a 4D mask (sdpa,
-eager) and full attention in every layer (`check_packing_support`).
+Under SDPA, long packed rows run attention segment by segment (packed_attention.py: a prompt against itself, a
+completion against its prompt and itself), short ones under one dense mask. Deliberately not done: flex attention
+(block-sparse, it would skip the masked blocks that SDPA computes) has no backward on CPU in torch 2.13 and
+compiles per shape; nor flash-attention's varlen kernels, which cannot express "the prompt and itself" for a
+completion. Packing therefore needs an attention path that takes a 4D mask (sdpa, eager) and full attention in
+every layer (`check_packing_support`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .builtin import resolve_model_path
 from .config import ModelConfig
 from .cpu import lm_head
 from .errors import ConfigError
+from .packed_attention import LAYOUT_KEY, SegmentLayout, placeholder_mask, runs_segments
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -278,9 +281,17 @@ class TokenLogprobs(nn.Module):
     ):
         """The packed rows [R, L] through the model once; only the N states that predict a completion token go
         through the LM head, and the results are laid out as [B, C] again for the loss."""
-        mask = packed_attention_mask(piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder))
+        layout = SegmentLayout.of(piece_ids.cpu(), member_ids.cpu()) if runs_segments(decoder) else None
+        if layout is not None and layout.pays:  # SDPA, long rows: attention segment by segment
+            mask = placeholder_mask(input_ids.shape[0], input_ids.device)
+            extra = {LAYOUT_KEY: layout.to(input_ids.device)}
+        else:  # eager, or short rows: one dense mask over each row
+            mask = packed_attention_mask(
+                piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder)
+            )
+            extra = {}
         hidden = decoder(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **extra
         ).last_hidden_state
         scored = completion_mask > 0  # [B, C]
         states = hidden.flatten(0, 1)[score_index[scored]]  # [N, H]

@@ -16,6 +16,11 @@ spread, every completion with a nonzero advantage (all of them trained):
   start     the recipe's first steps: 88% cut off at 64, the rest 20-63 tokens (mean ~60)
   longtail  most completions short (mean ~20), four of the 32 at 512 tokens (max_completion_length 512)
 
+`--dense-mask` adds each packed layout again with one dense mask over each packed row (the attention before
+packed_attention.py's segment path), to compare the two in one run. The table's `token bound` is a layout's tokens
+computed over padded's: the time ratio if time followed the tokens (the matmuls do); `/ bound` is the measured
+ratio over it (1.0: attention and everything else scale as the matmuls).
+
 Layouts: `padded` (today's: each prompt once, completions padded to the longest of the micro-batch, 8 completions
 per micro-batch as the recipe), `packed` (train.packing, 8 per micro-batch), and both under `--budget`
 (train.micro_batch_tokens). Reps alternate the layouts (padded, packed, ..., padded, packed, ...), so machine load
@@ -112,8 +117,9 @@ def setup(model: str, spread: str, lr: float = 1e-5):
     return cfg, accelerator, policy, optimizer, scheduler, step
 
 
-def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budget: int | None):
-    """What the update phases are given in a step (update.Learner, the terms, the collectives), for one layout."""
+def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budget: int | None, dense: bool = False):
+    """What the update phases are given in a step (update.Learner, the terms, the collectives), for one layout;
+    `dense`: packed rows take the dense mask over each row (the attention before packed_attention.py)."""
     from grpo_trainer.geometry import geometry_of
     from grpo_trainer.cpu.heap import HeapTrimmer
     from grpo_trainer.terms import TermModels, build_terms
@@ -123,7 +129,7 @@ def run_for(cfg, accelerator, policy, optimizer, scheduler, packing: bool, budge
     # HeapTrimmer off: the layouts' own peaks, as measured before it
     learner = Learner(accelerator, policy, optimizer, scheduler, HeapTrimmer(enabled=False))
     return SimpleNamespace(cfg=layout, geometry=geometry_of(layout), learner=learner, terms=build_terms(layout, TermModels()),
-                           comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t))
+                           comm=SimpleNamespace(sum=lambda t: t, max=lambda t: t, gather=lambda t: t), dense=dense)
 
 
 def layout_tokens(mb) -> tuple[int, int]:
@@ -159,28 +165,39 @@ def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     from grpo_trainer.train_state import TrainState
     from grpo_trainer.update import LogprobSettings, UpdateSettings, add_logprobs, update
 
+    from grpo_trainer import models
+
     open("/proc/self/clear_refs", "w").write("5")
     before = status_mib("VmRSS")
-    started = time.perf_counter()
-    batch = layout_batch(run, step, advantages)
-    add_logprobs(run.learner.policy, batch, run.terms, run.comm, LogprobSettings.of(run.cfg))
-    update(run.learner, batch, TrainState(step=1), run.terms, run.comm, UpdateSettings.of(run.cfg, run.geometry))
-    seconds = time.perf_counter() - started
+    segments = models.runs_segments
+    if run.dense:
+        models.runs_segments = lambda decoder: False
+    try:
+        started = time.perf_counter()
+        batch = layout_batch(run, step, advantages)
+        add_logprobs(run.learner.policy, batch, run.terms, run.comm, LogprobSettings.of(run.cfg))
+        update(run.learner, batch, TrainState(step=1), run.terms, run.comm, UpdateSettings.of(run.cfg, run.geometry))
+        seconds = time.perf_counter() - started
+    finally:
+        models.runs_segments = segments
     peak = status_mib("VmHWM") - before
     return seconds, peak, layout_counts(batch)
 
 
-def layouts_of(budget: int | None) -> dict[str, tuple[bool, int | None]]:
-    """name -> (train.packing, train.micro_batch_tokens)."""
-    layouts = {"padded": (False, None), "packed": (True, None)}
+def layouts_of(budget: int | None, dense: bool = False) -> dict[str, tuple[bool, int | None, bool]]:
+    """name -> (train.packing, train.micro_batch_tokens, the dense mask); `dense`: each packed layout twice."""
+    layouts = {"padded": (False, None, False), "packed": (True, None, False)}
     if budget:
-        layouts.update({f"padded, {budget} tokens": (False, budget), f"packed, {budget} tokens": (True, budget)})
+        layouts.update({f"padded, {budget} tokens": (False, budget, False), f"packed, {budget} tokens": (True, budget, False)})
+    if dense:
+        layouts.update({f"{name}, dense mask": (True, tokens, True) for name, (packing, tokens, _) in list(layouts.items())
+                        if packing})
     return layouts
 
 
 def bench_layouts(args) -> dict:
     cfg, accelerator, policy, optimizer, scheduler, step = setup(args.model, args.spread)
-    layouts = layouts_of(args.budget)
+    layouts = layouts_of(args.budget, args.dense_mask)
     if args.layout:  # this layout alone, one update: its peak is its own (see the module docstring)
         layouts = {args.layout: layouts[args.layout]}
     runs = {name: run_for(cfg, accelerator, policy, optimizer, scheduler, *spec) for name, spec in layouts.items()}
@@ -202,11 +219,15 @@ def bench_layouts(args) -> dict:
             print(f"{name}: {seconds:.2f} s, peak {peak:.0f} MiB", file=sys.stderr, flush=True)
             times[name].append(seconds)
             peaks[name].append(peak)
-    base = statistics.median(times[next(iter(runs))])  # padded, unless --layout picked another alone
+    first = next(iter(runs))  # padded, unless --layout picked another alone
+    base, base_tokens = statistics.median(times[first]), counts[first]["computed_tokens"]
     rows = {}
     for name in runs:
         t = statistics.median(times[name])
-        rows[name] = {"seconds": t, "ratio": t / base, "peak_mib": max(peaks[name]), **counts[name], "all_seconds": times[name]}
+        # The token bound: what the time ratio would be if time followed the tokens computed (the matmuls do)
+        bound = counts[name]["computed_tokens"] / base_tokens
+        rows[name] = {"seconds": t, "ratio": t / base, "token_bound": bound, "of_bound": t / base / bound,
+                      "peak_mib": max(peaks[name]), **counts[name], "all_seconds": times[name]}
     return {"spread": args.spread, "lengths": step.lengths, "prompt_lengths": sorted(set(step.prompt_lengths)),
             "mean_length": statistics.mean(step.lengths), "layouts": rows}
 
@@ -246,8 +267,9 @@ def bench_peaks(args) -> dict:
     forwarded = ["--model", args.model, "--spread", args.spread]
     forwarded += ["--budget", str(args.budget)] if args.budget else []
     forwarded += ["--threads", str(args.threads)] if args.threads else []
+    forwarded += ["--dense-mask"] if args.dense_mask else []
     with tempfile.TemporaryDirectory(prefix="update-bench-peaks-") as tmp:
-        for i, name in enumerate(layouts_of(args.budget)):
+        for i, name in enumerate(layouts_of(args.budget, args.dense_mask)):
             out = Path(tmp) / f"{i}.json"
             command = [sys.executable, __file__, *forwarded, "--layout", name, "--reps", "1", "--json", str(out)]
             result = subprocess.run(command, capture_output=True, text=True)
@@ -269,12 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count-only", action="store_true", help="only the tokens each layout computes (no passes)")
     p.add_argument("--layout", default=None, help="only this layout (e.g. 'packed, 2048 tokens'), one update, no warm-up")
     p.add_argument("--peaks", action="store_true", help="each layout's peak memory, each in a process of its own")
+    p.add_argument("--dense-mask", action="store_true",
+                   help="also each packed layout with one dense mask over each row (attention before the segment path)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 is far less sensitive to other load on a shared machine")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.layout is not None and args.layout not in layouts_of(args.budget):
-        p.error(f"--layout: one of {', '.join(repr(n) for n in layouts_of(args.budget))} (with this --budget)")
+    if args.layout is not None and args.layout not in layouts_of(args.budget, args.dense_mask):
+        names = ", ".join(repr(n) for n in layouts_of(args.budget, args.dense_mask))
+        p.error(f"--layout: one of {names} (with this --budget and --dense-mask)")
     if args.threads:
         import torch
 
@@ -297,10 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_layouts(args)
         print(f"{args.model}, spread {args.spread}, threads {args.threads or 'default'}: completions mean {out['mean_length']:.1f} tokens, max "
               f"{max(out['lengths'])}; prompts {out['prompt_lengths']} tokens; load before {' '.join(load)}")
-        print("| layout | update (s) | / padded | peak MiB | micro-batches | tokens computed | of which padding |")
-        print("|---|---|---|---|---|---|---|")
+        print("| layout | update (s) | / padded | token bound | / bound | peak MiB | micro-batches | tokens computed | of which padding |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, row in out["layouts"].items():
-            print(f"| {name} | {row['seconds']:.3f} | {row['ratio']:.2f} | {row['peak_mib']:.0f} | {row['micro_batches']} "
+            bound = f"{row['token_bound']:.2f} | {row['of_bound']:.2f}" if "token_bound" in row else "- | -"
+            print(f"| {name} | {row['seconds']:.3f} | {row['ratio']:.2f} | {bound} | {row['peak_mib']:.0f} | {row['micro_batches']} "
                   f"| {row['computed_tokens']} | {row['padding'] / row['computed_tokens']:.0%} |")
     out["load_before"] = load
     out["load_after"] = open("/proc/loadavg").read().split()[:3]

@@ -78,6 +78,94 @@ def test_each_completion_sees_its_prompt_and_itself_only():
     assert ((additive == 0) == torch.tensor(allowed, dtype=torch.bool)).all()
 
 
+def test_segments_are_each_prompt_and_each_completion_with_its_prefix_and_calls_are_planned_by_length():
+    """The segment path's reading of packed rows (packed_attention.py): a prompt queries itself, a completion its
+    prompt and itself; slack is no segment; every real token's output comes from exactly one call position and
+    slack's from the zero row."""
+    from grpo_trainer.packed_attention import Segment, SegmentLayout, plan_calls, segments_of
+
+    # Row 0: prompt 1 2, completions 3 4 | 6 (as in the mask test); row 1: prompt 8, completion 9, slack.
+    batch = make_packed_batch([[1, 2], [1, 2], [8]], [[3, 4, 5], [6, 7], [9, 10]], PAD)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 6], [8, 9, PAD, PAD, PAD]]
+    segments = segments_of(batch.piece_ids.tolist(), batch.member_ids.tolist())
+    assert segments == [Segment(0, 0, 0, 2), Segment(0, 2, 2, 2), Segment(0, 2, 4, 1), Segment(5, 0, 5, 1),
+                        Segment(5, 1, 6, 1)]
+    # Longest keys first; a call closes when its padding would pass 25% of what its segments cost alone (here
+    # every pair would pad more: five calls). SmolLM2's shapes: a prompt of 56 and its completions share a call
+    # where they are of similar lengths; a 511-token completion stays alone.
+    assert plan_calls(segments) == [[1], [2], [0], [4], [3]]
+    recipe = [Segment(0, 0, 0, 56)] + [Segment(0, 56, 0, n) for n in (62, 62, 61, 60, 62, 58, 62, 62)]
+    assert plan_calls(recipe) == [[1, 2, 5, 7, 8, 3, 4, 6, 0]]
+    longtail = [Segment(0, 0, 0, 56), Segment(0, 56, 0, 511)] + [Segment(0, 56, 0, 20)] * 7
+    assert plan_calls(longtail) == [[1], [2, 3, 4, 5, 6, 7, 8], [0]]
+    layout = SegmentLayout.of(batch.piece_ids, batch.member_ids)
+    first = layout.calls[0]  # completion 3 4 after the prompt 1 2: keys 1 2 3 4, its query 4 seeing all four
+    assert first.keys.tolist() == [[0, 1, 2, 3]] and first.queries.tolist() == [[2, 3]]
+    assert first.mask[0, 0].int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    # Outputs are laid out call after call (2, 1, 2, 1, 1 positions), then the zero row (index 7).
+    assert layout.take.tolist() == [3, 4, 0, 1, 2, 6, 5, 7, 7, 7]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_segment_attention_equals_the_dense_packed_mask(heads, kv_heads):
+    """Random queries, keys and values over rows of several pieces with slack (grouped-query heads too): the
+    segment path's outputs equal SDPA under the dense mask at every real token, in float64, and slack gets zeros."""
+    from grpo_trainer.models import packed_attention_mask
+    from grpo_trainer.packed_attention import SegmentLayout, segment_attention
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [[1] * 5] * 3 + [[2] * 2] * 2 + [[3] * 7]
+    completions = [[4] * n for n in (9, 2, 6, 1, 4, 12)]
+    batch = make_packed_batch(prompts, completions, PAD)
+    rows, width = batch.input_ids.shape
+    q = torch.randn(rows, heads, width, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(rows, kv_heads, width, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got = segment_attention(q, k, v, SegmentLayout.of(batch.piece_ids, batch.member_ids), 0.3)  # [R, L, H, D]
+    mask = packed_attention_mask(batch.piece_ids, batch.member_ids, "sdpa", torch.float64)
+    repeat = heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
+    real = batch.piece_ids >= 0
+    assert (got[real] - want[real]).abs().max() < 1e-12
+    assert (~real).any() and (got[~real] == 0).all()
+
+
+def test_segments_run_where_they_pay_a_rule_on_the_lengths():
+    """SEGMENTS_PAY on SmolLM2's recipe's shapes (a 56-token prompt, 8 completions a micro-batch): the end of
+    the run (completions ~21 tokens, rows of ~190) keeps the dense mask; its first steps (63 tokens, rows of ~550)
+    run segment by segment. A long tail (one completion of 511 among seven of 20: one row of 700) keeps the dense
+    mask: the long completion's own query x key rectangle is most of the row's square."""
+    from grpo_trainer.packed_attention import SegmentLayout
+
+    def layout(lengths):
+        batch = make_packed_batch([[1] * 56] * len(lengths), [[2] * n for n in lengths], PAD)
+        return SegmentLayout.of(batch.piece_ids, batch.member_ids)
+
+    end, start, longtail = layout([47, 14, 7, 5, 10, 13, 9, 36]), layout([64] * 7 + [56]), layout([512] + [20] * 7)
+    assert (end.rows * end.width**2 / end.scores, end.pays) == (pytest.approx(2.16, abs=0.01), False)
+    assert (start.rows * start.width**2 / start.scores, start.pays) == (pytest.approx(4.52, abs=0.01), True)
+    assert (longtail.rows * longtail.width**2 / longtail.scores, longtail.pays) == (pytest.approx(1.62, abs=0.01), False)
+
+
+def test_the_sdpa_function_is_transformers_own_without_a_packed_layout():
+    """packed_attention registers transformers' "sdpa" attention anew: a call without a layout (generation, the
+    padded layout, another model) gives transformers' own function's output, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import grpo_trainer.packed_attention  # noqa: F401 (the registration)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=1, training=False)
+    registered = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert registered is not sdpa_attention_forward
+    got, _ = registered(module, q, k, v, mask, dropout=0.0, scaling=0.5)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.5)
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------- the model's forward
 
 
@@ -115,15 +203,30 @@ def tiny_lm(lora: bool = False, attention: str = "sdpa"):
 TOLERANCE = {torch.float64: (1e-6, 1e-6), torch.float32: (1e-5, 2e-5)}  # (values, gradients)
 
 
+def attention_path(monkeypatch, path: str) -> list[int]:
+    """Packed rows through SDPA segment by segment (`segments`) or under one dense mask (`dense`), whatever the
+    lengths would choose (packed_attention.SEGMENTS_PAY); the list returned grows by one per segment-path call."""
+    from grpo_trainer import packed_attention
+
+    monkeypatch.setattr(packed_attention, "SEGMENTS_PAY", 0.0 if path == "segments" else float("inf"))
+    calls: list[int] = []
+    real = packed_attention.segment_attention
+    monkeypatch.setattr(packed_attention, "segment_attention", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
 # Not eager in float64: there the padded path itself gives NaN log-probs (the left-padded rows under transformers'
-# eager mask; float32 is fine), so it is no reference.
-@pytest.mark.parametrize("variant,dtype", [(v, d) for v in ("plain", "lora", "eager", "gradient-checkpointing")
-                                           for d in (torch.float64, torch.float32) if not (v == "eager" and d == torch.float64)],
-                         ids=lambda x: str(x).replace("torch.", ""))
-def test_packed_forward_equals_padded_values_and_gradients(tiny_model_path, variant, dtype):
+# eager mask; float32 is fine), so it is no reference. The eager path has one dense mask (no segments).
+@pytest.mark.parametrize("variant,dtype,path", [
+    (v, d, a) for v in ("plain", "lora", "eager", "gradient-checkpointing") for d in (torch.float64, torch.float32)
+    for a in ("segments", "dense") if not (v == "eager" and (d == torch.float64 or a == "segments"))],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_packed_forward_equals_padded_values_and_gradients(tiny_model_path, variant, dtype, path, monkeypatch):
     """Every completion token's log-prob and entropy, and every trainable parameter's gradient, through the packed
-    rows vs the padded shared-prompt layout (vs every row in full under gradient checkpointing, the padded path's
-    own fallback there)."""
+    rows (attention segment by segment, or under one dense mask) vs the padded shared-prompt layout (vs every row
+    in full under gradient checkpointing, the padded path's own fallback there; there the segments are recomputed
+    in the backward, so a recomputation that took another path would show)."""
+    segment_calls = attention_path(monkeypatch, path)
     lm = tiny_lm(lora=variant == "lora", attention="eager" if variant == "eager" else "sdpa").to(dtype)
     values, gradients = TOLERANCE[dtype]
     if variant == "gradient-checkpointing":
@@ -139,6 +242,7 @@ def test_packed_forward_equals_padded_values_and_gradients(tiny_model_path, vari
         (logp * batch.completion_mask * weights[: logp.shape[1]]).sum().backward()
         grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.requires_grad}
         results[name] = logp.detach() * batch.completion_mask, entropy * batch.completion_mask, grads
+    assert bool(segment_calls) == (path == "segments")
     assert_same(results["packed"][0], results["padded"][0], "log-probs", values)
     assert_same(results["packed"][1], results["padded"][1], "entropies", values)
     for name, grad in results["padded"][2].items():
@@ -185,7 +289,8 @@ def test_only_full_attention_through_a_mask_taking_path_can_pack(tiny_model_path
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
-def test_smollm2_packed_equals_padded(tiny_model_path):
+@pytest.mark.parametrize("path", ["segments", "dense"])
+def test_smollm2_packed_equals_padded(tiny_model_path, path, monkeypatch):
     """The real model (30 layers, 9 query heads on 3 key/value heads, 49k vocabulary) on real text. Log-probs and
     entropies to 1e-5 of the padded shared-prompt path's. Gradients: as close to the float64 model's as every row
     run in full in float32 is, within 3x. Measured on an AMD EPYC (AVX-512): packed 2.6e-4 of the scale, full
@@ -193,6 +298,7 @@ def test_smollm2_packed_equals_padded(tiny_model_path):
     own rounding (other shapes) cannot be held to that."""
     from grpo_trainer.config import load_config as load
 
+    segment_calls = attention_path(monkeypatch, path)
     cfg = load("configs/smollm2_cpu.yaml")
     tokenizer = load_tokenizer(cfg.model)
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -214,6 +320,7 @@ def test_smollm2_packed_equals_padded(tiny_model_path):
             (logp * batch.completion_mask).sum().backward()
             out[name] = (logp.detach() * batch.completion_mask, entropy * batch.completion_mask,
                          {n: p.grad.clone() for n, p in lm.named_parameters() if any(k in n for k in kept)})
+    assert len(segment_calls) == (30 if path == "segments" else 0)  # each layer of the one packed forward
     assert_same(out["packed"][0], out["padded"][0], "log-probs")
     assert_same(out["packed"][1], out["padded"][1], "entropies")
     assert_as_exact_as(out["packed"][2], out["full"][2], out["exact"][2], "packed gradients", factor=3.0)
@@ -278,7 +385,10 @@ def run_step(loss_type: str, world: int, layout: str, lora: bool = False, entrop
     packing, budget = LAYOUTS[layout]
     overrides = ["train.prompts_per_step=4", f"rollout.num_generations={G}", "train.micro_batch_size=4",
                  "train.mini_batches=2", "train.num_iterations=2", "rollout.max_completion_length=32",
-                 f"loss.type={loss_type}", "loss.beta=0.04", "loss.top_entropy_quantile=0.5",
+                 # 0.45, not 0.5: of the 71 ranked tokens, 0.5 puts the threshold on an order statistic, a value
+                 # two completions share (same prefix) up to the last bit in one layout and not in another (1 ulp):
+                 # a tie a selection cannot keep stable across layouts that round differently
+                 f"loss.type={loss_type}", "loss.beta=0.04", "loss.top_entropy_quantile=0.45",
                  "loss.mask_truncated_completions=true"]
     if "epsilon_low" in LOSS_VARIANTS[loss_type].options.model_fields:  # an option of another type is refused
         overrides.append("loss.options.epsilon_low=0.005")
@@ -388,6 +498,21 @@ def test_update_bench_counts_what_each_layout_computes(tmp_path, tiny_model_path
     assert rows["packed"]["padding"] == 0 < rows["padded"]["padding"]
     assert rows["packed"]["computed_tokens"] < rows["padded"]["computed_tokens"]
     assert rows["packed, 600 tokens"]["micro_batches"] < rows["padded, 600 tokens"]["micro_batches"]
+
+
+def test_update_bench_times_packed_rows_both_ways_against_the_token_bound(tmp_path, tiny_model_path):
+    """--dense-mask: each packed layout again under one dense mask (the attention before the segment path), and
+    every row's token bound (its tokens over padded's) beside its time ratio."""
+    bench = load_script("update_bench")
+    out = tmp_path / "times.json"
+    assert bench.main(["--model", "builtin:tiny", "--spread", "start", "--dense-mask", "--reps", "1", "--threads", "1",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert list(rows) == ["padded", "packed", "packed, dense mask"]
+    assert rows["packed"]["computed_tokens"] == rows["packed, dense mask"]["computed_tokens"]
+    for row in rows.values():
+        assert row["token_bound"] == row["computed_tokens"] / rows["padded"]["computed_tokens"]
+        assert row["of_bound"] == pytest.approx(row["ratio"] / row["token_bound"]) and row["seconds"] > 0
 
 
 @pytest.mark.slow  # four processes
