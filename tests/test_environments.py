@@ -496,8 +496,6 @@ def test_the_queue_gives_each_group_its_environment_seed_whatever_seed_per_promp
     ({"environment": {"url": "http://h:1"}}, "environment.url: expected openenv+ws://HOST:PORT"),
     ({"environment": {"url": "openenv+ws://h:1", "kwargs": {"a": 1}}}, "environment.kwargs"),
     ({"environment": {"factory": "a.py:B", "on_error": "ignore"}}, "environment.on_error"),
-    ({"environment": {"url": "openenv+ws://h:1"}, "rollout": {"engine": "vllm_server", "max_staleness": 1}},
-     "rollout.max_staleness 1 with environment.url is not supported"),
     ({"environment": {"factory": "a.py:B"}, "data": {"use_chat_template": False}}, "needs data.use_chat_template"),
     ({"rewards": []}, "rewards: at least one reward is needed"),
 ])
