@@ -264,22 +264,36 @@ def cpu_launch_file(name: str, folder: Path, **changes) -> Path:
     return path
 
 
+# A native abort says so in lines like these, not in a traceback (a rank that dies of SIGABRT or SIGSEGV).
+NATIVE_FAILURE = ("terminate called", "what():", "Fatal Python error", "Segmentation fault", "free(): ",
+                  "corrupted", "Aborted", "core dumped")
+
+
 def launch_failure(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
-    """What a failed multi-rank launch said, for an assertion message: its exit status, every rank's `error:` line
-    and the end of every traceback (the ranks' stderr is interleaved, so the tail alone shows only the rank that
-    failed last, usually one that lost its peer), then the last `tail` characters."""
-    lines = result.stderr.splitlines()
-    errors = [line for line in lines if line.startswith("error: ")]
-    tracebacks, current = [], None
-    for line in lines:
+    """What a failed multi-rank launch said, for an assertion message: its exit status, every rank's `error:` line,
+    the lines in which a rank died natively (NATIVE_FAILURE) and the end of every traceback, each rank's apart (the
+    ranks' stderr is interleaved, lines prefixed `[rankN]: ` under torch's launcher, so the tail alone shows only
+    the rank that failed last, usually one that lost its peer), then the last `tail` characters."""
+    import re
+
+    prefix = re.compile(r"^(\[rank\d+\]:) ?")
+    errors, native, tracebacks = [], [], []
+    current: dict[str, list[str]] = {}  # each rank's traceback being read ("" without a prefix)
+    for raw in result.stderr.splitlines():
+        match = prefix.match(raw)
+        rank, line = (match.group(1), raw[match.end():]) if match else ("", raw)
+        if line.startswith("error: "):
+            errors.append(raw)
+        if any(marker in line for marker in NATIVE_FAILURE):
+            native.append(raw)
         if line.startswith("Traceback"):
-            current = [line]
-            tracebacks.append(current)
-        elif current is not None:
-            current.append(line)
+            current[rank] = [raw]
+            tracebacks.append(current[rank])
+        elif rank in current:
+            current[rank].append(raw)
             if line and not line[0].isspace():  # the exception line ends the block
-                current = None
-    parts = [f"exit status {result.returncode}", *errors, *("\n".join(block[-12:]) for block in tracebacks),
+                del current[rank]
+    parts = [f"exit status {result.returncode}", *errors, *native, *("\n".join(block[-12:]) for block in tracebacks),
              "--- end of stderr ---", result.stderr[-tail:]]
     return "\n".join(parts)
 

@@ -153,3 +153,23 @@ def _env(extra: dict) -> dict:
     import os
 
     return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **extra}  # PATH: conftest.py
+
+
+def test_a_failed_launch_is_told_rank_by_rank_with_native_aborts():
+    """helpers.launch_failure on interleaved `[rankN]: ` stderr: each rank's traceback apart, and the lines of a rank
+    that died natively (SIGABRT: no traceback), which the stderr's tail alone would not show."""
+    import subprocess
+
+    from helpers import launch_failure
+
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):", "[rank1]: Traceback (most recent call last):",
+        "[rank0]:   File \"a.py\", line 1", "[rank1]:   File \"b.py\", line 2",
+        "terminate called after throwing an instance of 'c10::Error'", "  what():  pair.cc: Connection reset",
+        "[rank1]: ValueError: rank one's", "[rank0]: RuntimeError: rank zero's", "x" * 4000,
+    ])
+    said = launch_failure(subprocess.CompletedProcess([], 1, "", stderr)).split("--- end of stderr ---")[0]
+    assert "terminate called after throwing an instance of 'c10::Error'\n  what():  pair.cc: Connection reset" in said
+    assert ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"a.py\", line 1\n"
+            "[rank0]: RuntimeError: rank zero's") in said
+    assert "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"b.py\", line 2\n[rank1]: ValueError: rank one's" in said
