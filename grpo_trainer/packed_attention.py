@@ -38,8 +38,9 @@ PADDING_SLACK = 0.25  # a call's scores may exceed those of its segments alone b
 # The segment path pays where the dense mask computes this many times its scores or more. Per score it computes,
 # it costs ~1.6x the dense path (its gathers and their backward, smaller SDPA batches) plus ~0.3 ms a call (one
 # layer, forward and backward), measured on machine D (docs/performance.md): SmolLM2's recipe ends with rows of
-# ~190 tokens, where dense computes 2.2x the segments' scores and is ~9% faster over the update; its first steps
-# have rows of ~550, 4.5x, where the segments are ~9% faster, more as rows grow (attention is quadratic).
+# ~190 tokens, where dense computes 2.2x the segments' scores and was ~9% faster over the update (segments on every
+# row, before this rule); its first steps have rows of ~550, 4.5x, where the segments are ~9% faster in a micro-
+# batch's forward and backward (2% over the whole update), more as rows grow (attention is quadratic).
 SEGMENTS_PAY = 3.0
 
 
