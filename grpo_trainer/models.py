@@ -35,7 +35,7 @@ from .builtin import resolve_model_path
 from .config import ModelConfig
 from .cpu import lm_head
 from .errors import ConfigError
-from .packed_attention import LAYOUT_KEY, SegmentLayout, placeholder_mask, runs_segments
+from .packed_attention import LAYOUT_KEY, SegmentPlan, placeholder_mask, runs_segments
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -281,10 +281,10 @@ class TokenLogprobs(nn.Module):
     ):
         """The packed rows [R, L] through the model once; only the N states that predict a completion token go
         through the LM head, and the results are laid out as [B, C] again for the loss."""
-        layout = SegmentLayout.of(piece_ids.cpu(), member_ids.cpu()) if runs_segments(decoder) else None
-        if layout is not None and layout.pays:  # SDPA, long rows: attention segment by segment
+        plan = SegmentPlan.of(piece_ids.cpu(), member_ids.cpu()) if runs_segments(decoder) else None
+        if plan is not None and plan.pays:  # SDPA, long rows: attention segment by segment
             mask = placeholder_mask(input_ids.shape[0], input_ids.device)
-            extra = {LAYOUT_KEY: layout.to(input_ids.device)}
+            extra = {LAYOUT_KEY: plan.layout().to(input_ids.device)}
         else:  # eager, or short rows: one dense mask over each row
             mask = packed_attention_mask(
                 piece_ids, member_ids, decoder.config._attn_implementation, self._dtype(decoder)

@@ -15,7 +15,7 @@ padding) gets zeros, which nothing scores and no real token attends to.
 
 Which segments share a call is fixed by the lengths alone (`plan_calls`: longest first, a call closes when its
 padding would pass `PADDING_SLACK` of what its segments cost alone), and so is whether the segments are used at all
-(`SegmentLayout.pays`: where rows are short, the dense mask computes little more and is faster), so the numbers
+(`SegmentPlan.pays`: where rows are short, the dense mask computes little more and is faster), so the numbers
 depend on the batch, never on timing.
 The result equals the dense mask's up to float rounding (the softmax runs over fewer, identical terms: the
 masked ones were exactly zero); tests/test_packing.py holds the two to its tolerances.
@@ -118,27 +118,43 @@ class SegmentCall:
 
 
 @dataclass
-class SegmentLayout:
-    """What every layer's attention needs to run a packed batch segment by segment, built once per forward."""
+class SegmentPlan:
+    """A packed batch's segments and how they group into calls: lengths only, no tensors, cheap enough to make for
+    every packed forward to decide whether the segment path is worth building (`pays`)."""
 
     rows: int
     width: int
-    calls: list[SegmentCall]
-    # [R * L]: for each flat position, its row in the calls' outputs laid end to end ([sum S * Q] rows, then one
-    # of zeros for slack)
-    take: torch.Tensor
-    query_index: torch.Tensor  # every call's `queries`, flattened and laid end to end
-    key_index: torch.Tensor  # every call's `keys`, likewise
+    segments: list[Segment]
+    calls: list[list[int]]  # indices into `segments`, one list per SDPA call
 
     @classmethod
-    def of(cls, piece_ids: torch.Tensor, member_ids: torch.Tensor) -> SegmentLayout:
+    def of(cls, piece_ids: torch.Tensor, member_ids: torch.Tensor) -> SegmentPlan:
         rows, width = piece_ids.shape
         segments = segments_of(piece_ids.tolist(), member_ids.tolist())
+        return cls(rows, width, segments, plan_calls(segments))
+
+    @property
+    def scores(self) -> int:
+        """Query-key scores the calls compute, each head (padding included)."""
+        total = 0
+        for call in self.calls:
+            group = [self.segments[i] for i in call]
+            total += len(group) * max(s.own for s in group) * max(s.keys for s in group)
+        return total
+
+    @property
+    def pays(self) -> bool:
+        """Whether the segment path is worth running rather than the dense mask (SEGMENTS_PAY): a rule on the
+        batch's lengths, never on timing, so the same batch always takes the same path (and rounds the same way)."""
+        return self.rows * self.width * self.width >= SEGMENTS_PAY * self.scores
+
+    def layout(self) -> SegmentLayout:
+        """The index tensors and masks of the calls, on the CPU."""
         calls: list[SegmentCall] = []
-        take = torch.full((rows * width,), -1, dtype=torch.long)
+        take = torch.full((self.rows * self.width,), -1, dtype=torch.long)
         written = 0
-        for members in plan_calls(segments):
-            group = [segments[i] for i in members]
+        for members in self.calls:
+            group = [self.segments[i] for i in members]
             q_len, k_len = max(s.own for s in group), max(s.keys for s in group)
             queries = torch.zeros(len(group), q_len, dtype=torch.long)
             keys = torch.zeros(len(group), k_len, dtype=torch.long)
@@ -154,7 +170,26 @@ class SegmentLayout:
             calls.append(SegmentCall(queries, keys, mask[:, None]))
             written += len(group) * q_len
         take[take < 0] = written  # slack: the zero row
-        return cls.assembled(rows, width, calls, take)
+        return SegmentLayout.assembled(self.rows, self.width, calls, take)
+
+
+@dataclass
+class SegmentLayout:
+    """What every layer's attention needs to run a packed batch segment by segment, built once per forward."""
+
+    rows: int
+    width: int
+    calls: list[SegmentCall]
+    # [R * L]: for each flat position, its row in the calls' outputs laid end to end ([sum S * Q] rows, then one
+    # of zeros for slack)
+    take: torch.Tensor
+    query_index: torch.Tensor  # every call's `queries`, flattened and laid end to end
+    key_index: torch.Tensor  # every call's `keys`, likewise
+
+    @classmethod
+    def of(cls, piece_ids: torch.Tensor, member_ids: torch.Tensor) -> SegmentLayout:
+        """The layout of a packed batch, whether or not it pays (SegmentPlan.pays)."""
+        return SegmentPlan.of(piece_ids, member_ids).layout()
 
     @classmethod
     def assembled(cls, rows: int, width: int, calls: list[SegmentCall], take: torch.Tensor) -> SegmentLayout:
@@ -162,18 +197,9 @@ class SegmentLayout:
         key_index = torch.cat([c.keys.view(-1) for c in calls] + [take.new_zeros(0)])
         return cls(rows, width, calls, take, query_index, key_index)
 
-    @property
-    def scores(self) -> int:
-        """Query-key scores the calls compute, each head (padding included)."""
-        return sum(c.mask.shape[0] * c.mask.shape[2] * c.mask.shape[3] for c in self.calls)
-
-    @property
-    def pays(self) -> bool:
-        """Whether this layout is worth running rather than the dense mask (SEGMENTS_PAY): a rule on the batch's
-        lengths, never on timing, so the same batch always takes the same path (and rounds the same way)."""
-        return self.rows * self.width * self.width >= SEGMENTS_PAY * self.scores
-
     def to(self, device: torch.device) -> SegmentLayout:
+        if self.take.device == torch.device(device):
+            return self
         calls = [SegmentCall(c.queries.to(device), c.keys.to(device), c.mask.to(device)) for c in self.calls]
         return SegmentLayout.assembled(self.rows, self.width, calls, self.take.to(device))
 

@@ -301,12 +301,21 @@ class RolloutQueue:
 
     def _pickled(self, step: int, rollout: Rollout) -> bytes | None:
         """A batch's completions with their environment objects (Rollout leaves those out of its own pickle: they
-        never cross ranks), or None where they cannot be saved (logged: the batch is sampled again on resume). The
-        objects' pickling is user code (a `__reduce__`, a `__getstate__`): it runs within environment.step_timeout."""
-        outcome = call_alone(
+        never cross ranks), or None where they cannot be saved (the batch is sampled again on resume)."""
+        return self._environment_code(
             lambda: pickle.dumps((rollout, rollout.environments), protocol=pickle.HIGHEST_PROTOCOL),
+            f"checkpoint: batch {step}'s completions cannot be saved",
+            "sampled again on resume",
+        )
+
+    def _environment_code(self, fn: Callable[[], Any], failed: str, then: str) -> Any:
+        """`fn()`, which pickles or unpickles a batch and so runs its environment objects' own code (`__reduce__`,
+        `__getstate__`, `__setstate__`), within environment.step_timeout; None where it raised or ran over, logged
+        in one line (`failed (why): then`)."""
+        outcome = call_alone(
+            fn,
             self.settings.save_timeout,
-            name=f"checkpoint: pickling batch {step}'s environment objects",
+            name=failed,
             limit_key="environment.step_timeout",
             stop=UserError,
             label="environment.step_timeout",
@@ -314,7 +323,7 @@ class RolloutQueue:
         if outcome.ok:
             return outcome.value
         why = outcome.error or f"not done within environment.step_timeout ({self.settings.save_timeout:g} s)"
-        logger.warning("checkpoint: batch %d's completions cannot be saved (%s): sampled again on resume", step, why)
+        logger.warning("%s (%s): %s", failed, why, then)
         return None
 
     def save_rollouts(self, folder: Path) -> None:
@@ -336,13 +345,27 @@ class RolloutQueue:
             raise TrainingError(f"{folder} records sampled batches but has no {path.name}: resume from another")
         with path.open("rb") as f:
             saved = pickle.load(f)  # this run's own checkpoint, verified against its manifest: written by save_rollouts
-        for batch in self.pending:
-            if batch.step in sampled:
-                rollout, environments = pickle.loads(saved[batch.step])
-                rollout.environments = environments  # what the reward functions get, as the batch left them
+        held = [batch for batch in self.pending if batch.step in sampled]
+        rollouts = [self._unpickled(batch.step, saved[batch.step]) for batch in held]
+        # A batch some rank cannot load is sampled again by every rank (a step trains one batch on all of them).
+        missing = self.comm.max(torch.tensor([float(r is None) for r in rollouts] + [0.0]))
+        for batch, rollout, lost in zip(held, rollouts, missing.tolist()):
+            if rollout is not None and not lost:
                 future: Future = Future()
                 future.set_result(rollout)
                 batch.future = future
+
+    def _unpickled(self, step: int, saved: bytes) -> Rollout | None:
+        """A saved batch with its environment objects (what the reward functions get, as the batch left them), or
+        None where they cannot be loaded (the batch is sampled again)."""
+        loaded = self._environment_code(
+            lambda: pickle.loads(saved), f"resume: batch {step}'s saved completions cannot be loaded", "sampled again"
+        )
+        if loaded is None:
+            return None
+        rollout, environments = loaded
+        rollout.environments = environments
+        return rollout
 
     def close(self) -> None:
         if self._worker is not None:

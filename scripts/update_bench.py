@@ -165,13 +165,13 @@ def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
     from grpo_trainer.train_state import TrainState
     from grpo_trainer.update import LogprobSettings, UpdateSettings, add_logprobs, update
 
-    from grpo_trainer import models
+    from grpo_trainer import packed_attention
 
     open("/proc/self/clear_refs", "w").write("5")
     before = status_mib("VmRSS")
-    segments = models.runs_segments
-    if run.dense:
-        models.runs_segments = lambda decoder: False
+    rule = packed_attention.SEGMENTS_PAY
+    if run.dense:  # the segment path never pays: every packed row takes the dense mask
+        packed_attention.SEGMENTS_PAY = float("inf")
     try:
         started = time.perf_counter()
         batch = layout_batch(run, step, advantages)
@@ -179,7 +179,7 @@ def update_phase(run, step, advantages=None) -> tuple[float, float, dict]:
         update(run.learner, batch, TrainState(step=1), run.terms, run.comm, UpdateSettings.of(run.cfg, run.geometry))
         seconds = time.perf_counter() - started
     finally:
-        models.runs_segments = segments
+        packed_attention.SEGMENTS_PAY = rule
     peak = status_mib("VmHWM") - before
     return seconds, peak, layout_counts(batch)
 

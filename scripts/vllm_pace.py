@@ -171,8 +171,7 @@ def seeds_for(rep: int, n_prompts: int) -> list[int]:
 
 
 class Reps:
-    """One engine's timed reps, side by side with vLLM's (rep -1, the warm-up, is measured and not kept). A plain
-    class: the tests load this script without registering it as a module, which a dataclass needs."""
+    """One engine's timed reps, side by side with vLLM's (rep -1, the warm-up, is measured and not kept)."""
 
     def __init__(self, times: dict[str, list[float]]):
         self.times = times  # per side ("ours", "vllm", ...): seconds per rep

@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    """`scripts/NAME.py` imported as a module (the scripts are not a package), for tests of its functions."""
+    """`scripts/NAME.py` imported as a module (the scripts are not a package), for tests of its functions;
+    registered under NAME as an import would (user_functions.exec_registered), so its dataclasses work."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from grpo_trainer.user_functions import exec_registered
+
+    return exec_registered(importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py"))
 
 
 def small_run_overrides(output_dir: Path, steps: int = 2) -> list[str]:

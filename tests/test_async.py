@@ -516,7 +516,8 @@ def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_th
     episodes (a tool call, a plain reply, the environment's answer) play in the queue's background thread; a
     checkpoint after step 2 holds batch 3 with its environment objects (what the reward functions get), and the
     resumed queue trains the uninterrupted run's episodes, objects and all. An object that does not pickle leaves
-    its batch to be played again (logged), and so does one whose pickling hangs past environment.step_timeout."""
+    its batch to be played again (logged), and so does one whose pickling, or unpickling on resume, hangs past
+    environment.step_timeout."""
     from test_environments import END, Guess, _engine, _prompt, _spec
 
     tokenizer = _tokenizer_for_envs()
@@ -561,6 +562,23 @@ def test_class_environment_episodes_play_in_the_queues_thread_and_resume_with_th
         assert stopped.rollouts.settle_for_checkpoint() == []
     released.set()
     assert "batch 3's completions cannot be saved (not done within environment.step_timeout (0.5 s))" in caplog.text
+
+    from test_environments import GuessSlowToLoad  # module-level: it pickles; its __setstate__ waits
+
+    stopped = run(GuessSlowToLoad)
+    drive(stopped, stop_after=2)
+    assert stopped.rollouts.settle_for_checkpoint() == [3]
+    stopped.rollouts.save_rollouts(tmp_path)
+    resumed = run(GuessSlowToLoad)
+    resumed.sampler.load_state_dict(stopped.sampler.state_dict())
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
+        resumed.rollouts.load_state_dict({**stopped.rollouts.state_dict(), "sampled": [3]}, step=2, folder=tmp_path)
+    GuessSlowToLoad.loading.set()
+    assert "batch 3's saved completions cannot be loaded (not done within environment.step_timeout (0.5 s)): " \
+        "sampled again" in caplog.text
+    assert [(b.step, b.future) for b in resumed.rollouts.pending] == [(3, None), (4, None)]  # both played now
+    [(mine, again, _), _] = drive(resumed, first=3)
+    assert [e.ended_by for e in again.episodes] == [e.ended_by for e in straight[2][1].episodes]
 
 
 def _tokenizer_for_envs():

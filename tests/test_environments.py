@@ -122,6 +122,16 @@ class Guess:
         return 1.0 if self.won else 0.0
 
 
+class GuessSlowToLoad(Guess):
+    """Guess whose unpickling (user code a resumed run runs) waits for `loading`: module-level, so it pickles."""
+
+    loading = threading.Event()
+
+    def __setstate__(self, state):
+        self.loading.wait(60)
+        vars(self).update(state)
+
+
 def _tokenizer():
     return load_tokenizer(ModelConfig())
 

@@ -135,11 +135,13 @@ def test_segments_run_where_they_pay_a_rule_on_the_lengths():
     the run (completions ~21 tokens, rows of ~190) keeps the dense mask; its first steps (63 tokens, rows of ~550)
     run segment by segment. A long tail (one completion of 511 among seven of 20: one row of 700) keeps the dense
     mask: the long completion's own query x key rectangle is most of the row's square."""
-    from grpo_trainer.packed_attention import SegmentLayout
+    from grpo_trainer.packed_attention import SegmentPlan
 
     def layout(lengths):
         batch = make_packed_batch([[1] * 56] * len(lengths), [[2] * n for n in lengths], PAD)
-        return SegmentLayout.of(batch.piece_ids, batch.member_ids)
+        plan = SegmentPlan.of(batch.piece_ids, batch.member_ids)
+        assert plan.scores == sum(c.mask[:, 0].numel() for c in plan.layout().calls)  # what the calls compute
+        return plan
 
     end, start, longtail = layout([47, 14, 7, 5, 10, 13, 9, 36]), layout([64] * 7 + [56]), layout([512] + [20] * 7)
     assert (end.rows * end.width**2 / end.scores, end.pays) == (pytest.approx(2.16, abs=0.01), False)
