@@ -203,7 +203,7 @@ def test_rounds_hand_each_place_on_once_when_episodes_end_together(policy):
 
 AGENTS = textwrap.dedent(
     """
-    import asyncio, os, sys, time, json, urllib.request
+    import asyncio, http.client, json, os, sys, threading, time, urllib.parse, urllib.request
 
     def ask(base_url, key, max_tokens=4, content="What is 1+2?"):
         body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}).encode()
@@ -237,11 +237,27 @@ AGENTS = textwrap.dedent(
                                              headers={"Authorization": "Bearer " + api_key})
             urllib.request.urlopen(request, timeout=60)
         if kind == "flood":
-            import concurrent.futures
-            with concurrent.futures.ThreadPoolExecutor(40) as pool:  # 40 at once: more than an episode may have
-                futures = [pool.submit(ask, base_url, api_key, 1) for _ in range(40)]
-            refused = sum(f.exception() is not None for f in futures)
-            raise RuntimeError(f"{refused} of 40 refused")
+            # 40 at once, more than an episode may have in flight: each thread connects first and all send together
+            # (threads that connected and sent one by one were each answered before the next on a loaded machine)
+            url = urllib.parse.urlsplit(base_url)
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            headers = {"Content-Type": "application/json", "Authorization": "Bearer " + api_key}
+            together, statuses = threading.Barrier(40), []
+
+            def one():
+                connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+                connection.connect()
+                together.wait()
+                connection.request("POST", url.path + "/chat/completions", body, headers)
+                statuses.append(connection.getresponse().status)
+                connection.close()
+
+            threads = [threading.Thread(target=one) for _ in range(40)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            raise RuntimeError(f"{sum(status != 200 for status in statuses)} of 40 refused")
         if kind == "budget":
             while True:  # asks until the endpoint refuses (400 budget_exhausted), which raises
                 ask(base_url, api_key, 1000)
