@@ -172,7 +172,8 @@ def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_
 
 # Every alternative of the decode loop's measured choices (rollout/kernels.py), forced: each must be exact.
 FORCED_KERNELS = ["linear=weight_stationary,attention=grouped", "linear=linear,attention=repeated",
-                  "linear=weight_stationary,attention=grouped_matmul", "linear=onednn_packed,attention=grouped"]
+                  "linear=weight_stationary,attention=grouped_matmul", "linear=onednn_packed,attention=grouped",
+                  "linear=weight_stationary,attention=native"]
 
 
 @pytest.mark.parametrize("kernels", FORCED_KERNELS)

@@ -85,7 +85,8 @@ def test_shared_prompt_and_chunked_logprobs_equal_one_plain_forward(smol):
 
 @pytest.mark.parametrize("kernels", ["linear=weight_stationary,attention=grouped", "linear=linear,attention=repeated",
                                      "linear=weight_stationary,attention=grouped_matmul",
-                                     "linear=onednn_packed,attention=grouped"])
+                                     "linear=onednn_packed,attention=grouped",
+                                     "linear=onednn_packed,attention=native"])
 def test_decode_loop_cache_and_attention_equal_transformers_own(smol, kernels, monkeypatch):
     """9 query heads on 3 key/value heads: the decode loop's in-place cache and each of its kernel alternatives
     give transformers' own decode logits, across two prompt lengths (left padding) and a row leaving the batch."""

@@ -30,21 +30,15 @@ generator is not as the emulations expect (torch_internals.check_generator_state
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import paths
-from .machine import cpu_info
+from . import native, paths
 from .torch_internals import set_twister_state, twister_state
 
 logger = logging.getLogger(__name__)
@@ -202,51 +196,19 @@ void exponential_argmax(uint32_t *key, int64_t *pos, const float *probs, int64_t
 
 @lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
-    """The compiled C draw (built once per machine and compiler into the cache), or None where no C compiler
-    works; the result is checked against torch's own draw before it is trusted."""
-    from ..builtin import cache_dir
-
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    """The compiled C draw (built once per machine and compiler into the cache: native.py), or None where no C
+    compiler works; the result is checked against torch's own draw before it is trusted."""
+    try:
+        # No -ffast-math and no contraction: every rounding must be ATen's (log1p is libm's, as ATen's).
+        library = native.compiled(
+            "exponential_argmax", C_SOURCE, ["-O3", "-march=native", "-std=c99", "-ffp-contract=off"]
+        )
+    except native.NoCompiler:
         logger.warning(
             "the native draw is not offered here: no C compiler (CC, cc or gcc); the decode kernel plan "
             "chooses among the other draws (the same tokens)"
         )
         return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        # Built for this CPU (-march=native): its flags are part of the name, so a cache shared by different
-        # machines never loads another's build.
-        flags = " ".join(sorted(cpu_info()["flags"]))
-        digest = hashlib.sha256((C_SOURCE + version + compiler + flags).encode()).hexdigest()[:16]
-        target = cache_dir() / "native" / f"exponential_argmax-{digest}.so"
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
-                source = Path(tmp) / "exponential_argmax.c"
-                source.write_text(C_SOURCE)
-                built = Path(tmp) / target.name
-                # No -ffast-math and no contraction: every rounding must be ATen's (log1p is libm's, as ATen's).
-                subprocess.run(
-                    [
-                        compiler,
-                        "-O3",
-                        "-march=native",
-                        "-std=c99",
-                        "-ffp-contract=off",
-                        "-fPIC",
-                        "-shared",
-                        str(source),
-                        "-o",
-                        str(built),
-                        "-lm",
-                    ],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(built, target)  # atomic: a concurrent builder writes the same bytes
-        library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning(
             "the native draw is not offered here: building or loading it failed (%s); the decode kernel "

@@ -22,8 +22,11 @@ same bits (the draws); kernels.py says why:
   the memory's rate. The output is made contiguous: a transposed one sent the attention after it down SDPA's
   slow "math" path (the flash kernel wants a unit stride on the head dimension).
 * attention for one-token queries: `grouped` (folded heads, SDPA), `repeated` (transformers' own SDPA
-  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all). `grouped`
-  unless forced.
+  path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all), `native`
+  (folded heads in one C loop: cpu/attention.py). `native` where a step reads enough of the KV cache and it
+  builds here, else `grouped` (`DecodeKernels.preferred`).
+* q/k/v and gate/up in the onednn_packed form: one product of their stacked weights where that is exact
+  (cpu/linear.StackedSiblings: checked per row count, so the numbers are those of each linear alone).
 * the multinomial draw: cpu/draw.py.
 
 The CPU-specific alternatives (the linear forms, the draws) live in grpo_trainer/cpu/, with the torch
@@ -48,8 +51,16 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..cpu import attention
 from ..cpu.draw import DRAWS, available_draws, draw_torch
-from ..cpu.linear import LINEAR, available_linears, drop_packed_weights
+from ..cpu.linear import (
+    LINEAR,
+    StackedSiblings,
+    available_linears,
+    drop_packed_weights,
+    onednn_packed_linear,
+    sibling_groups,
+)
 from . import kernels
 from .kernels import KernelTable, length_bucket, row_bucket
 
@@ -176,7 +187,19 @@ def repeated_attention(query, key, value, attention_mask, scaling):
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
 
 
-ATTENTION = {"grouped": grouped_attention, "repeated": repeated_attention, "grouped_matmul": grouped_matmul_attention}
+def native_grouped_attention(query, key, value, attention_mask, scaling):
+    """The folded attention in one C loop (cpu/attention.py), where it takes these tensors; else `grouped`."""
+    if attention.runs(query, key, value, attention_mask):
+        return attention.native_attention(query, key, value, attention_mask, scaling)
+    return grouped_attention(query, key, value, attention_mask, scaling)
+
+
+ATTENTION = {
+    "grouped": grouped_attention,
+    "repeated": repeated_attention,
+    "grouped_matmul": grouped_matmul_attention,
+    "native": native_grouped_attention,
+}
 
 
 INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch"}
@@ -201,6 +224,11 @@ class DecodeKernels:
         self.by_shape: dict[tuple[int, ...], list[torch.nn.Linear]] = {}  # by (out, in) features
         for module in self.linears:
             self.by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+        # Linears that read one input (q/k/v, gate/up), computed as one product where that is exact (cpu/linear.py)
+        self.siblings: dict[int, tuple[StackedSiblings, int]] = {}
+        for group in sibling_groups(model, self.linears):
+            stacked = StackedSiblings(group)
+            self.siblings.update((id(member), (stacked, index)) for index, member in enumerate(group))
         self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
         self.attention_paths: dict[tuple[int, ...], Callable] = {}
         self.draws: dict[tuple[int, int], Callable] = {}
@@ -227,6 +255,17 @@ class DecodeKernels:
         if form is None:
             form = self.forms[key] = LINEAR[self._lookup("linear", key)]
         return form
+
+    def stacked_output(self, module: torch.nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """`module`'s output through its siblings' stacked product (cpu/linear.StackedSiblings), or None (not
+        one of a group whose members all run the onednn_packed form at these rows: each runs its own form)."""
+        sibling = self.siblings.get(id(module))
+        if sibling is None:
+            return None
+        stacked, index = sibling
+        if any(self.linear_form(m, rows) is not onednn_packed_linear for m in stacked.members):
+            return None
+        return stacked.output(index, x)
 
     def attention_path(self, query: torch.Tensor, key: torch.Tensor, attention_mask) -> Callable:
         if query.device.type != "cpu":
@@ -261,7 +300,9 @@ class DecodeKernels:
             same_shape = self.by_shape.get(shape[:2], [])
             dtype = same_shape[0].weight.dtype if same_shape else torch.float32
             return available_linears(dtype)
-        return list(ATTENTION) if decision == "attention" else available_draws()
+        if decision == "attention":
+            return [name for name in ATTENTION if name != "native" or attention.attention_library() is not None]
+        return available_draws()
 
     def reachable(self, max_rows: int, max_context: int) -> list[tuple[str, tuple[int, ...]]]:
         """Every (decision, shape) a decode loop of at most `max_rows` rows and `max_context` positions reaches."""
@@ -300,15 +341,23 @@ class DecodeKernels:
         )
 
     def preferred(self, decision: str, shape: tuple[int, ...]) -> str | None:
-        """The rule for the decisions that change numerics (None: the incumbent).
+        """The rule for the decisions that change numerics (None: the incumbent). Both fast kernels go where a
+        decode step reads at least `MIN_WORK_BYTES` through them, in float32; smaller models keep today's kernels,
+        so the tiny models' runs (the demo, the golden metrics) are the same on every machine.
 
-        Linear: oneDNN's packed form for float32 weights where the weights of that shape are worth it (a decode
-        step reads at least `MIN_WORK_BYTES` of them): on the CPU measured, it reads the weights 2-3x faster than
-        MKL's few-row products with AVX-512 and 1.2x with AVX2 (docs/performance.md, "oneDNN's packed linear"),
-        and `available_linears` offers it only where its check passes. Smaller models keep today's form, so the
-        tiny models' runs (the demo, the golden metrics) are the same on every machine. Attention: the incumbent,
-        grouped SDPA: its alternatives were within a few per cent of it where measured (near ties are where a
-        timed choice flipped between two fresh caches)."""
+        Linear: oneDNN's packed form where the float32 weights of that shape are worth it: on the CPU measured, it
+        reads the weights 2-3x faster than MKL's few-row products with AVX-512 and 1.2x with AVX2
+        (docs/performance.md, "oneDNN's packed linear"), and `available_linears` offers it only where its check
+        passes. Attention: the native kernel (cpu/attention.py) where the key/value cache a step reads at this
+        shape (rows x key/value heads x context bucket x head size, keys and values, every layer) is worth it and
+        the kernel builds here: SmolLM2's 32-row decode step 6-9 ms (7%) faster than with grouped SDPA on machine D
+        (docs/performance.md); below that, grouped SDPA (its other alternatives were within a few per cent of it
+        where measured: near ties are where a timed choice flipped between two fresh caches)."""
+        if decision == "attention":
+            rows, _, kv_heads, length, dim = shape
+            cache_bytes = rows * kv_heads * length * dim * 2 * 4 * self.layers
+            worth = self.dtype == torch.float32 and cache_bytes >= kernels.MIN_WORK_BYTES
+            return "native" if worth and "native" in self.alternatives(decision, shape) else None
         if decision != "linear":
             return None
         same_shape = self.by_shape.get(shape[:2], [])
@@ -337,6 +386,8 @@ class DecodeKernels:
         for module in self.linears:
             del module.forward
         drop_packed_weights(self.linears)
+        for stacked, _ in self.siblings.values():
+            stacked.drop()
 
 
 def plan_key(decision: str, shape: tuple[int, ...]) -> str:
@@ -405,7 +456,13 @@ def _chosen_linear(loop: DecodeKernels, module: torch.nn.Linear) -> Callable[[to
     in_features = module.weight.shape[1]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return loop.linear_form(module, x.numel() // in_features)(module, x)
+        rows = x.numel() // in_features
+        form = loop.linear_form(module, rows)
+        if form is onednn_packed_linear:
+            out = loop.stacked_output(module, x, rows)
+            if out is not None:
+                return out
+        return form(module, x)
 
     return forward
 
