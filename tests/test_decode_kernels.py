@@ -169,7 +169,7 @@ def test_the_packed_form_follows_the_weights_and_is_dropped_when_the_loop_ends(t
 
     monkeypatch.setenv(kernels.FORCE_ENV, "linear=onednn_packed")
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
-    layer = next(m for name, m in lm.named_modules() if name.endswith("o_proj"))  # no siblings: its own product
+    layer = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
     x = torch.randn(4, 1, layer.in_features)
     with torch.no_grad(), DecodeKernels(lm):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
@@ -180,78 +180,6 @@ def test_the_packed_form_follows_the_weights_and_is_dropped_when_the_loop_ends(t
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
         assert vars(layer)[PACKED] is not packed
     assert not any(PACKED in vars(m) for m in lm.modules())
-
-
-@pytest.mark.skipif("onednn_packed" not in available_linears(torch.float32), reason="this torch has no oneDNN")
-@pytest.mark.parametrize("drop_row_after", [None, 1], ids=["all-rows", "a-row-finishes"])
-def test_stacked_siblings_give_the_decode_loop_each_linears_own_bits(tiny_model_path, drop_row_after, monkeypatch):
-    """q/k/v and gate/up as one oneDNN product (cpu/linear.StackedSiblings): every step's logits bit for bit those
-    of the same loop with each linear alone (GRPO_TRAINER_CPU_PLAIN=stacked_linears), padding and a row leaving
-    the batch included; and the stacked products did run, one per group and step."""
-    from helpers import decode_logits
-
-    from grpo_trainer.config import ModelConfig
-    from grpo_trainer.cpu import linear, paths
-    from grpo_trainer.models import load_causal_lm, load_tokenizer
-
-    monkeypatch.setenv(kernels.FORCE_ENV, "linear=onednn_packed")
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_path)))
-    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("12+7=", "3*45-6=")]
-    continuations = [tokenizer(t, add_special_tokens=False)["input_ids"][:3] for t in ("19 done", "129 yes")]
-    stacked_calls = []
-    real_stack = linear.StackedSiblings._stack
-    monkeypatch.setattr(linear.StackedSiblings, "_stack", lambda self: stacked_calls.append(self) or real_stack(self))
-
-    def logits(plain: bool):
-        monkeypatch.setenv(paths.PLAIN_ENV, "stacked_linears" if plain else "")
-        paths.why_not.cache_clear()
-        with torch.no_grad():
-            return decode_logits(lm, prompts, continuations, tokenizer.pad_token_id, True, drop_row_after)
-
-    try:
-        alone, calls_alone = logits(plain=True), len(stacked_calls)
-        together = logits(plain=False)
-    finally:
-        paths.why_not.cache_clear()
-    groups = {id(group): group for group in stacked_calls}
-    assert calls_alone == 0 and len(groups) == 2 * lm.config.num_hidden_layers  # q/k/v and gate/up in every layer
-    assert all(group._exact and all(group._exact.values()) for group in groups.values())  # exact, so used
-    assert all(torch.equal(a, b) for a, b in zip(alone, together))
-
-
-@pytest.mark.skipif("onednn_packed" not in available_linears(torch.float32), reason="this torch has no oneDNN")
-def test_stacked_siblings_compute_alone_where_the_stack_is_not_exact_or_not_their_input(monkeypatch):
-    """A sibling called with another input than the first one's, or at a row count where the stacked product's
-    bits differ (here made to differ), computes alone, reordered for the loop's first rows as it would be
-    without its siblings: the same output as onednn_packed_linear's in either case."""
-    from grpo_trainer.cpu import linear
-
-    equal = torch.equal
-    torch.manual_seed(0)
-    q, k = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 8, bias=False)
-    own = {}
-    for rows in (4, 3):
-        x = torch.randn(rows, 16)
-        for module in (q, k):
-            own[module, rows] = linear.onednn_packed_linear(module, x), x  # reordered for 4 rows: the first call
-    linear.drop_packed_weights([q, k])
-    pair = linear.StackedSiblings([q, k])
-    x4, x3 = own[q, 4][1], own[q, 3][1]
-    assert equal(pair.output(0, x4), own[q, 4][0]) and equal(pair.output(1, x4), own[k, 4][0])
-    assert pair._stacked is not None and pair._exact == {(4, 4): True}
-    assert equal(pair.output(1, x4.clone()), own[k, 4][0])  # not the input it was computed from: alone
-    monkeypatch.setattr(linear.torch, "equal", lambda a, b: False)  # the stack is not exact at 3 rows
-    assert equal(pair.output(0, x3), own[q, 3][0]) and equal(pair.output(1, x3), own[k, 3][0])
-    assert pair._exact[(4, 3)] is False
-    monkeypatch.undo()
-    stacked = pair._stacked
-    with torch.no_grad():
-        q.weight.mul_(-2.0)  # changed in place (an optimizer step): the stack follows
-        torch.testing.assert_close(pair.output(0, x4), torch.nn.functional.linear(x4, q.weight), atol=1e-5, rtol=1e-5)
-    assert pair._stacked is not stacked
-    pair.drop()
-    assert pair._stacked is None
 
 
 @pytest.mark.parametrize("path", sorted(ATTENTION))

@@ -37,11 +37,6 @@ FAST_PATHS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         f"autograd's ({SAME})",
         ("log_softmax_backward_data",),
     ),
-    "stacked_linears": (
-        "q/k/v and gate/up as one oneDNN product in the decode loop, where that is exact (linear.py)",
-        f"each linear alone ({SAME})",
-        ("mkldnn_linear",),
-    ),
     # An alternative of the decode kernel plan: a run whose plan recorded it says, on resume, that it samples
     # differently here (decode.plan_decode_kernels).
     "onednn_linear": (

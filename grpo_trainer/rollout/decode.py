@@ -25,8 +25,6 @@ same bits (the draws); kernels.py says why:
   path), `grouped_matmul` (folded heads, two matmuls and a softmax: no kernel selection at all), `native`
   (folded heads in one C loop: cpu/attention.py). `native` where a step reads enough of the KV cache and it
   builds here, else `grouped` (`DecodeKernels.preferred`).
-* q/k/v and gate/up in the onednn_packed form: one product of their stacked weights where that is exact
-  (cpu/linear.StackedSiblings: checked per row count, so the numbers are those of each linear alone).
 * the multinomial draw: cpu/draw.py.
 
 The CPU-specific alternatives (the linear forms, the draws) live in grpo_trainer/cpu/, with the torch
@@ -53,14 +51,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cpu import attention
 from ..cpu.draw import DRAWS, available_draws, draw_torch
-from ..cpu.linear import (
-    LINEAR,
-    StackedSiblings,
-    available_linears,
-    drop_packed_weights,
-    onednn_packed_linear,
-    sibling_groups,
-)
+from ..cpu.linear import LINEAR, available_linears, drop_packed_weights
 from . import kernels
 from .kernels import KernelTable, length_bucket, row_bucket
 
@@ -224,11 +215,6 @@ class DecodeKernels:
         self.by_shape: dict[tuple[int, ...], list[torch.nn.Linear]] = {}  # by (out, in) features
         for module in self.linears:
             self.by_shape.setdefault(tuple(module.weight.shape), []).append(module)
-        # Linears that read one input (q/k/v, gate/up), computed as one product where that is exact (cpu/linear.py)
-        self.siblings: dict[int, tuple[StackedSiblings, int]] = {}
-        for group in sibling_groups(model, self.linears):
-            stacked = StackedSiblings(group)
-            self.siblings.update((id(member), (stacked, index)) for index, member in enumerate(group))
         self.forms: dict[tuple[int, int, int], Callable] = {}  # (out, in, row bucket) -> chosen form
         self.attention_paths: dict[tuple[int, ...], Callable] = {}
         self.draws: dict[tuple[int, int], Callable] = {}
@@ -255,17 +241,6 @@ class DecodeKernels:
         if form is None:
             form = self.forms[key] = LINEAR[self._lookup("linear", key)]
         return form
-
-    def stacked_output(self, module: torch.nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """`module`'s output through its siblings' stacked product (cpu/linear.StackedSiblings), or None (not
-        one of a group whose members all run the onednn_packed form at these rows: each runs its own form)."""
-        sibling = self.siblings.get(id(module))
-        if sibling is None:
-            return None
-        stacked, index = sibling
-        if any(self.linear_form(m, rows) is not onednn_packed_linear for m in stacked.members):
-            return None
-        return stacked.output(index, x)
 
     def attention_path(self, query: torch.Tensor, key: torch.Tensor, attention_mask) -> Callable:
         if query.device.type != "cpu":
@@ -350,7 +325,7 @@ class DecodeKernels:
         (docs/performance.md, "oneDNN's packed linear"), and `available_linears` offers it only where its check
         passes. Attention: the native kernel (cpu/attention.py) where the key/value cache a step reads at this
         shape (rows x key/value heads x context bucket x head size, keys and values, every layer) is worth it and
-        the kernel builds here: SmolLM2's 32-row decode step 6-9 ms (7%) faster than with grouped SDPA on machine D
+        the kernel builds here: SmolLM2's 32-row decode step ~9 ms (9%) faster than with grouped SDPA on machine D
         (docs/performance.md); below that, grouped SDPA (its other alternatives were within a few per cent of it
         where measured: near ties are where a timed choice flipped between two fresh caches)."""
         if decision == "attention":
@@ -386,8 +361,6 @@ class DecodeKernels:
         for module in self.linears:
             del module.forward
         drop_packed_weights(self.linears)
-        for stacked, _ in self.siblings.values():
-            stacked.drop()
 
 
 def plan_key(decision: str, shape: tuple[int, ...]) -> str:
@@ -456,13 +429,7 @@ def _chosen_linear(loop: DecodeKernels, module: torch.nn.Linear) -> Callable[[to
     in_features = module.weight.shape[1]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // in_features
-        form = loop.linear_form(module, rows)
-        if form is onednn_packed_linear:
-            out = loop.stacked_output(module, x, rows)
-            if out is not None:
-                return out
-        return form(module, x)
+        return loop.linear_form(module, x.numel() // in_features)(module, x)
 
     return forward
 
