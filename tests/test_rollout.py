@@ -170,6 +170,44 @@ def test_a_models_generation_config_extras_do_not_leak_into_sampling(tiny_model_
     assert sample(False) == clean
 
 
+def test_the_lean_llama_step_gives_the_forwards_bits_or_steps_aside(tiny_model_path, monkeypatch, caplog):
+    """The decode loop's lean Llama step (rollout/llama_step.py) is compared with the forward on the model's first
+    decode step and then used: the very same samples as the forward's. Where its logits would differ (made to
+    here) the forward runs from then on, the cache written again: still the same samples, and one line says so.
+    A forward hook anywhere, or training mode, keeps the forward (skipping `__call__` would skip the hook)."""
+    from grpo_trainer.rollout import llama_step
+
+    tokenizer = load_tokenizer(ModelConfig())
+    prompts = _chat_prompts(tokenizer, ["What is 1+2?", "What is 13+4?"])
+
+    def sample(lm):
+        torch.manual_seed(3)
+        return hf_engine(lm, tokenizer, 12, True, temperature=1.3).generate(prompts, 4).completion_ids
+
+    supports = llama_step.supports
+    monkeypatch.setattr(llama_step, "supports", lambda model: False)
+    forward = sample(load_causal_lm(ModelConfig()).eval())
+    monkeypatch.setattr(llama_step, "supports", supports)
+
+    steps, real_step = [], llama_step.LlamaDecodeStep.__call__
+    monkeypatch.setattr(llama_step.LlamaDecodeStep, "__call__", lambda self, *a: steps.append(1) or real_step(self, *a))
+    lean_lm = load_causal_lm(ModelConfig()).eval()
+    assert sample(lean_lm) == forward and llama_step.checked(lean_lm) is True
+    assert len(steps) >= max(map(len, forward)) - 1  # every decode step but the prefill's
+    assert len({len(c) for c in forward}) > 1  # rows finished at different steps: the cache was compacted on the way
+
+    monkeypatch.setattr(llama_step.LlamaDecodeStep, "__call__", lambda self, *a: real_step(self, *a) + 1e-3)
+    off_lm = load_causal_lm(ModelConfig()).eval()
+    with caplog.at_level("INFO", logger="grpo_trainer"):
+        assert sample(off_lm) == forward and llama_step.checked(off_lm) is False
+    assert "the lean Llama step does not give the forward's bits here" in caplog.text
+
+    hooked = load_causal_lm(ModelConfig()).eval()
+    assert supports(hooked)
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert not supports(hooked) and not supports(load_causal_lm(ModelConfig()).train())
+
+
 # Every alternative of the decode loop's measured choices (rollout/kernels.py), forced: each must be exact.
 FORCED_KERNELS = ["linear=weight_stationary,attention=grouped", "linear=linear,attention=repeated",
                   "linear=weight_stationary,attention=grouped_matmul", "linear=onednn_packed,attention=grouped",

@@ -12,6 +12,7 @@ import torch
 from grpo_trainer.config import load_config
 from grpo_trainer.models import TokenLogprobs, eos_token_ids, load_causal_lm, load_tokenizer, make_sequence_batch
 from grpo_trainer.rollout import SamplingSettings
+from grpo_trainer.rollout import llama_step
 from grpo_trainer.rollout.hf import HFEngine
 from grpo_trainer.task import load_task
 from helpers import run_cli
@@ -57,6 +58,7 @@ def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert (ids[-1] in eos) != truncated and not set(ids[:-1]) & set(eos)
     assert not all(rollout.truncated)  # the instruct model does finish short answers
+    assert llama_step.checked(lm) is True  # the lean decode step gave the forward's bits, so it sampled these
     seen = []
     task.rewards[0].fn, original = (lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)), task.rewards[0].fn
     try:

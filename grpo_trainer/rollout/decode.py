@@ -52,7 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..cpu import attention
 from ..cpu.draw import DRAWS, available_draws, draw_torch
 from ..cpu.linear import LINEAR, available_linears, drop_packed_weights
-from . import kernels
+from . import kernels, llama_step
 from .kernels import KernelTable, length_bucket, row_bucket
 
 DECODE_ATTENTION = "grpo_trainer_decode_sdpa"
@@ -94,6 +94,11 @@ class ReservedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def rewind(self, tokens: int) -> None:
+        """Forget the last `tokens` positions (they are written again by the next update)."""
+        self.length -= tokens
+        self._expose()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep (or repeat) the rows `beam_idx`: the only copy, made when rows finish, not per token."""
         self._key_buffer = self._key_buffer.index_select(0, beam_idx)
@@ -122,21 +127,49 @@ def reserve_room(cache: DynamicCache, room: int) -> bool:
 
 class EagerDecoder:
     """The decode loop's forward on the eager model: KV cache with reserved room, padding mask grown a column a
-    token (the compiled alternative is static_decode.StaticDecoder, with the same two methods)."""
+    token (the compiled alternative is static_decode.StaticDecoder, with the same two methods).
+
+    For a plain Llama (llama_step.supports) the step runs through `LlamaDecodeStep`: the same operators without
+    the module machinery. The model's first decode step in this process runs both ways from the same cache, and
+    the lean step is kept only where its logits are the forward's bits (otherwise: one line, and the forward)."""
 
     def __init__(self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor):
         self.model, self.cache, self.mask = model, cache, mask
+        reserved = all(type(layer) is ReservedLayer for layer in getattr(cache, "layers", None) or [None])
+        usable = reserved and llama_step.checked(model) is not False and llama_step.supports(model)
+        self.lean = llama_step.LlamaDecodeStep(model) if usable else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)
+        ids, positions = tokens[:, None], positions[:, None]
+        if self.lean is None:
+            return self._forward(ids, positions)
+        if llama_step.checked(self.model) is None:
+            return self._first_step_both_ways(ids, positions)
+        return self.lean(ids, self.mask, positions, self.cache)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(
-            input_ids=tokens[:, None],
-            attention_mask=self.mask,
-            position_ids=positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
+            input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True
         ).logits[:, -1]
+
+    def _first_step_both_ways(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.lean is not None
+        expected = self._forward(ids, positions)
+        self._rewind(ids.shape[1])
+        same = torch.equal(self.lean(ids, self.mask, positions, self.cache), expected)
+        llama_step.record(self.model, same)
+        if not same:
+            logger.info("decode loop: the lean Llama step does not give the forward's bits here; the forward runs")
+            self.lean = None
+            self._rewind(ids.shape[1])
+            expected = self._forward(ids, positions)  # the cache as the forward writes it
+        return expected
+
+    def _rewind(self, tokens: int) -> None:
+        for layer in self.cache.layers:
+            layer.rewind(tokens)
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep the live rows `indices`: the cache's only copy, made when rows finish, not per token."""
