@@ -56,19 +56,30 @@ def decode_step(model, rows: int, context: int, kernels=None, steady: bool = Tru
     mask = torch.ones(rows, context + 1, dtype=torch.long)
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
-    if kernels is not None:
-        reserve_room(cache, 1)
     length = cache.get_seq_length()
     nxt, position = ids[:, -1:], torch.full((rows, 1), context)
 
-    def step():
-        with torch.no_grad():
-            model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
-        rewind(cache, length)  # back to `context` tokens for the next rep
-
     if kernels is None:
+
+        def step():
+            with torch.no_grad():
+                model(input_ids=nxt, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+            rewind(cache, length)  # back to `context` tokens for the next rep
+
         return step, contextlib.nullcontext
-    return step, lambda: warmed(step if steady else None, kernels)
+
+    from grpo_trainer.rollout.decode import EagerDecoder
+
+    reserve_room(cache, 1)
+    decoder = EagerDecoder(model, cache, mask[:, :-1])  # the engine's own step (the lean Llama step where it runs)
+
+    def engine_step():
+        with torch.no_grad():
+            decoder.forward(nxt[:, 0], position[:, 0])
+        rewind(cache, length)
+        decoder.mask = mask[:, :-1]
+
+    return engine_step, lambda: warmed(engine_step if steady else None, kernels)
 
 
 def warmed(function, inside=None):
