@@ -146,8 +146,7 @@ def rewind(cache, length: int) -> None:
 
     for layer in cache.layers:
         if isinstance(layer, ReservedLayer):
-            layer.length = length
-            layer._expose()
+            layer.rewind(layer.length - length)
         else:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 

@@ -196,7 +196,12 @@ def test_the_lean_llama_step_gives_the_forwards_bits_or_steps_aside(tiny_model_p
     assert len(steps) >= max(map(len, forward)) - 1  # every decode step but the prefill's
     assert len({len(c) for c in forward}) > 1  # rows finished at different steps: the cache was compacted on the way
 
-    monkeypatch.setattr(llama_step.LlamaDecodeStep, "__call__", lambda self, *a: real_step(self, *a) + 1e-3)
+    def off_step(self, *args):  # one token made near-certain: samples through it would differ from the forward's
+        logits = real_step(self, *args)
+        logits[:, 5] += 50.0
+        return logits
+
+    monkeypatch.setattr(llama_step.LlamaDecodeStep, "__call__", off_step)
     off_lm = load_causal_lm(ModelConfig()).eval()
     with caplog.at_level("INFO", logger="grpo_trainer"):
         assert sample(off_lm) == forward and llama_step.checked(off_lm) is False

@@ -135,7 +135,8 @@ class EagerDecoder:
 
     def __init__(self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor):
         self.model, self.cache, self.mask = model, cache, mask
-        reserved = all(type(layer) is ReservedLayer for layer in getattr(cache, "layers", None) or [None])
+        layers = getattr(cache, "layers", None) or []
+        reserved = bool(layers) and all(type(layer) is ReservedLayer for layer in layers)  # rewindable
         usable = reserved and llama_step.checked(model) is not False and llama_step.supports(model)
         self.lean = llama_step.LlamaDecodeStep(model) if usable else None
 

@@ -1,9 +1,10 @@
 """A Llama decode step without transformers' module machinery: the same operators, in the same order, called
 directly; so the same logits bit for bit, at less Python per token.
 
-At 32 rows a SmolLM2 decode step spends ~55 ms in its linears, ~15 ms in small operators and ~10-15 ms in Python:
-`nn.Module.__call__` for ~400 modules a step (hook checks, keyword plumbing), the model's output decorators and
-dataclasses, the attention function's lookup in every layer (docs/performance.md). `LlamaDecodeStep` walks the
+At 32 rows a SmolLM2 decode step spends ~55 ms in its linears, ~10 ms in small operators and the rest in Python,
+part of it transformers' machinery: `nn.Module.__call__` for ~400 modules a step (hook checks, keyword plumbing),
+the model's output decorators and dataclasses, the attention function's lookup in every layer. Without it the
+step took 82.3 ms against 86.7 (best of 30 alternating reps on machine D; docs/performance.md). `LlamaDecodeStep` walks the
 layers itself and calls each module's `forward` (the decode loop's chosen linear forms included: they are the
 linears' `forward`), transformers' own RMSNorm, rotary embedding, mask function and attention function, with the
 arguments transformers passes them. Nothing is computed differently, and that is checked rather than assumed:
@@ -98,7 +99,7 @@ class LlamaDecodeStep:
             hidden = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
             hidden = residual + hidden
         hidden = inner.norm.forward(hidden)
-        return self.model.lm_head.forward(hidden[:, slice(0, None), :])[:, -1]
+        return self.model.lm_head.forward(hidden)[:, -1]
 
 
 # model -> whether its lean step gave its forward's bits (decided on its first decode step in this process)
