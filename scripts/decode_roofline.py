@@ -6,6 +6,7 @@
     ATEN_CPU_CAPABILITY=avx2 python scripts/decode_roofline.py   # the AVX2 kernels on an AVX-512 machine
     python scripts/decode_roofline.py --compile       # + the compiled static-cache step (minutes to compile here)
     python scripts/decode_roofline.py --threads 1 --cpu-time   # on a shared machine: one core, CPU time
+    python scripts/decode_roofline.py --rollouts 5    # + whole rollouts of the SmolLM2 recipe against their bound
 
 A decode step reads every weight once to produce one token per row. With 16 rows a weight is used for
 16 multiply-adds per read, far below what keeps a CPU core's FMA units busy, so the step's floor is the
@@ -24,6 +25,11 @@ comparison. Every number is the best of `--reps` after warm-up, the alternatives
 each, then the next round): on a shared 2-core machine the best is the least disturbed run, and a change in
 load hits all alike. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
 capability, threads, load average before and after) and the kernel choices in force.
+
+`--rollouts N` also times N whole rollouts at configs/smollm2_cpu.yaml's shapes (its first 4 word problems in
+its chat template, G 8, up to 64 tokens, temperature 1, seeds 0..N-1) through the hf engine with its plan, and
+sets each against its compute bound: the FLOPs it cannot avoid (each prompt's prefill once, then every sampled
+token after the first through every linear and the attention over its context) at the matmul peak measured above.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def decode_step(model, rows: int, context: int, kernels=None, steady: bool = Tru
     from grpo_trainer.rollout.decode import EagerDecoder
 
     reserve_room(cache, 1)
-    decoder = EagerDecoder(model, cache, mask[:, :-1])  # the engine's own step (the lean Llama step where it runs)
+    decoder = EagerDecoder(model, cache, mask[:, :-1], kernels)  # the engine's own step (the lean Llama step where it runs)
 
     def engine_step():
         with torch.no_grad():
@@ -151,6 +157,50 @@ def rewind(cache, length: int) -> None:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
+def rollouts(model, count: int, peak: float) -> list[dict]:
+    """`count` rollouts of the SmolLM2 recipe's shapes (module docstring), each {seconds, bound_s, tokens}."""
+    import torch
+
+    import machine
+
+    from grpo_trainer.config import load_config
+    from grpo_trainer.models import eos_token_ids, load_tokenizer
+    from grpo_trainer.rollout import SamplingSettings
+    from grpo_trainer.rollout.decode import plan_decode_kernels
+    from grpo_trainer.rollout.hf import HFEngine
+    from grpo_trainer.task import load_task
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs/smollm2_cpu.yaml")
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = load_task(cfg.data, cfg.rewards, tokenizer, 8192).prompts.token_ids[: cfg.train.prompts_per_step]
+    group, limit = cfg.rollout.num_generations, cfg.rollout.max_completion_length
+    settings = SamplingSettings(eos_token_ids=eos_token_ids(tokenizer, model), max_completion_length=limit,
+                                temperature=cfg.rollout.temperature)  # fmt: skip
+    plan = plan_decode_kernels(model, len(prompts) * group, max(map(len, prompts)) + limit)
+    engine = HFEngine(settings, get_model=lambda: model, pad_token_id=tokenizer.pad_token_id, kernel_plan=plan)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg_model = model.config
+    width = cfg_model.num_attention_heads * getattr(cfg_model, "head_dim", cfg_model.hidden_size // cfg_model.num_attention_heads)
+    engine.generate(prompts, group)  # warm-up: allocator, oneDNN primitives
+    results = []
+    for seed in range(count):
+        torch.manual_seed(seed)  # one stream for the whole batch, as the recipe samples (no seed_per_prompt)
+        start = machine.CLOCK()
+        out = engine.generate(prompts, group)
+        seconds = machine.CLOCK() - start
+        flops = 0.0
+        for prompt in prompts:  # the prefill: every prompt token through every linear, attention over the prompt
+            n = len(prompt)
+            flops += 2 * linear_params * n + 2 * cfg_model.num_hidden_layers * width * n * n
+        for index, completion in enumerate(out.completion_ids):
+            context = len(prompts[index // group])
+            for t in range(1, len(completion)):  # the first token comes from the prefill's logits
+                flops += 2 * linear_params + 4 * cfg_model.num_hidden_layers * width * (context + t)
+        results.append({"seconds": seconds, "bound_s": flops / peak,
+                        "tokens": sum(map(len, out.completion_ids))})  # fmt: skip
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
@@ -164,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                         "other jobs share, the time the process waits for a core is left out (memory contention is not)")
     p.add_argument("--compile", action="store_true",
                    help="also time the compiled static-cache step (rollout.hf.compile): compile seconds, ms per step")
+    p.add_argument("--rollouts", type=int, default=0,
+                   help="also time this many whole rollouts of the SmolLM2 recipe's shapes against their compute bound")
     args = p.parse_args(argv)
 
     import torch
@@ -217,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         model.config.use_cache = True
         compile_s, timings["compiled_step_s"] = compiled_step(model, args.rows, args.context, args.reps)
+    rollout_runs = rollouts(model, args.rollouts, peak) if args.rollouts else []
     report = {
+        "rollouts": rollout_runs,
         "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),
         "weight_mib": weight_bytes / 2**20, "step_gflop": step_flops / 1e9,
         "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_peak_gflop_s": peak / 1e9, "roofline_step_s": floor,
@@ -239,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     print("kernel choices: " + ", ".join(f"{k} -> {v}" for k, v in sorted(report["kernel_choices"].items())))
     print(f"engine: step + sampler {engine_token_s * 1e3:.1f} ms, {report['engine_tokens_per_s']:.0f} tok/s = "
           f"{100 * report['engine_share_of_roofline']:.0f}% of the roofline")
+    for run in rollout_runs:
+        print(f"rollout: {run['tokens']} tokens in {run['seconds']:.2f} s, compute bound {run['bound_s']:.2f} s: "
+              f"{run['seconds'] / run['bound_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from grpo_trainer.cpu import attention
+from grpo_trainer.cpu import attention, layer_ops
 from grpo_trainer.cpu import draw as draws
 from grpo_trainer.cpu.linear import LINEAR, available_linears
 from grpo_trainer.cpu.machine import cpu_info
@@ -272,7 +272,7 @@ def test_small_models_keep_todays_kernels_without_measuring(tiny_model_path, mon
     monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("measured a tiny kernel"))
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
     plan = plan_decode_kernels(lm, 128, 60, kernels.KernelTable(None))  # the demo's reach: 16 prompts x 8
-    assert plan and {name for name in plan.values()} <= {"weight_stationary", "grouped", "torch"}
+    assert plan and {name for name in plan.values()} <= {"weight_stationary", "grouped", "torch", "modules"}
     chosen = DecodeKernels(lm, plan)
     module = next(m for m in lm.modules() if type(m) is torch.nn.Linear)
     assert chosen.linear_form(module, 128) is LINEAR["weight_stationary"]
@@ -332,3 +332,95 @@ def test_measuring_leaves_the_global_random_stream_alone(tmp_path):
 
     kernels.KernelTable(None).decide("linear", (1,), ["a", "b"], measure, worth_measuring=True)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def _decode_through(lm, plan: dict[str, str], steps: int = 6, keep_after: int = 3):
+    """Prefill a left-padded batch of 4 rows, then `steps` decode steps through EagerDecoder under `plan` (greedy
+    tokens, rows 0 and 2 kept after `keep_after` steps, as finished rows leave); (logits per step, decoder)."""
+    from grpo_trainer.rollout.decode import EagerDecoder, reserve_room
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, lm.config.vocab_size, (4, 9), generator=g)
+    mask = torch.ones(4, 9, dtype=torch.long)
+    mask[1, :4], mask[3, :7] = 0, 0
+    with torch.no_grad():
+        out = lm(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = out.past_key_values
+        reserve_room(cache, steps)
+        with DecodeKernels(lm, plan) as loop:
+            decoder = EagerDecoder(lm, cache, mask, loop)
+            tokens, positions, logits = out.logits[:, -1].argmax(-1), mask.sum(-1), []
+            for step in range(steps):
+                if step == keep_after:
+                    keep = torch.tensor([0, 2])
+                    decoder.keep(keep)
+                    tokens, positions = tokens[keep], positions[keep]
+                logits.append(decoder.forward(tokens, positions))
+                tokens, positions = logits[-1].argmax(-1), positions + 1
+    return logits, decoder
+
+
+@pytest.mark.skipif(layer_ops.layer_library() is None, reason="no C compiler here: the fused step is not offered")
+def test_the_fused_step_is_within_float32_of_the_forward_and_the_same_on_any_thread_count(tiny_model_path):
+    """The fused Llama step (rollout/llama_step.py, cpu/layer_ops.py: residual + RMSNorm, rotary + cache write +
+    attention, SiLU x up in C) against the model's own forward, on a left-padded batch whose rows are compacted
+    midway: logits within float32 rounding at every step (greedy tokens the same), and bit for bit the same on one
+    thread and on two (each row is one thread's work)."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    step_key = "step/" + "x".join(map(str, DecodeKernels(lm).step_shape))
+    expected, modules = _decode_through(lm, {step_key: "modules"})
+    assert modules.fused is None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, fused = _decode_through(lm, {step_key: "fused"})
+        torch.set_num_threads(2)
+        two, _ = _decode_through(lm, {step_key: "fused"})
+    finally:
+        torch.set_num_threads(threads)
+    assert fused.fused is not None
+    for step, (got, want, again) in enumerate(zip(one, expected, two)):
+        assert torch.equal(got, again), f"step {step}: the thread count changed the bits"
+        torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=0, msg=f"step {step}")
+        assert not torch.equal(got, want) or step == 0  # it is another kernel (the first step may round alike)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # What the fused step wrote into the cache is the forward's keys and values (rotated the same way)
+    fused_cache, forward_cache = fused.cache.layers, modules.cache.layers
+    for mine, theirs in zip(fused_cache, forward_cache):
+        assert mine.get_seq_length() == theirs.get_seq_length() == 9 + 6
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(layer_ops.layer_library() is None, reason="no C compiler here: the fused step is not offered")
+def test_the_fused_step_is_chosen_by_rule_and_steps_aside_where_it_cannot_run(tiny_model_path, monkeypatch, caplog):
+    """By rule, never timed: `fused` for a plain float32 Llama whose linears read at least MIN_WORK_BYTES a step,
+    the modules below (the tiny models: their golden runs unchanged). Planned but not runnable on this loop (a
+    forward hook, training mode, bfloat16): the modules run, and one line says so once per model."""
+    from grpo_trainer.config import ModelConfig
+    from grpo_trainer.models import load_causal_lm
+
+    lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    loop = DecodeKernels(lm)
+    shape = loop.step_shape
+    assert loop.decide("step", shape, kernels.KernelTable(None)) == "modules"
+    monkeypatch.setattr(kernels, "MIN_WORK_BYTES", 0)
+    assert loop.decide("step", shape, kernels.KernelTable(None)) == "fused"
+    plan = {"step/" + "x".join(map(str, shape)): "fused"}
+
+    def fused_runs(model) -> bool:
+        return _decode_through(model, plan, steps=2, keep_after=5)[1].fused is not None
+
+    hooked = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    training = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).train()
+    bf16 = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval().to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="grpo_trainer"):
+        assert fused_runs(lm)
+        for model in (hooked, training, bf16):
+            assert not fused_runs(model) and not fused_runs(model)
+    refusals = [r for r in caplog.records if "the plan's fused Llama step cannot run" in r.getMessage()]
+    assert len(refusals) == 3  # one line per model, not per batch

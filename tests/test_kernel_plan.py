@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from grpo_trainer.cpu.attention import attention_library
+from grpo_trainer.cpu.layer_ops import layer_library
 from grpo_trainer.cpu.draw import available_draws
 from grpo_trainer.cpu.linear import available_linears
 from grpo_trainer.rollout import kernels
@@ -34,6 +35,8 @@ RULE_LINEAR = "onednn_packed" if "onednn_packed" in available_linears(torch.floa
 OTHER_MACHINE_DRAW = "native" if "native" in available_draws() else "numpy"
 # ... and for its one-token attention (the C kernel, where it builds here).
 RULE_ATTENTION = "native" if attention_library() is not None else INCUMBENT["attention"]
+# ... and for its decode step as a whole (the small operators in C, where they build here).
+RULE_STEP = "fused" if layer_library() is not None else INCUMBENT["step"]
 
 
 def numerics(plan: dict[str, str]) -> dict[str, str]:
@@ -65,7 +68,7 @@ def test_the_plan_covers_every_shape_the_decode_loop_reaches(tiny_model_path, mo
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
     settings = SamplingSettings(eos_token_ids=[2], max_completion_length=20)
     plan = plan_decode_kernels(lm, 3 * 5, 7 + 20, kernels.KernelTable(None))
-    assert set(plan.values()) == {RULE_LINEAR, RULE_ATTENTION, "numpy"}, plan
+    assert set(plan.values()) == {RULE_LINEAR, RULE_ATTENTION, RULE_STEP, "numpy"}, plan
     loops = []
     monkeypatch.setattr(hf, "decode_kernels", lambda model, p: loops.append(DecodeKernels(model, p)) or loops[-1])
     monkeypatch.setattr(kernels, "time_alternatives", lambda *a, **k: pytest.fail("timed while sampling"))
@@ -107,7 +110,7 @@ def test_decisions_that_change_numerics_follow_the_rule_whatever_the_timings(tin
         plans.append(plan_decode_kernels(lm, 16, 100, kernels.KernelTable(None)))
         assert timed and all(names == set(available_draws()) for names in timed), timed
     assert numerics(plans[0]) == numerics(plans[1]) and numerics(plans[0])
-    assert set(numerics(plans[0]).values()) == {RULE_LINEAR, RULE_ATTENTION}
+    assert set(numerics(plans[0]).values()) == {RULE_LINEAR, RULE_ATTENTION, RULE_STEP}
     assert {plans[0][k] for k in plans[0] if k.startswith("draw/")} == {"numpy"}
     assert {plans[1][k] for k in plans[1] if k.startswith("draw/")} == {OTHER_MACHINE_DRAW}
 
@@ -163,7 +166,7 @@ def test_same_seed_same_run_on_two_fresh_caches_and_across_a_kill_and_resume(tmp
         assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((a / "decode_kernels.json").read_text())["choices"]
     other = json.loads((b / "decode_kernels.json").read_text())["choices"]
-    assert set(numerics(plan).values()) == {RULE_LINEAR, RULE_ATTENTION}  # the rule's non-incumbent forms ran
+    assert set(numerics(plan).values()) == {RULE_LINEAR, RULE_ATTENTION, RULE_STEP}  # the rule's non-incumbent forms ran
     assert numerics(other) == numerics(plan)
     assert {other[k] for k in other if k.startswith("draw/")} == {OTHER_MACHINE_DRAW}  # the timed path ran
     assert_same_run(a, b)

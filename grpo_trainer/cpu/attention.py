@@ -30,9 +30,9 @@ C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* e^x for x <= 0 (Cephes' expf polynomial): no libm call, so the loop over positions vectorizes. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* e^x (Cephes' expf polynomial, x clamped to float's range): no libm call, so the loops around it vectorize. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float n = __builtin_rintf(x * 1.44269504088896341f);
     float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
     float p = 1.9875691500e-4f;
@@ -46,6 +46,14 @@ static inline float exp_nonpositive(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* The cache line a few positions ahead: each (row, head)'s keys and values are a short stream (tens of KiB),
+   too short for the hardware prefetcher to reach full speed on its own. */
+#define AHEAD 8
+static inline void prefetch_row(const float *row, int64_t dim) {
+    int64_t d;
+    for (d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
 }
 
 /* query [batch, kv_heads, group, dim] contiguous; key/value rows of `dim` contiguous floats, strided by batch and
@@ -62,9 +70,10 @@ void decode_attention(const float *query, const float *key, const float *value, 
         const float *q = query + task * group * dim;
         const float *k = key + b * key_batch + h * key_head, *v = value + b * value_batch + h * value_head;
         const uint8_t *attend = mask ? mask + b * mask_batch : 0;
-        float *scores = scratch + task * group * length, *o = out + task * group * dim;
+        float *scores = scratch + task * group * length, *o = out + task * group * dim, totals[64];
         for (l = 0; l < length; l++) {
             const float *kl = k + l * dim;
+            prefetch_row(kl + AHEAD * dim, dim);
             for (i = 0; i < group; i++) {
                 const float *qi = q + i * dim;
                 float s = 0.0f;
@@ -73,20 +82,26 @@ void decode_attention(const float *query, const float *key, const float *value, 
             }
         }
         for (i = 0; i < group; i++) {
-            float *si = scores + i * length, *oi = o + i * dim, top = -3.0e38f, total = 0.0f;
+            float *si = scores + i * length, top = -3.0e38f, total = 0.0f;
             for (l = 0; l < length; l++)
                 if ((!attend || attend[l]) && si[l] > top) top = si[l];
             for (l = 0; l < length; l++) {
-                si[l] = (!attend || attend[l]) ? exp_nonpositive(si[l] - top) : 0.0f;
+                si[l] = (!attend || attend[l]) ? exp_clamped(si[l] - top) : 0.0f;
                 total += si[l];
             }
-            for (d = 0; d < dim; d++) oi[d] = 0.0f;
-            for (l = 0; l < length; l++) {
-                const float *vl = v + l * dim;
-                float w = si[l];
+            totals[i] = total;
+        }
+        for (d = 0; d < group * dim; d++) o[d] = 0.0f;
+        for (l = 0; l < length; l++) {  /* each value row read once for the whole group */
+            const float *vl = v + l * dim;
+            prefetch_row(vl + AHEAD * dim, dim);
+            for (i = 0; i < group; i++) {
+                float w = scores[i * length + l], *oi = o + i * dim;
                 for (d = 0; d < dim; d++) oi[d] += w * vl[d];
             }
-            float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        }
+        for (i = 0; i < group; i++) {
+            float inverse = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f, *oi = o + i * dim;
             for (d = 0; d < dim; d++) oi[d] *= inverse;
         }
     }
@@ -97,6 +112,7 @@ void decode_attention(const float *query, const float *key, const float *value, 
 # its startup code changes the process's denormal handling where a shared library links it.
 FLAGS = ["-O3", "-march=native", "-std=c99", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]  # fmt: skip
+MAX_GROUP = 64  # query heads per key/value head the kernel takes (its per-task softmax totals)
 TOLERANCE = 2e-6  # of the output's scale, against float64: SDPA's own float32 error is of this size
 
 
@@ -133,6 +149,7 @@ def runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
         and all(t.dtype == torch.float32 for t in (query, key, value))
         and key.shape == value.shape
         and heads % key.shape[1] == 0
+        and heads // key.shape[1] <= MAX_GROUP
         and all(t.stride(3) == 1 and t.stride(2) == dim for t in (key, value))
         and (mask is None or (mask.dtype == torch.bool and mask.shape == (batch, 1, 1, length) and mask.stride(3) == 1))
     )

@@ -41,6 +41,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -49,7 +50,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cpu import attention
+from ..cpu import attention, layer_ops
 from ..cpu.draw import DRAWS, available_draws, draw_torch
 from ..cpu.linear import LINEAR, available_linears, drop_packed_weights
 from . import kernels, llama_step
@@ -94,6 +95,11 @@ class ReservedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def advance(self, tokens: int) -> None:
+        """Count `tokens` positions written into the room directly (the fused decode step writes them itself)."""
+        self.length += tokens
+        self._expose()
+
     def rewind(self, tokens: int) -> None:
         """Forget the last `tokens` positions (they are written again by the next update)."""
         self.length -= tokens
@@ -131,19 +137,26 @@ class EagerDecoder:
 
     For a plain Llama (llama_step.supports) the step runs through `LlamaDecodeStep`: the same operators without
     the module machinery. The model's first decode step in this process runs both ways from the same cache, and
-    the lean step is kept only where its logits are the forward's bits (otherwise: one line, and the forward)."""
+    the lean step is kept only where its logits are the forward's bits (otherwise: one line, and the forward).
+    Where `kernels` (the loop's DecodeKernels) plan the `fused` step, `FusedLlamaDecodeStep` runs instead (it
+    rounds differently, so it comes from the plan's rule, never from a comparison)."""
 
-    def __init__(self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor):
+    def __init__(
+        self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor, kernels: DecodeKernels | None = None
+    ):
         self.model, self.cache, self.mask = model, cache, mask
         layers = getattr(cache, "layers", None) or []
         reserved = bool(layers) and all(type(layer) is ReservedLayer for layer in layers)  # rewindable
         usable = reserved and llama_step.checked(model) is not False and llama_step.supports(model)
         self.lean = llama_step.LlamaDecodeStep(model) if usable else None
+        self.fused = _fused_step(model, cache) if kernels is not None and kernels.step() == "fused" else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)
         ids, positions = tokens[:, None], positions[:, None]
+        if self.fused is not None:
+            return self.fused(ids, self.mask, positions, self.cache)
         if self.lean is None:
             return self._forward(ids, positions)
         if llama_step.checked(self.model) is None:
@@ -176,6 +189,23 @@ class EagerDecoder:
         """Keep the live rows `indices`: the cache's only copy, made when rows finish, not per token."""
         self.cache.reorder_cache(indices)
         self.mask = self.mask[indices]
+
+
+_FUSED_REFUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models already told why not (one line each)
+
+
+def _fused_step(model: torch.nn.Module, cache: DynamicCache) -> llama_step.FusedLlamaDecodeStep | None:
+    """The planned fused step for `model`, or None (and once per model one line) where it cannot run on this loop:
+    a forward hook, training mode, not float32 on CPU, a cache without reserved room, the kernels not built here."""
+    ops = layer_ops.layer_ops()
+    layers = getattr(cache, "layers", None) or []
+    reserved = len(layers) == model.config.num_hidden_layers and all(type(layer) is ReservedLayer for layer in layers)
+    if ops is not None and reserved and llama_step.FusedLlamaDecodeStep.fits(model):
+        return llama_step.FusedLlamaDecodeStep(model, ops)
+    if model not in _FUSED_REFUSED:
+        _FUSED_REFUSED.add(model)
+        logger.info("decode loop: the plan's fused Llama step cannot run on this model or cache here; its modules run")
+    return None
 
 
 def grouped_attention(query, key, value, attention_mask, scaling):
@@ -227,8 +257,8 @@ ATTENTION = {
 }
 
 
-INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch"}
-ROUNDS_DIFFERENTLY = {"linear", "attention"}  # decided by rule, never by timing; the draws are exact
+INCUMBENT = {"linear": "weight_stationary", "attention": "grouped", "draw": "torch", "step": "modules"}
+ROUNDS_DIFFERENTLY = {"linear", "attention", "step"}  # decided by rule, never by timing; the draws are exact
 
 
 class DecodeKernels:
@@ -289,6 +319,20 @@ class DecodeKernels:
             path = self.attention_paths[shape] = ATTENTION[self._lookup("attention", shape)]
         return path
 
+    def step(self) -> str:
+        """How a plain Llama's decode step runs: `modules` (its forward, or the lean step with the same bits:
+        llama_step.py) or `fused` (its small operators in C: llama_step.FusedLlamaDecodeStep)."""
+        shape = self.step_shape
+        return INCUMBENT["step"] if shape is None else self._lookup("step", shape)
+
+    @property
+    def step_shape(self) -> tuple[int, int, int] | None:
+        """(hidden, intermediate, layers) of a plain Llama on CPU, the one model the `step` decision concerns."""
+        if not self.linears or not llama_step.plain_llama(self.model):
+            return None
+        config = self.model.config
+        return (config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row of `probs` [B, V], as torch.multinomial(probs, 1) draws it, by the planned exact way."""
         rows, vocab = probs.shape
@@ -311,6 +355,8 @@ class DecodeKernels:
             return available_linears(dtype)
         if decision == "attention":
             return [name for name in ATTENTION if name != "native" or attention.attention_library() is not None]
+        if decision == "step":
+            return ["modules"] + (["fused"] if layer_ops.layer_library() is not None else [])
         return available_draws()
 
     def reachable(self, max_rows: int, max_context: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -328,6 +374,8 @@ class DecodeKernels:
             dim = getattr(config, "head_dim", None) or config.hidden_size // heads
             if kv_heads != heads:  # no groups to fold: plain SDPA, nothing to choose
                 found += [("attention", (r, heads, kv_heads, n, dim)) for r in rows for n in lengths]
+        if self.step_shape is not None:
+            found.append(("step", self.step_shape))
         vocab = getattr(config, "vocab_size", None)
         if self.linears and vocab:
             found += [("draw", (r, vocab)) for r in rows]
@@ -367,6 +415,10 @@ class DecodeKernels:
             cache_bytes = rows * kv_heads * length * dim * 2 * 4 * self.layers
             worth = self.dtype == torch.float32 and cache_bytes >= kernels.MIN_WORK_BYTES
             return "native" if worth and "native" in self.alternatives(decision, shape) else None
+        if decision == "step":  # the whole model's linears: a step small enough to stay has its operators' cost
+            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.linears)
+            worth = self.dtype == torch.float32 and weight_bytes >= kernels.MIN_WORK_BYTES
+            return "fused" if worth and "fused" in self.alternatives(decision, shape) else None
         if decision != "linear":
             return None
         same_shape = self.by_shape.get(shape[:2], [])

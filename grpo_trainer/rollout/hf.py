@@ -314,7 +314,7 @@ class HFEngine(SamplesTrainingModel, RunsInLockstep, PlansKernels):
         else:
             reserve_room(cache, limit)  # new tokens are written in place, not concatenated
             cache.reorder_cache(rows)
-            decoder, context = EagerDecoder(model, cache, mask[rows]), kernels
+            decoder, context = EagerDecoder(model, cache, mask[rows], kernels), kernels
         with context:
             tokens, finished = self._sample_tokens(
                 model, decoder, out.logits[rows, -1], mask[rows].sum(-1), occurred, limit, kernels.draw, per_row

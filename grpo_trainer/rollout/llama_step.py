@@ -38,11 +38,14 @@ def has_hooks(model: torch.nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
 
 
+def plain_llama(model: torch.nn.Module) -> bool:
+    """`LlamaForCausalLM` exactly, every decoder layer a plain `LlamaDecoderLayer` (what a plan can decide on)."""
+    return type(model) is LlamaForCausalLM and all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
+
+
 def supports(model: torch.nn.Module) -> bool:
     """Whether `LlamaDecodeStep` can stand in for `model`'s forward (the first step still checks the bits)."""
-    if type(model) is not LlamaForCausalLM or model.training or has_hooks(model):
-        return False
-    return all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
+    return plain_llama(model) and not model.training and not has_hooks(model)
 
 
 class LlamaDecodeStep:
@@ -100,6 +103,72 @@ class LlamaDecodeStep:
             hidden = residual + hidden
         hidden = inner.norm.forward(hidden)
         return self.model.lm_head.forward(hidden)[:, -1]
+
+
+class FusedLlamaDecodeStep:
+    """The decode step with each group of small operators between two linears as one C call (cpu/layer_ops.py):
+    residual add + RMSNorm, rotary + cache write + attention, SiLU x up. The linears are the modules' own
+    `forward` (the decode loop's chosen forms). It rounds differently from the modules (a float32 mean of squares
+    summed in double, a polynomial exponential), so the decode plan chooses it by rule (decode.py's
+    `DecodeKernels.preferred`), never by timing, and records it; not checked against the forward's bits.
+
+    Only where `fits` says so, on a cache with reserved room (decode.ReservedLayer, whose buffers it writes)."""
+
+    def __init__(self, model: LlamaForCausalLM, ops):
+        self.model, self.inner, self.ops = model, model.model, ops
+        config = model.config
+        self.layers = list(self.inner.layers[: config.num_hidden_layers])
+        self.heads = config.num_attention_heads
+        # each layer's input norm, then the next one's: the final norm closes the last layer
+        self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.inner.norm]
+
+    @staticmethod
+    def fits(model: torch.nn.Module) -> bool:
+        """Whether the kernels take this model: a plain Llama (`supports`) with SiLU, float32 on CPU, at most
+        attention.MAX_GROUP query heads per key/value head. (Its cache must have reserved room: decode.py checks.)"""
+        from ..cpu.attention import MAX_GROUP
+
+        config = model.config
+        if not supports(model) or config.hidden_act not in ("silu", "swish"):
+            return False
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if config.num_attention_heads % kv_heads or config.num_attention_heads // kv_heads > MAX_GROUP:
+            return False
+        return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        ops, inner = self.ops, self.inner
+        residual = inner.embed_tokens(input_ids[:, 0])  # [rows, hidden]: a new tensor, the residual stream in place
+        cos, sin = inner.rotary_emb(residual, position_ids=position_ids)
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        position = cache.layers[0].length
+        if position >= cache.layers[0]._key_buffer.shape[2]:
+            raise RuntimeError(f"KV cache room exhausted: {position + 1} tokens, room for {position}")
+        mask = attention_mask[:, : position + 1].to(torch.uint8)
+        first = self.layers[0].input_layernorm
+        normed = ops.rms_norm(residual, first.weight, first.variance_epsilon)
+        for layer, stored, next_norm in zip(self.layers, cache.layers, self.next_norms):
+            attention, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            out = ops.rotate_store_attend(
+                attention.q_proj.forward(normed),
+                attention.k_proj.forward(normed),
+                attention.v_proj.forward(normed),
+                cos,
+                sin,
+                self.heads,
+                stored._key_buffer,
+                stored._value_buffer,
+                position,
+                mask,
+                attention.scaling,
+            )
+            normed = ops.rms_norm(attention.o_proj.forward(out), norm.weight, norm.variance_epsilon, add=residual)
+            activated = ops.swiglu(mlp.gate_proj.forward(normed), mlp.up_proj.forward(normed))
+            normed = ops.rms_norm(mlp.down_proj.forward(activated), next_norm.weight, next_norm.variance_epsilon,
+                                  add=residual)  # fmt: skip
+        for stored in cache.layers:
+            stored.advance(1)
+        return self.model.lm_head.forward(normed)
 
 
 # model -> whether its lean step gave its forward's bits (decided on its first decode step in this process)
