@@ -21,7 +21,9 @@ Then it times the engine's own decode step (reserved KV room, and the kernels th
 machine: rollout/kernels.py, planned for the rows and context before timing, cached) at a context of prompt + half the completion,
 and its parts: the whole step, the LM head alone in each linear form, the sampler with each exact draw and
 with the engine's choice, and transformers' plain decode step (DynamicCache, repeat_kv, `nn.Linear`) for
-comparison. Every number is the best of `--reps` after warm-up, the alternatives timed in turn (one rep of
+comparison; and the model's linears alone, one after another at the step's row count through the engine's forms:
+the rate a step's products reach at that row count (a 32-row product cannot keep a core's FMA units as busy as
+square matrices do), a second, lower roof the step is also set against. Every number is the best of `--reps` after warm-up, the alternatives timed in turn (one rep of
 each, then the next round): on a shared 2-core machine the best is the least disturbed run, and a change in
 load hits all alike. The JSON records the machine (scripts/machine.py: CPU model and flags, ATen's vector
 capability, threads, load average before and after) and the kernel choices in force.
@@ -29,7 +31,8 @@ capability, threads, load average before and after) and the kernel choices in fo
 `--rollouts N` also times N whole rollouts at configs/smollm2_cpu.yaml's shapes (its first 4 word problems in
 its chat template, G 8, up to 64 tokens, temperature 1, seeds 0..N-1) through the hf engine with its plan, and
 sets each against its compute bound: the FLOPs it cannot avoid (each prompt's prefill once, then every sampled
-token after the first through every linear and the attention over its context) at the matmul peak measured above.
+token after the first through every linear and the attention over its context) at the matmul peak measured above,
+and with the decode linears at the row-count ceiling instead.
 """
 
 from __future__ import annotations
@@ -157,8 +160,26 @@ def rewind(cache, length: int) -> None:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
-def rollouts(model, count: int, peak: float) -> list[dict]:
-    """`count` rollouts of the SmolLM2 recipe's shapes (module docstring), each {seconds, bound_s, tokens}."""
+def linears_alone(model, rows: int, kernels):
+    """(call, context) timing every linear of `model` once at `rows` rows through the forms `kernels` (the engine's
+    DecodeKernels) chose, in the model's order, with nothing between them: the rate the step's own products reach
+    at this row count, the weights streamed from memory as in the step."""
+    import torch
+
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+
+    def run():
+        with torch.no_grad():
+            for module in linears:
+                module(inputs[module.in_features])
+
+    return run, lambda: warmed(run, kernels)
+
+
+def rollouts(model, name: str, count: int, peak: float, ceiling: float) -> list[dict]:
+    """`count` rollouts of the SmolLM2 recipe's shapes (module docstring), each {seconds, bound_s (at the square
+    peak), ceiling_bound_s (its linears at the decode rows' measured ceiling), tokens}."""
     import torch
 
     import machine
@@ -170,7 +191,7 @@ def rollouts(model, count: int, peak: float) -> list[dict]:
     from grpo_trainer.rollout.hf import HFEngine
     from grpo_trainer.task import load_task
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs/smollm2_cpu.yaml")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs/smollm2_cpu.yaml", [f"model.name_or_path={name}"])
     tokenizer = load_tokenizer(cfg.model)
     prompts = load_task(cfg.data, cfg.rewards, tokenizer, 8192).prompts.token_ids[: cfg.train.prompts_per_step]
     group, limit = cfg.rollout.num_generations, cfg.rollout.max_completion_length
@@ -188,7 +209,7 @@ def rollouts(model, count: int, peak: float) -> list[dict]:
         start = machine.CLOCK()
         out = engine.generate(prompts, group)
         seconds = machine.CLOCK() - start
-        flops = 0.0
+        flops, products = 0.0, 0.0  # all FLOPs; those of the decode linears
         for prompt in prompts:  # the prefill: every prompt token through every linear, attention over the prompt
             n = len(prompt)
             flops += 2 * linear_params * n + 2 * cfg_model.num_hidden_layers * width * n * n
@@ -196,7 +217,9 @@ def rollouts(model, count: int, peak: float) -> list[dict]:
             context = len(prompts[index // group])
             for t in range(1, len(completion)):  # the first token comes from the prefill's logits
                 flops += 2 * linear_params + 4 * cfg_model.num_hidden_layers * width * (context + t)
+                products += 2 * linear_params
         results.append({"seconds": seconds, "bound_s": flops / peak,
+                        "ceiling_bound_s": (flops - products) / peak + products / ceiling,
                         "tokens": sum(map(len, out.completion_ids))})  # fmt: skip
     return results
 
@@ -262,14 +285,18 @@ def main(argv: list[str] | None = None) -> int:
         **{f"sampler_{name}_s": (lambda name=name: sample_next_token(logits, draw=DRAWS[name]), plain)
            for name in available_draws()},
         "sampler_s": (lambda: sample_next_token(logits, draw=kernels.draw), plain),  # the engine's choice
+        "linears_s": linears_alone(model, args.rows, engine_kernels),
     }
     timings = alternating_best(calls, args.reps)
     engine_token_s = timings["engine_step_s"] + timings["sampler_s"]
+    # The rate the step's own products reach alone at this row count: the ceiling its linears can approach
+    ceiling = 2 * linear_params * args.rows / timings["linears_s"]
+    ceiling_floor = max(weight_bytes / bandwidth, step_flops / ceiling)
     compile_s = None
     if args.compile:
         model.config.use_cache = True
         compile_s, timings["compiled_step_s"] = compiled_step(model, args.rows, args.context, args.reps)
-    rollout_runs = rollouts(model, args.rollouts, peak) if args.rollouts else []
+    rollout_runs = rollouts(model, args.model, args.rollouts, peak, ceiling) if args.rollouts else []
     report = {
         "rollouts": rollout_runs,
         "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),
@@ -278,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         **timings,
         "engine_tokens_per_s": args.rows / engine_token_s, "roofline_tokens_per_s": args.rows / floor,
         "engine_share_of_roofline": floor / engine_token_s,
+        "linear_ceiling_gflop_s": ceiling / 1e9, "ceiling_roofline_step_s": ceiling_floor,
+        "engine_share_of_ceiling_roofline": ceiling_floor / engine_token_s,
         "compile_s": compile_s,
         "kernel_choices": {**engine_kernels.chosen, **kernels.chosen},
         "machine": {**host, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
@@ -293,9 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     print("kernel choices: " + ", ".join(f"{k} -> {v}" for k, v in sorted(report["kernel_choices"].items())))
     print(f"engine: step + sampler {engine_token_s * 1e3:.1f} ms, {report['engine_tokens_per_s']:.0f} tok/s = "
           f"{100 * report['engine_share_of_roofline']:.0f}% of the roofline")
+    print(f"the step's {args.rows}-row products alone: {ceiling / 1e9:.0f} GFLOP/s ({100 * ceiling / peak:.0f}% of the "
+          f"square-matrix peak); at that ceiling the roofline is {ceiling_floor * 1e3:.1f} ms: the engine's step + "
+          f"sampler is {100 * report['engine_share_of_ceiling_roofline']:.0f}% of it")
     for run in rollout_runs:
-        print(f"rollout: {run['tokens']} tokens in {run['seconds']:.2f} s, compute bound {run['bound_s']:.2f} s: "
-              f"{run['seconds'] / run['bound_s']:.2f}x")
+        print(f"rollout: {run['tokens']} tokens in {run['seconds']:.2f} s; compute bound at the square peak "
+              f"{run['bound_s']:.2f} s: {run['seconds'] / run['bound_s']:.2f}x; at the {args.rows}-row ceiling "
+              f"{run['ceiling_bound_s']:.2f} s: {run['seconds'] / run['ceiling_bound_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -21,13 +21,22 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 def test_decode_roofline_reports_the_engine_against_both_roofs(tmp_path, tiny_model_path):
     out = tmp_path / "roofline.json"
     proc = run_script("scripts/decode_roofline.py", "--model", "builtin:tiny", "--rows", "4", "--context", "16",
-                      "--reps", "2", "--json", str(out))
+                      "--reps", "2", "--rollouts", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["read_bandwidth_gb_s"] > 0 and report["matmul_peak_gflop_s"] > 0
     assert report["roofline_step_s"] >= report["weight_mib"] * 2**20 / (report["read_bandwidth_gb_s"] * 1e9) * 0.999
     assert 0 < report["engine_share_of_roofline"] and report["engine_tokens_per_s"] > 0
     assert "of the roofline" in proc.stdout
+    # The second roof: the model's own products at this row count, and the step against it
+    ceiling = report["linear_ceiling_gflop_s"] * 1e9
+    assert ceiling > 0 and report["ceiling_roofline_step_s"] >= report["step_gflop"] * 1e9 / ceiling * 0.999
+    assert report["engine_share_of_ceiling_roofline"] == pytest.approx(
+        report["ceiling_roofline_step_s"] / (report["engine_step_s"] + report["sampler_s"]))
+    # A whole rollout of the recipe's shapes against its bounds (at the peak, and with the ceiling's products)
+    (rollout,) = report["rollouts"]
+    assert rollout["tokens"] > 0 and rollout["seconds"] > 0 and 0 < rollout["bound_s"]
+    assert "compute bound at the square peak" in proc.stdout
 
 
 def test_bf16_cpu_compares_both_dtypes(tiny_model_path):

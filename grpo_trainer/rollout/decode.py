@@ -26,6 +26,10 @@ same bits (the draws); kernels.py says why:
   (folded heads in one C loop: cpu/attention.py). `native` where a step reads enough of the KV cache and it
   builds here, else `grouped` (`DecodeKernels.preferred`).
 * the multinomial draw: cpu/draw.py.
+* the step of a plain Llama: `modules` (its forward, or llama_step.LlamaDecodeStep: the same bits) or `fused`
+  (llama_step.FusedLlamaDecodeStep: the small operators between the linears as one C call each, cpu/layer_ops.py;
+  it attends with the native kernel whatever the attention decision says). `fused` where the model's float32
+  linears are worth it (`DecodeKernels.preferred`).
 
 The CPU-specific alternatives (the linear forms, the draws) live in grpo_trainer/cpu/, with the torch
 internals they rely on and their checks; this module only chooses among them by the plan.
@@ -398,8 +402,8 @@ class DecodeKernels:
         )
 
     def preferred(self, decision: str, shape: tuple[int, ...]) -> str | None:
-        """The rule for the decisions that change numerics (None: the incumbent). Both fast kernels go where a
-        decode step reads at least `MIN_WORK_BYTES` through them, in float32; smaller models keep today's kernels,
+        """The rule for the decisions that change numerics (None: the incumbent). Each fast kernel goes where a
+        decode step reads at least `MIN_WORK_BYTES` through it, in float32; smaller models keep today's kernels,
         so the tiny models' runs (the demo, the golden metrics) are the same on every machine.
 
         Linear: oneDNN's packed form where the float32 weights of that shape are worth it: on the CPU measured, it
@@ -409,7 +413,11 @@ class DecodeKernels:
         shape (rows x key/value heads x context bucket x head size, keys and values, every layer) is worth it and
         the kernel builds here: SmolLM2's 32-row decode step ~9 ms (9%) faster than with grouped SDPA on machine D
         (docs/performance.md); below that, grouped SDPA (its other alternatives were within a few per cent of it
-        where measured: near ties are where a timed choice flipped between two fresh caches)."""
+        where measured: near ties are where a timed choice flipped between two fresh caches).
+
+        Step: the fused Llama step where the model's float32 linears read at least `MIN_WORK_BYTES` a step (and
+        its kernels build here): SmolLM2's 32-row step 84 -> 70 ms on machine D (docs/performance.md); below, the
+        modules (the tiny models' ~1,300 small operators a step would gain as much, but their golden runs stay)."""
         if decision == "attention":
             rows, _, kv_heads, length, dim = shape
             cache_bytes = rows * kv_heads * length * dim * 2 * 4 * self.layers

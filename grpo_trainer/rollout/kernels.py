@@ -1,9 +1,9 @@
 """Which of the decode loop's alternative kernels runs: decided once, before a run samples anything.
 
 The decode loop has alternatives that compute the same thing (decode.py: the linear form, the attention
-path; cpu/draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units, the BLAS build
-and the shapes. But not all of them give the same bits: the linear forms and attention paths sum in different
-orders, the draws are exact. A run's samples must be a function of its config, its seed and the machine, never
+path, a Llama's step; cpu/draw.py: the multinomial draw). Which is faster depends on the CPU, its vector units,
+the BLAS build and the shapes. But not all of them give the same bits: the linear forms, attention paths and
+steps sum in different orders, the draws are exact. A run's samples must be a function of its config, its seed and the machine, never
 of a timing (two fresh caches timing a near tie would otherwise give two runs of one seed), so:
 * A decision whose alternatives round differently is made by a rule (`by_rule`): of the machine (what can run
   here), the model's shapes and dtype (decode.py's `DecodeKernels.preferred`), or the user
