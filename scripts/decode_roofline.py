@@ -200,6 +200,7 @@ def rollouts(model, name: str, count: int, peak: float, ceiling: float) -> list[
     plan = plan_decode_kernels(model, len(prompts) * group, max(map(len, prompts)) + limit)
     engine = HFEngine(settings, get_model=lambda: model, pad_token_id=tokenizer.pad_token_id, kernel_plan=plan)
     linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_params = model.get_output_embeddings().weight.numel()
     cfg_model = model.config
     width = cfg_model.num_attention_heads * getattr(cfg_model, "head_dim", cfg_model.hidden_size // cfg_model.num_attention_heads)
     engine.generate(prompts, group)  # warm-up: allocator, oneDNN primitives
@@ -210,9 +211,9 @@ def rollouts(model, name: str, count: int, peak: float, ceiling: float) -> list[
         out = engine.generate(prompts, group)
         seconds = machine.CLOCK() - start
         flops, products = 0.0, 0.0  # all FLOPs; those of the decode linears
-        for prompt in prompts:  # the prefill: every prompt token through every linear, attention over the prompt
+        for prompt in prompts:  # the prefill: every prompt token through the layers, the LM head for the last one
             n = len(prompt)
-            flops += 2 * linear_params * n + 2 * cfg_model.num_hidden_layers * width * n * n
+            flops += 2 * (linear_params - head_params) * n + 2 * head_params + 2 * cfg_model.num_hidden_layers * width * n * n
         for index, completion in enumerate(out.completion_ids):
             context = len(prompts[index // group])
             for t in range(1, len(completion)):  # the first token comes from the prefill's logits

@@ -14,7 +14,7 @@ from grpo_trainer.cpu import draw as draws
 from grpo_trainer.cpu.linear import LINEAR, available_linears
 from grpo_trainer.cpu.machine import cpu_info
 from grpo_trainer.rollout import kernels
-from grpo_trainer.rollout.decode import ATTENTION, DecodeKernels
+from grpo_trainer.rollout.decode import ATTENTION, DecodeKernels, plan_key
 
 
 def _stream_at(seed: int, offset: int) -> None:
@@ -334,19 +334,23 @@ def test_measuring_leaves_the_global_random_stream_alone(tmp_path):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def _decode_through(lm, plan: dict[str, str], steps: int = 6, keep_after: int = 3):
-    """Prefill a left-padded batch of 4 rows, then `steps` decode steps through EagerDecoder under `plan` (greedy
-    tokens, rows 0 and 2 kept after `keep_after` steps, as finished rows leave); (logits per step, decoder)."""
+def _decode_through(lm, plan: dict[str, str], steps: int = 6, keep_after: int = 3, rows: int = 4, room: int = 0):
+    """Prefill a left-padded batch of `rows` rows (4: two of them padded), then `steps` decode steps through
+    EagerDecoder under `plan` (greedy tokens; with 4 rows, rows 0 and 2 kept after `keep_after` steps, as finished
+    rows leave) in a cache with room for `room or steps` tokens; (logits per step, decoder)."""
     from grpo_trainer.rollout.decode import EagerDecoder, reserve_room
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, lm.config.vocab_size, (4, 9), generator=g)
-    mask = torch.ones(4, 9, dtype=torch.long)
-    mask[1, :4], mask[3, :7] = 0, 0
+    ids = torch.randint(3, lm.config.vocab_size, (rows, 9), generator=g)
+    mask = torch.ones(rows, 9, dtype=torch.long)
+    if rows == 4:
+        mask[1, :4], mask[3, :7] = 0, 0
+    else:
+        keep_after = steps  # nothing to drop
     with torch.no_grad():
         out = lm(input_ids=ids, attention_mask=mask, use_cache=True)
         cache = out.past_key_values
-        reserve_room(cache, steps)
+        reserve_room(cache, room or steps)
         with DecodeKernels(lm, plan) as loop:
             decoder = EagerDecoder(lm, cache, mask, loop)
             tokens, positions, logits = out.logits[:, -1].argmax(-1), mask.sum(-1), []
@@ -370,7 +374,7 @@ def test_the_fused_step_is_within_float32_of_the_forward_and_the_same_on_any_thr
     from grpo_trainer.models import load_causal_lm
 
     lm = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))).eval()
-    step_key = "step/" + "x".join(map(str, DecodeKernels(lm).step_shape))
+    step_key = plan_key("step", DecodeKernels(lm).step_shape)
     expected, modules = _decode_through(lm, {step_key: "modules"})
     assert modules.fused is None
     threads = torch.get_num_threads()
@@ -409,7 +413,7 @@ def test_the_fused_step_is_chosen_by_rule_and_steps_aside_where_it_cannot_run(ti
     assert loop.decide("step", shape, kernels.KernelTable(None)) == "modules"
     monkeypatch.setattr(kernels, "MIN_WORK_BYTES", 0)
     assert loop.decide("step", shape, kernels.KernelTable(None)) == "fused"
-    plan = {"step/" + "x".join(map(str, shape)): "fused"}
+    plan = {plan_key("step", shape): "fused"}
 
     def fused_runs(model) -> bool:
         return _decode_through(model, plan, steps=2, keep_after=5)[1].fused is not None
@@ -424,3 +428,83 @@ def test_the_fused_step_is_chosen_by_rule_and_steps_aside_where_it_cannot_run(ti
             assert not fused_runs(model) and not fused_runs(model)
     refusals = [r for r in caplog.records if "the plan's fused Llama step cannot run" in r.getMessage()]
     assert len(refusals) == 3  # one line per model, not per batch
+
+
+def _random_llama(**config) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(LlamaConfig(**{**shape, **config})).eval()
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+
+
+@pytest.mark.skipif(layer_ops.layer_library() is None, reason="no C compiler here: the fused step is not offered")
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_key_value_heads=1, head_dim=32, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE),
+        dict(num_key_value_heads=4),  # no grouping: one query head per key/value head
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=6),  # 4 heads a group, a head narrower than 16
+    ],
+    ids=["bias-llama3-rope-head-wider-than-hidden", "no-groups", "four-per-group"],
+)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_fused_step_follows_the_forward_on_other_llama_shapes(config, rows):
+    """Biases, llama3 rope scaling, a head_dim other than hidden/heads, 1 to 4 query heads per key/value head, one
+    row or several: the fused step's logits stay within float32 rounding of the forward's, step after step."""
+    lm = _random_llama(**config)
+    step_key = plan_key("step", DecodeKernels(lm).step_shape)
+    expected, _ = _decode_through(lm, {step_key: "modules"}, rows=rows)
+    got, fused = _decode_through(lm, {step_key: "fused"}, rows=rows)
+    assert fused.fused is not None
+    for step, (mine, theirs) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(mine, theirs, atol=2e-5 * theirs.abs().max().item(), rtol=0, msg=f"step {step}")
+
+
+@pytest.mark.skipif(layer_ops.layer_library() is None, reason="no C compiler here: the fused step is not offered")
+def test_the_fused_step_refuses_what_it_would_silently_skip_and_stops_at_the_caches_room():
+    """It computes RMSNorm, rotary, SiLU and attention itself, so a model where any of those modules was replaced or
+    wrapped (a different class, a `forward` set on the instance as accelerate's hooks do, partial rotary, autocast)
+    keeps its modules; and a step past the cache's reserved room raises, as the modules' own step does."""
+    from grpo_trainer.rollout.llama_step import FusedLlamaDecodeStep
+
+    assert FusedLlamaDecodeStep.fits(_random_llama())
+
+    class OtherNorm(torch.nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+        def forward(self, x):
+            return x
+
+    replaced = _random_llama()
+    replaced.model.layers[1].post_attention_layernorm = OtherNorm(replaced.model.layers[1].post_attention_layernorm)
+    overridden = _random_llama()
+    overridden.model.layers[0].self_attn.forward = lambda *args, **kwargs: None
+    gelu = _random_llama(hidden_act="gelu")
+    partial = _random_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    for model in (replaced, overridden, gelu, partial):
+        assert not FusedLlamaDecodeStep.fits(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not FusedLlamaDecodeStep.fits(_random_llama())
+
+    lm = _random_llama()
+    with pytest.raises(RuntimeError, match="KV cache room exhausted"):
+        _decode_through(lm, {plan_key("step", DecodeKernels(lm).step_shape): "fused"}, steps=3, room=2)
+
+    # The kernels trust their pointers, so their wrappers refuse what does not fit before any C runs
+    ops, cache = layer_ops.layer_ops(), torch.zeros(2, 1, 5, 4)
+    with pytest.raises(ValueError, match="rotate_store_attend"):  # cos/sin narrower than the head
+        ops.rotate_store_attend(torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 2),
+                                torch.zeros(2, 2), 2, cache, cache.clone(), 1, None, 0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="rotate_store_attend"):  # past the room
+        ops.rotate_store_attend(torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4),
+                                torch.zeros(2, 4), 2, cache, cache.clone(), 5, None, 0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="rms_norm"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(4), 1e-5)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo_trainer.config import load_config
+from grpo_trainer.cpu.layer_ops import layer_library
 from grpo_trainer.models import TokenLogprobs, eos_token_ids, load_causal_lm, load_tokenizer, make_sequence_batch
 from grpo_trainer.rollout import SamplingSettings
 from grpo_trainer.rollout import llama_step
@@ -58,7 +59,14 @@ def test_sampling_stops_at_im_end_and_rewards_get_clean_text(smol):
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert (ids[-1] in eos) != truncated and not set(ids[:-1]) & set(eos)
     assert not all(rollout.truncated)  # the instruct model does finish short answers
-    assert llama_step.checked(lm) is True  # the lean decode step gave the forward's bits, so it sampled these
+    # The engine planned before sampling: by rule SmolLM2's float32 linears are worth the fused step (where its
+    # kernels build here); with the modules planned instead, the lean step gave the forward's bits and sampled.
+    step = next(key for key in engine.kernel_plan if key.startswith("step/"))
+    assert engine.kernel_plan[step] == ("fused" if layer_library() is not None else "modules")
+    modules = HFEngine(SamplingSettings(eos_token_ids=eos, max_completion_length=8), get_model=lambda: lm,
+                       pad_token_id=tokenizer.pad_token_id, kernel_plan={**engine.kernel_plan, step: "modules"})
+    modules.generate([chat_prompt(tokenizer, questions[1])], num_generations=2)
+    assert llama_step.checked(lm) is True
     seen = []
     task.rewards[0].fn, original = (lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions)), task.rewards[0].fn
     try:

@@ -51,6 +51,7 @@ static inline float exp_clamped(float x) {
 /* The cache line a few positions ahead: each (row, head)'s keys and values are a short stream (tens of KiB),
    too short for the hardware prefetcher to reach full speed on its own. */
 #define AHEAD 8
+#define MAX_GROUP 64
 static inline void prefetch_row(const float *row, int64_t dim) {
     int64_t d;
     for (d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
@@ -64,16 +65,17 @@ void decode_attention(const float *query, const float *key, const float *value, 
                       int64_t key_batch, int64_t key_head, int64_t value_batch, int64_t value_head,
                       int64_t mask_batch, float scale, float *scratch, float *out, int threads) {
     int64_t task;
+    if (group > MAX_GROUP) return; /* the callers refuse it first (attention.MAX_GROUP) */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (task = 0; task < batch * kv_heads; task++) {
         int64_t b = task / kv_heads, h = task % kv_heads, i, l, d;
         const float *q = query + task * group * dim;
         const float *k = key + b * key_batch + h * key_head, *v = value + b * value_batch + h * value_head;
         const uint8_t *attend = mask ? mask + b * mask_batch : 0;
-        float *scores = scratch + task * group * length, *o = out + task * group * dim, totals[64];
+        float *scores = scratch + task * group * length, *o = out + task * group * dim, totals[MAX_GROUP];
         for (l = 0; l < length; l++) {
             const float *kl = k + l * dim;
-            prefetch_row(kl + AHEAD * dim, dim);
+            if (l + AHEAD < length) prefetch_row(kl + AHEAD * dim, dim);
             for (i = 0; i < group; i++) {
                 const float *qi = q + i * dim;
                 float s = 0.0f;
@@ -94,7 +96,7 @@ void decode_attention(const float *query, const float *key, const float *value, 
         for (d = 0; d < group * dim; d++) o[d] = 0.0f;
         for (l = 0; l < length; l++) {  /* each value row read once for the whole group */
             const float *vl = v + l * dim;
-            prefetch_row(vl + AHEAD * dim, dim);
+            if (l + AHEAD < length) prefetch_row(vl + AHEAD * dim, dim);
             for (i = 0; i < group; i++) {
                 float w = scores[i * length + l], *oi = o + i * dim;
                 for (d = 0; d < dim; d++) oi[d] += w * vl[d];
@@ -111,7 +113,7 @@ void decode_attention(const float *query, const float *key, const float *value, 
 # Reassociation lets the dot products and sums vectorize; no -ffast-math: it would also assume no infinities, and
 # its startup code changes the process's denormal handling where a shared library links it.
 FLAGS = ["-O3", "-march=native", "-std=c99", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros"]  # fmt: skip
+         "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=off"]  # fmt: skip
 MAX_GROUP = 64  # query heads per key/value head the kernel takes (its per-task softmax totals)
 TOLERANCE = 2e-6  # of the output's scale, against float64: SDPA's own float32 error is of this size
 

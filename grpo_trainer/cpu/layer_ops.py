@@ -136,6 +136,8 @@ class LayerOps:
     ) -> torch.Tensor:
         """RMSNorm of `x` [rows, width]; with `add`: of `x + add`, the sum written into `add` (the residual)."""
         x = x.contiguous()
+        _check(x.dim() == 2 and weight.shape == x.shape[1:], "rms_norm: x [rows, width], weight [width]", x, weight)
+        _check(add is None or (add.shape == x.shape and add.is_contiguous()), "rms_norm: add like x, contiguous", add)
         out = torch.empty_like(x)
         rows, width = x.shape
         self.library.rms_norm(
@@ -147,6 +149,7 @@ class LayerOps:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [rows, width], written into `gate`."""
         gate, up = gate.contiguous(), up.contiguous()
+        _check(gate.dim() == 2 and up.shape == gate.shape, "swiglu: gate and up [rows, width]", gate, up)
         rows, width = gate.shape
         self.library.swiglu(gate.data_ptr(), up.data_ptr(), rows, width, gate.data_ptr(), torch.get_num_threads())
         return gate
@@ -157,7 +160,18 @@ class LayerOps:
         dims, the same strides for keys and values), and attention over positions 0..position under `mask`
         ([rows, >= position + 1] uint8, or None); [rows, heads * dim]."""
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        rows, kv_heads, _, dim = key_cache.shape
+        rows, kv_heads, room, dim = key_cache.shape
+        _check(
+            query.shape == (rows, heads * dim) and key.shape == value.shape == (rows, kv_heads * dim)
+            and cos.shape == sin.shape == (rows, dim) and cos.is_contiguous() and sin.is_contiguous()
+            and heads % kv_heads == 0 and heads // kv_heads <= attention.MAX_GROUP and 0 <= position < room
+            and value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride()
+            and key_cache.stride(3) == 1 and key_cache.stride(2) == dim
+            and (mask is None or (mask.dtype == torch.uint8 and mask.shape[0] == rows and mask.shape[1] > position
+                                  and mask.stride(1) == 1)),
+            "rotate_store_attend: shapes that do not fit together",
+            query, key, value, cos, sin, key_cache, value_cache, mask,
+        )  # fmt: skip
         rotated = torch.empty(rows * heads * dim)
         scratch = torch.empty(rows * heads * (position + 1))
         out = torch.empty(rows, heads * dim)
@@ -169,6 +183,15 @@ class LayerOps:
             rotated.data_ptr(), scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+def _check(ok: bool, what: str, *tensors: torch.Tensor | None) -> None:
+    """The C kernels trust their pointers: anything else than float32 CPU tensors of fitting shapes is refused here."""
+    if not ok or any(t is not None and t.dtype != torch.float32 and t.dtype != torch.uint8 for t in tensors):
+        shapes = ", ".join("None" if t is None else f"{tuple(t.shape)} {t.dtype}" for t in tensors)
+        raise ValueError(f"{what}: got {shapes}")
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{what}: CPU tensors only")
 
 
 def layer_ops() -> LayerOps | None:

@@ -101,6 +101,10 @@ class ReservedLayer(DynamicLayer):
 
     def advance(self, tokens: int) -> None:
         """Count `tokens` positions written into the room directly (the fused decode step writes them itself)."""
+        if self.length + tokens > self._key_buffer.shape[-2]:
+            raise RuntimeError(
+                f"KV cache room exhausted: {self.length + tokens} tokens, room for {self._key_buffer.shape[-2]}"
+            )
         self.length += tokens
         self._expose()
 
@@ -135,6 +139,12 @@ def reserve_room(cache: DynamicCache, room: int) -> bool:
     return True
 
 
+def reserved(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` is a ReservedLayer (rewindable, written in place)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(type(layer) is ReservedLayer for layer in layers)
+
+
 class EagerDecoder:
     """The decode loop's forward on the eager model: KV cache with reserved room, padding mask grown a column a
     token (the compiled alternative is static_decode.StaticDecoder, with the same two methods).
@@ -149,9 +159,7 @@ class EagerDecoder:
         self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor, kernels: DecodeKernels | None = None
     ):
         self.model, self.cache, self.mask = model, cache, mask
-        layers = getattr(cache, "layers", None) or []
-        reserved = bool(layers) and all(type(layer) is ReservedLayer for layer in layers)  # rewindable
-        usable = reserved and llama_step.checked(model) is not False and llama_step.supports(model)
+        usable = reserved(cache) and llama_step.checked(model) is not False and llama_step.supports(model)
         self.lean = llama_step.LlamaDecodeStep(model) if usable else None
         self.fused = _fused_step(model, cache) if kernels is not None and kernels.step() == "fused" else None
 
@@ -202,9 +210,8 @@ def _fused_step(model: torch.nn.Module, cache: DynamicCache) -> llama_step.Fused
     """The planned fused step for `model`, or None (and once per model one line) where it cannot run on this loop:
     a forward hook, training mode, not float32 on CPU, a cache without reserved room, the kernels not built here."""
     ops = layer_ops.layer_ops()
-    layers = getattr(cache, "layers", None) or []
-    reserved = len(layers) == model.config.num_hidden_layers and all(type(layer) is ReservedLayer for layer in layers)
-    if ops is not None and reserved and llama_step.FusedLlamaDecodeStep.fits(model):
+    every_layer = len(cache.layers) == model.config.num_hidden_layers if reserved(cache) else False
+    if ops is not None and every_layer and llama_step.FusedLlamaDecodeStep.fits(model):
         return llama_step.FusedLlamaDecodeStep(model, ops)
     if model not in _FUSED_REFUSED:
         _FUSED_REFUSED.add(model)
@@ -416,7 +423,7 @@ class DecodeKernels:
         where measured: near ties are where a timed choice flipped between two fresh caches).
 
         Step: the fused Llama step where the model's float32 linears read at least `MIN_WORK_BYTES` a step (and
-        its kernels build here): SmolLM2's 32-row step 84 -> 70 ms on machine D (docs/performance.md); below, the
+        its kernels build here): SmolLM2's 32-row step 80.7 -> 68.9 ms (best of 30) on machine D (docs/performance.md); below, the
         modules (the tiny models' ~1,300 small operators a step would gain as much, but their golden runs stay)."""
         if decision == "attention":
             rows, _, kv_heads, length, dim = shape

@@ -1,5 +1,8 @@
-"""A Llama decode step without transformers' module machinery: the same operators, in the same order, called
-directly; so the same logits bit for bit, at less Python per token.
+"""A Llama decode step without transformers' module machinery, in two kinds.
+
+`LlamaDecodeStep`: the same operators, in the same order, called directly; so the same logits bit for bit, at
+less Python per token (below). `FusedLlamaDecodeStep`: the small operators between the linears as one C call each
+(cpu/layer_ops.py); it rounds differently, so the decode plan chooses it by rule (rollout/decode.py).
 
 At 32 rows a SmolLM2 decode step spends ~55 ms in its linears, ~10 ms in small operators and the rest in Python,
 part of it transformers' machinery: `nn.Module.__call__` for ~400 modules a step (hook checks, keyword plumbing),
@@ -126,16 +129,44 @@ class FusedLlamaDecodeStep:
     def fits(model: torch.nn.Module) -> bool:
         """Whether the kernels take this model: a plain Llama (`supports`) with SiLU, float32 on CPU, at most
         attention.MAX_GROUP query heads per key/value head. (Its cache must have reserved room: decode.py checks.)"""
+        from transformers.activations import SiLUActivation
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaMLP,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
+
         from ..cpu.attention import MAX_GROUP
 
-        config = model.config
-        if not supports(model) or config.hidden_act not in ("silu", "swish"):
+        if not supports(model) or torch.is_autocast_enabled("cpu"):
             return False
+        config, inner = model.config, model.model
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if config.num_attention_heads % kv_heads or config.num_attention_heads // kv_heads > MAX_GROUP:
             return False
+        # What it computes itself instead of calling: exactly transformers' modules, no `forward` set on an instance
+        # (accelerate's hooks and other wrappers do that), rotary over the whole head (no partial rotary)
+        bypassed = [inner.norm, inner.rotary_emb]
+        for layer in inner.layers:
+            bypassed += [layer, layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp]
+            bypassed.append(layer.mlp.act_fn)
+        kinds = (
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+            LlamaDecoderLayer,
+            LlamaAttention,
+            LlamaMLP,
+            SiLUActivation,
+            torch.nn.SiLU,
+        )
+        if any(type(m) not in kinds or "forward" in vars(m) for m in bypassed):
+            return False
+        if inner.rotary_emb.inv_freq.numel() * 2 != inner.layers[0].self_attn.head_dim:
+            return False
         return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
 
+    @torch.no_grad()  # the kernels write into tensors in place, unseen by autograd
     def __call__(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         ops, inner = self.ops, self.inner
         residual = inner.embed_tokens(input_ids[:, 0])  # [rows, hidden]: a new tensor, the residual stream in place
