@@ -30,9 +30,9 @@ capability, threads, load average before and after) and the kernel choices in fo
 
 `--rollouts N` also times N whole rollouts at configs/smollm2_cpu.yaml's shapes (its first 4 word problems in
 its chat template, G 8, up to 64 tokens, temperature 1, seeds 0..N-1) through the hf engine with its plan, and
-sets each against its compute bound: the FLOPs it cannot avoid (each prompt's prefill once, the LM head for its last token only; then every sampled
-token after the first through every linear and the attention over its context) at the matmul peak measured above,
-and with the decode linears at the row-count ceiling instead.
+sets each against its compute bound: the FLOPs it cannot avoid (each prompt's prefill once, the LM head for its
+last token only; then every sampled token after the first through every linear and the attention over its
+context) at the matmul peak measured above, and with the decode linears at the row-count ceiling instead.
 """
 
 from __future__ import annotations
