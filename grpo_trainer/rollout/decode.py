@@ -480,7 +480,8 @@ def plan_decode_kernels(
     `max_context` positions reaches, made before anything is sampled (kernels.py says why).
 
     `recorded`: a run's plan (from its checkpoint): its choices are kept wherever they can run here, whatever
-    this machine would choose, and one line is logged for each that cannot. A forced choice
+    this machine would choose, and one line is logged for each that cannot; one recorded before the `step`
+    decision existed keeps the modules (what its run sampled through). A forced choice
     (`GRPO_TRAINER_DECODE_KERNELS`) wins over both and is logged where it changes a recorded one. The rest
     comes from `table` (this machine's cache; measured now where missing, or everywhere with `remeasure`)."""
     loop = DecodeKernels(model)
@@ -490,9 +491,13 @@ def plan_decode_kernels(
     plan: dict[str, str] = {}
     todo = loop.reachable(max_rows, max_context)
     measured_before, started = len(table.entries()), time.perf_counter()
+    # A plan recorded before the `step` decision existed sampled through the modules: its resume keeps them
+    predates_step = bool(recorded) and not any(key.startswith("step/") for key in recorded)
     for decision, shape in todo:
         key = plan_key(decision, shape)
         kept = recorded.get(key)
+        if kept is None and decision == "step" and predates_step:
+            kept = INCUMBENT["step"]
         if kept is not None and decision not in forced:
             if kept in loop.alternatives(decision, shape):
                 plan[key] = kept

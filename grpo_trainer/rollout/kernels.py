@@ -30,7 +30,7 @@ Two rules keep the timing honest:
   alternative) stays.
 * An alternative replaces the incumbent only when it is at least `MARGIN` faster.
 
-`GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native"` forces choices
+`GRPO_TRAINER_DECODE_KERNELS="linear=weight_stationary,attention=repeated,draw=native,step=modules"` forces choices
 (the tests do so to check every alternative); an unknown name is an error naming the choices.
 """
 
