@@ -177,9 +177,10 @@ def linears_alone(model, rows: int, kernels):
     return run, lambda: warmed(run, kernels)
 
 
-def rollouts(model, name: str, count: int, peak: float, ceiling: float) -> list[dict]:
+def rollouts(model, name: str, count: int, peak: float, ceiling: float, linear_params: int, width: int) -> list[dict]:
     """`count` rollouts of the SmolLM2 recipe's shapes (module docstring), each {seconds, bound_s (at the square
-    peak), ceiling_bound_s (its linears at the decode rows' measured ceiling), tokens}."""
+    peak), ceiling_bound_s (its linears at the decode rows' measured ceiling), tokens}; `linear_params`: the
+    model's linear weights, `width`: its query heads x head size."""
     import torch
 
     import machine
@@ -199,10 +200,8 @@ def rollouts(model, name: str, count: int, peak: float, ceiling: float) -> list[
                                 temperature=cfg.rollout.temperature)  # fmt: skip
     plan = plan_decode_kernels(model, len(prompts) * group, max(map(len, prompts)) + limit)
     engine = HFEngine(settings, get_model=lambda: model, pad_token_id=tokenizer.pad_token_id, kernel_plan=plan)
-    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_params = model.get_output_embeddings().weight.numel()
     cfg_model = model.config
-    width = cfg_model.num_attention_heads * getattr(cfg_model, "head_dim", cfg_model.hidden_size // cfg_model.num_attention_heads)
     engine.generate(prompts, group)  # warm-up: allocator, oneDNN primitives
     results = []
     for seed in range(count):
@@ -297,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         model.config.use_cache = True
         compile_s, timings["compiled_step_s"] = compiled_step(model, args.rows, args.context, args.reps)
-    rollout_runs = rollouts(model, args.model, args.rollouts, peak, ceiling) if args.rollouts else []
+    rollout_runs = []
+    if args.rollouts:
+        rollout_runs = rollouts(model, args.model, args.rollouts, peak, ceiling, linear_params, attention_width)
     report = {
         "rollouts": rollout_runs,
         "model": args.model, "rows": args.rows, "context": args.context, "threads": torch.get_num_threads(),

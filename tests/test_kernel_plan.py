@@ -117,8 +117,8 @@ def test_decisions_that_change_numerics_follow_the_rule_whatever_the_timings(tin
 
 def test_a_recorded_plan_is_kept_whatever_this_machine_would_choose(tiny_model_path, monkeypatch, caplog):
     """A resumed run keeps its recorded choices where they can run here; one that cannot (an alternative this
-    machine lacks) is replaced with one warning line naming it; shapes the record lacks are planned here, but for
-    the `step` decision of a record that predates it (the modules, as that run sampled)."""
+    machine lacks) is replaced with one warning line naming it; other shapes of its decisions are planned here, and a
+    decision it has no entry of at all (it predates it) keeps the incumbent, as that run sampled."""
     _every_decision_measured(monkeypatch, FAST_OTHERS)
     lm = _tiny(tiny_model_path)
     here = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None))
@@ -128,13 +128,16 @@ def test_a_recorded_plan_is_kept_whatever_this_machine_would_choose(tiny_model_p
         plan = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None), recorded=recorded)
     assert here[linear_key] == RULE_LINEAR and plan[linear_key] == "linear"
     assert plan[draw_key] == here[draw_key] == "numpy"
-    # A record made before the `step` decision existed: its run sampled through the modules, and so does its resume
+    # Decisions the record has no entry of (it predates them: attention, step) keep the incumbent its run used;
+    # the other shapes of its decisions are planned here
+    predated = {key for key in here if key.split("/")[0] in ("attention", "step")}
+    assert {here[key] for key in predated} == {RULE_ATTENTION, RULE_STEP}
+    assert all(plan[key] == INCUMBENT[key.split("/")[0]] for key in predated)
     step_key = next(key for key in here if key.startswith("step/"))
-    assert here[step_key] == RULE_STEP and plan[step_key] == "modules"
     newer = plan_decode_kernels(lm, 8, 40, kernels.KernelTable(None), recorded={linear_key: "linear", step_key: RULE_STEP})
     assert newer[step_key] == RULE_STEP
-    rest = set(plan) - set(recorded) - {step_key}
-    assert {k: plan[k] for k in rest} == {k: here[k] for k in rest}
+    rest = set(plan) - set(recorded) - predated
+    assert {k: plan[k] for k in rest} == {k: here[k] for k in rest} and rest
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # not other tests' INFO
     assert len(lines) == 1 and "a_draw_that_is_gone" in lines[0] and draw_key in lines[0], lines
 

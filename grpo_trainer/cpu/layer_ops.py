@@ -32,19 +32,17 @@ logger = logging.getLogger(__name__)
 C_SOURCE = (
     attention.C_SOURCE
     + r"""
-/* x [rows, width]; with `add`: h = x + add, written to `sum` (may be `add` itself); out = weight * h / rms(h). */
-void rms_norm(const float *x, const float *add, float *sum, const float *weight, float eps,
+/* x [rows, width]; with `residual`: h = x + residual, written back into `residual`; out = weight * h / rms(h). */
+void rms_norm(const float *x, float *residual, const float *weight, float eps,
               int64_t rows, int64_t width, float *out, int threads) {
     int64_t r;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (r = 0; r < rows; r++) {
         const float *xr = x + r * width;
-        float *hr = add ? sum + r * width : (float *)xr, *o = out + r * width;
+        float *hr = residual ? residual + r * width : (float *)xr, *o = out + r * width;
         int64_t i;
-        if (add) {
-            const float *ar = add + r * width;
-            for (i = 0; i < width; i++) hr[i] = xr[i] + ar[i];
-        }
+        if (residual)
+            for (i = 0; i < width; i++) hr[i] += xr[i];
         double squares = 0.0;
         for (i = 0; i < width; i++) squares += (double)hr[i] * hr[i];
         float inverse = (float)(1.0 / __builtin_sqrt(squares / (double)width + (double)eps));
@@ -110,7 +108,7 @@ def layer_library() -> ctypes.CDLL | None:
         return None
     P, N, F, T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # pointer, size, float, threads
     signatures: dict[str, list[type]] = {
-        "rms_norm": [P, P, P, P, F, N, N, P, T],
+        "rms_norm": [P, P, P, F, N, N, P, T],
         "swiglu": [P, P, N, N, P, T],
         "rotate_store_attend": [P, P, P, P, P, N, N, N, N, P, P, N, N, N, P, N, F, P, P, P, T],
     }
@@ -141,8 +139,8 @@ class LayerOps:
         out = torch.empty_like(x)
         rows, width = x.shape
         self.library.rms_norm(
-            x.data_ptr(), None if add is None else add.data_ptr(), None if add is None else add.data_ptr(),
-            weight.data_ptr(), eps, rows, width, out.data_ptr(), torch.get_num_threads(),
+            x.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(), eps, rows, width,
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -167,10 +165,10 @@ class LayerOps:
             and heads % kv_heads == 0 and heads // kv_heads <= attention.MAX_GROUP and 0 <= position < room
             and value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride()
             and key_cache.stride(3) == 1 and key_cache.stride(2) == dim
-            and (mask is None or (mask.dtype == torch.uint8 and mask.shape[0] == rows and mask.shape[1] > position
-                                  and mask.stride(1) == 1)),
+            and (mask is None or (mask.dtype == torch.uint8 and mask.device.type == "cpu" and mask.shape[0] == rows
+                                  and mask.shape[1] > position and mask.stride(1) == 1)),
             "rotate_store_attend: shapes that do not fit together",
-            query, key, value, cos, sin, key_cache, value_cache, mask,
+            query, key, value, cos, sin, key_cache, value_cache,
         )  # fmt: skip
         rotated = torch.empty(rows * heads * dim)
         scratch = torch.empty(rows * heads * (position + 1))
@@ -187,7 +185,7 @@ class LayerOps:
 
 def _check(ok: bool, what: str, *tensors: torch.Tensor | None) -> None:
     """The C kernels trust their pointers: anything else than float32 CPU tensors of fitting shapes is refused here."""
-    if not ok or any(t is not None and t.dtype != torch.float32 and t.dtype != torch.uint8 for t in tensors):
+    if not ok or any(t is not None and t.dtype != torch.float32 for t in tensors):
         shapes = ", ".join("None" if t is None else f"{tuple(t.shape)} {t.dtype}" for t in tensors)
         raise ValueError(f"{what}: got {shapes}")
     if any(t is not None and t.device.type != "cpu" for t in tensors):

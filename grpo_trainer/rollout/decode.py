@@ -88,8 +88,7 @@ class ReservedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
-        if end > self._key_buffer.shape[-2]:
-            raise RuntimeError(f"KV cache room exhausted: {end} tokens, room for {self._key_buffer.shape[-2]}")
+        self.ensure_room(key_states.shape[-2])
         self._key_buffer[:, :, self.length : end] = key_states
         self._value_buffer[:, :, self.length : end] = value_states
         self.length = end
@@ -99,12 +98,16 @@ class ReservedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def advance(self, tokens: int) -> None:
-        """Count `tokens` positions written into the room directly (the fused decode step writes them itself)."""
+    def ensure_room(self, tokens: int) -> None:
+        """Raise unless `tokens` more positions fit in the reserved room."""
         if self.length + tokens > self._key_buffer.shape[-2]:
             raise RuntimeError(
                 f"KV cache room exhausted: {self.length + tokens} tokens, room for {self._key_buffer.shape[-2]}"
             )
+
+    def advance(self, tokens: int) -> None:
+        """Count `tokens` positions written into the room directly (the fused decode step writes them itself)."""
+        self.ensure_room(tokens)
         self.length += tokens
         self._expose()
 
@@ -159,9 +162,9 @@ class EagerDecoder:
         self, model: torch.nn.Module, cache: DynamicCache, mask: torch.Tensor, kernels: DecodeKernels | None = None
     ):
         self.model, self.cache, self.mask = model, cache, mask
-        usable = reserved(cache) and llama_step.checked(model) is not False and llama_step.supports(model)
-        self.lean = llama_step.LlamaDecodeStep(model) if usable else None
         self.fused = _fused_step(model, cache) if kernels is not None and kernels.step() == "fused" else None
+        usable = self.fused is None and reserved(cache) and llama_step.checked(model) is not False
+        self.lean = llama_step.LlamaDecodeStep(model) if usable and llama_step.supports(model) else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [live, V] after the live rows' next `tokens` [live] at `positions` [live]."""
@@ -210,7 +213,7 @@ def _fused_step(model: torch.nn.Module, cache: DynamicCache) -> llama_step.Fused
     """The planned fused step for `model`, or None (and once per model one line) where it cannot run on this loop:
     a forward hook, training mode, not float32 on CPU, a cache without reserved room, the kernels not built here."""
     ops = layer_ops.layer_ops()
-    every_layer = len(cache.layers) == model.config.num_hidden_layers if reserved(cache) else False
+    every_layer = reserved(cache) and len(cache.layers) == model.config.num_hidden_layers
     if ops is not None and every_layer and llama_step.FusedLlamaDecodeStep.fits(model):
         return llama_step.FusedLlamaDecodeStep(model, ops)
     if model not in _FUSED_REFUSED:
@@ -480,8 +483,9 @@ def plan_decode_kernels(
     `max_context` positions reaches, made before anything is sampled (kernels.py says why).
 
     `recorded`: a run's plan (from its checkpoint): its choices are kept wherever they can run here, whatever
-    this machine would choose, and one line is logged for each that cannot; one recorded before the `step`
-    decision existed keeps the modules (what its run sampled through). A forced choice
+    this machine would choose, and one line is logged for each that cannot; a decision the record has no entry of
+    at all is one it predates, and keeps the incumbent (what its run used: the modules of a record made before the
+    `step` decision existed). A forced choice
     (`GRPO_TRAINER_DECODE_KERNELS`) wins over both and is logged where it changes a recorded one. The rest
     comes from `table` (this machine's cache; measured now where missing, or everywhere with `remeasure`)."""
     loop = DecodeKernels(model)
@@ -491,13 +495,12 @@ def plan_decode_kernels(
     plan: dict[str, str] = {}
     todo = loop.reachable(max_rows, max_context)
     measured_before, started = len(table.entries()), time.perf_counter()
-    # A plan recorded before the `step` decision existed sampled through the modules: its resume keeps them
-    predates_step = bool(recorded) and not any(key.startswith("step/") for key in recorded)
+    recorded_decisions = {key.split("/")[0] for key in recorded}
     for decision, shape in todo:
         key = plan_key(decision, shape)
         kept = recorded.get(key)
-        if kept is None and decision == "step" and predates_step:
-            kept = INCUMBENT["step"]
+        if kept is None and recorded and decision not in recorded_decisions and decision in ROUNDS_DIFFERENTLY:
+            kept = INCUMBENT[decision]  # the record predates this decision: its run used the incumbent
         if kept is not None and decision not in forced:
             if kept in loop.alternatives(decision, shape):
                 plan[key] = kept

@@ -173,8 +173,7 @@ class FusedLlamaDecodeStep:
         cos, sin = inner.rotary_emb(residual, position_ids=position_ids)
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         position = cache.layers[0].length
-        if position >= cache.layers[0]._key_buffer.shape[2]:
-            raise RuntimeError(f"KV cache room exhausted: {position + 1} tokens, room for {position}")
+        cache.layers[0].ensure_room(1)  # every layer has the same room: checked before any is written
         mask = attention_mask[:, : position + 1].to(torch.uint8)
         first = self.layers[0].input_layernorm
         normed = ops.rms_norm(residual, first.weight, first.variance_epsilon)
