@@ -35,7 +35,8 @@ def test_decode_roofline_reports_the_engine_against_both_roofs(tmp_path, tiny_mo
         report["ceiling_roofline_step_s"] / (report["engine_step_s"] + report["sampler_s"]))
     # A whole rollout of the recipe's shapes against its bounds (at the peak, and with the ceiling's products)
     (rollout,) = report["rollouts"]
-    assert rollout["tokens"] > 0 and 0 < rollout["bound_s"] < rollout["seconds"]  # nothing beats its own bound
+    assert rollout["tokens"] > 0 and rollout["seconds"] > 0
+    assert 0 < rollout["bound_s"] and 0 < rollout["ceiling_bound_s"]  # no timed assert: a bound is not a target
     assert "compute bound at the square peak" in proc.stdout
 
 
